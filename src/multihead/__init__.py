@@ -1,0 +1,44 @@
+"""multihead: multi-head attention, every variant, exact and fast, proven against real models.
+
+Quick tour::
+
+    import torch, multihead as mh
+    q = torch.randn(2, 8, 128, 64); k = v = torch.randn(2, 2, 128, 64)      # GQA: 8 query, 2 kv heads
+    out = mh.attention(q, k, v, mask=mh.causal() & mh.padding([128, 100]))
+    print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
+"""
+
+from .biases import Bias, alibi, alibi_slopes, custom_bias, softcap
+from .functional import AttentionOutput, attention, backends, explain
+from .masks import (
+    Mask,
+    causal,
+    custom,
+    document,
+    key_padding,
+    padding,
+    prefix_lm,
+    sliding_window,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionOutput",
+    "Bias",
+    "Mask",
+    "alibi",
+    "alibi_slopes",
+    "attention",
+    "backends",
+    "causal",
+    "custom",
+    "custom_bias",
+    "document",
+    "explain",
+    "key_padding",
+    "padding",
+    "prefix_lm",
+    "sliding_window",
+    "softcap",
+]

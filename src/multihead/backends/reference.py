@@ -1,0 +1,48 @@
+"""``reference``: eq. 9.34 literally - a loop over heads in float64. The oracle of every test.
+
+    head_i = softmax(mask(Q^i K^iT / sqrt(d_k))) V^i            (seed 000, eq. 9.34)
+
+Slow and memory-hungry on purpose: it is the readable definition, never picked by ``auto``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..problem import AttentionOutput, Problem
+from ._dense import modify_scores, safe_softmax
+
+
+class ReferenceBackend:
+    name = "reference"
+    summary = "textbook per-head loop of eq. 9.34 in float64 (the test oracle)"
+
+    def why_not(self, p: Problem) -> str | None:
+        return "the float64 per-head oracle is for tests; ask for it with backend='reference'"
+
+    def run(self, p: Problem) -> AttentionOutput:
+        q, k, v = (t.to(torch.float64) for t in (p.q, p.k, p.v))
+        heads, weights, lses = [], [], []
+        for i in range(p.Hq):
+            j = i // p.G  # the kv head that query head i reads (GQA grouping)
+            s = torch.matmul(q[:, i], k[:, j].transpose(-1, -2)) * p.scale  # (B, Nq, Nk)
+            heads.append(s)
+        s = torch.stack(heads, dim=1)  # (B, Hq, Nq, Nk)
+        s = modify_scores(s, p)
+        w, lse = safe_softmax(s)
+        if p.dropout_p > 0.0:
+            w = F.dropout(w, p=p.dropout_p)
+        for i in range(p.Hq):
+            weights.append(torch.matmul(w[:, i], v[:, i // p.G]))  # (B, Nq, Dv)
+            lses.append(lse[:, i])
+        out = torch.stack(weights, dim=1)  # (B, Hq, Nq, Dv)
+        lse_out = lse.to(torch.float64 if p.dtype == torch.float64 else torch.float32)
+        return AttentionOutput(
+            out.to(p.dtype),
+            w.to(p.dtype) if p.return_weights else None,
+            lse_out if p.return_lse else None,
+        )
+
+
+BACKEND = ReferenceBackend()

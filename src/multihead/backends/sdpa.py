@@ -1,0 +1,79 @@
+"""``sdpa``: torch's fused ``scaled_dot_product_attention``, used only where its semantics equal ours.
+
+* ``is_causal=True`` only when Nq == Nk: torch's causal flag is top-left aligned, ours bottom-right, so
+  any other causal mask is passed as an explicit boolean ``attn_mask``.
+* A boolean ``attn_mask`` has our convention (True = may attend); additive biases are folded into a float
+  ``attn_mask`` (-inf where masked). Soft-capping has no SDPA form.
+* GQA through ``enable_gqa=True`` (query head i reads kv head i // G, like ours) - no repeated K/V.
+* Rows with no allowed key: torch >= 2.5 returns zeros there; we additionally zero them explicitly so the
+  convention does not hang on a torch version.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..problem import AttentionOutput, Problem
+
+# Refuse under `auto` when a materialised mask/bias would exceed this many bytes.
+MAX_MASK_BYTES = 256 << 20
+
+
+class SdpaBackend:
+    name = "sdpa"
+    summary = "torch.nn.functional.scaled_dot_product_attention (fused, no O(N^2) memory when unmasked)"
+
+    def why_not(self, p: Problem) -> str | None:
+        if p.return_weights:
+            return "SDPA cannot return the attention weights"
+        if p.return_lse:
+            return "SDPA does not expose the log-sum-exp"
+        if p.bias is not None and not p.bias.is_additive:
+            return f"{p.bias!r} is not an additive bias, SDPA has no hook for it"
+        if p.bias is not None and p.dtype in (torch.float16, torch.bfloat16):
+            return f"SDPA would round the bias to {p.dtype} in its float attn_mask"
+        if p.mask is not None and not (p.mask.is_causal and p.Nq == p.Nk) or p.bias is not None:
+            n = p.B * p.Hq * p.Nq * p.Nk  # upper bound of the materialised mask
+            if n * (4 if p.bias is not None else 1) > MAX_MASK_BYTES:
+                return f"the mask/bias would be materialised as a dense {n * 4 / 2**20:.0f} MiB tensor"
+        return None
+
+    def run(self, p: Problem) -> AttentionOutput:
+        if p.return_weights or p.return_lse:
+            raise ValueError("backend 'sdpa' cannot return weights or lse; use 'matrix' or 'tiled'")
+        if p.bias is not None and not p.bias.is_additive:
+            raise ValueError(f"backend 'sdpa' cannot apply {p.bias!r}; use 'tiled' or 'matrix'")
+        ctx = p.ctx
+        attn_mask = None
+        is_causal = False
+        allowed = None
+        if p.mask is not None and p.mask.is_causal and p.Nq == p.Nk and p.bias is None:
+            is_causal = True
+        elif p.mask is not None or p.bias is not None:
+            if p.mask is not None:
+                allowed = p.mask.natural(ctx, p.q.device)  # (B|1, Hq|1, Nq, Nk)
+            if p.bias is not None:
+                attn_mask = p.bias.natural(ctx, p.q.device, p.dtype)  # (B|1, Hq|1, Nq, Nk)
+                if allowed is not None:
+                    attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
+            else:
+                attn_mask = allowed
+        out = F.scaled_dot_product_attention(
+            p.q,
+            p.k,
+            p.v,
+            attn_mask=attn_mask,
+            dropout_p=p.dropout_p,
+            is_causal=is_causal,
+            scale=p.scale,
+            enable_gqa=p.Hq != p.Hkv,
+        )
+        if allowed is not None:
+            has_key = allowed.any(dim=-1, keepdim=True)  # (B|1, Hq|1, Nq, 1)
+            if not bool(has_key.all()):
+                out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return AttentionOutput(out, None, None)
+
+
+BACKEND = SdpaBackend()

@@ -116,13 +116,16 @@ class Mask:
         return _Not(self)
 
     # -- printing ------------------------------------------------------------------------------
-    def default_size(self) -> tuple[int, int, int]:
-        """(B, Nq, Nk) used when printing; masks that know their length override this."""
-        return (1, 8, 8)
+    def default_size(self) -> tuple[int, int, int] | None:
+        """(B, Nq, Nk) used when printing; None when any size fits (drawn at 8 x 8).
+
+        Masks that know their size (padding, key_padding, document, tensors) override this.
+        """
+        return None
 
     def picture(self, Nq: int | None = None, Nk: int | None = None, *, batch: int = 0, head: int = 0) -> str:
         """ASCII picture of the mask for one (batch, head): ``#`` may attend, ``.`` masked."""
-        B, dq, dk = self.default_size()
+        B, dq, dk = self.default_size() or (1, 8, 8)
         Nq = dq if Nq is None else Nq
         Nk = dk if Nk is None else Nk
         grid = self.dense(max(B, batch + 1), head + 1, Nq, Nk)[batch, head]
@@ -130,7 +133,7 @@ class Mask:
         return f"{self!r}  (Nq={Nq}, Nk={Nk})\n" + "\n".join(rows)
 
     def __str__(self) -> str:
-        _, nq, nk = self.default_size()
+        _, nq, nk = self.default_size() or (1, 8, 8)
         if max(nq, nk) > 48:
             return f"{self!r}  (Nq={nq}, Nk={nk}: too large to draw; use .picture(Nq, Nk))"
         return self.picture()
@@ -160,7 +163,11 @@ class _And(Mask):
         self.b.validate(ctx)
 
     def default_size(self):
-        return max(self.a.default_size(), self.b.default_size())
+        # Per-dim max over the parts that know their size: fixed sizes must agree anyway, and padding
+        # lengths (<= Nk) or a size-1 broadcast dim fit the larger one. (A lexicographic max of the
+        # tuples drew causal() & key_padding(m) at 8 x 8 and failed.)
+        sizes = [s for s in (self.a.default_size(), self.b.default_size()) if s is not None]
+        return tuple(max(d) for d in zip(*sizes)) if sizes else None
 
     def __repr__(self):
         return f"({self.a!r} & {self.b!r})"
@@ -315,7 +322,8 @@ class Document(Mask):
     def evaluate(self, b, h, q, k, ctx):
         ids = self.ids.to(k.device)
         bi = b if ids.shape[0] > 1 else torch.zeros_like(b)
-        return ids[bi, q + ctx.offset] == ids[bi, k]
+        qa = q + ctx.offset  # rows above the key range (Nq > Nk) have no document: they see nothing
+        return (ids[bi, qa.clamp(min=0)] == ids[bi, k]) & (qa >= 0)
 
     def default_size(self):
         B, N = self.ids.shape
@@ -405,8 +413,8 @@ class TensorMask(Mask):
         return _check_broadcast(self.t, ctx, "mask").to(device)
 
     def default_size(self):
-        s = self.t.shape
-        return (s[0] if self.t.dim() == 4 else 1, s[-2] if self.t.dim() >= 2 else 1, s[-1])
+        s = (1,) * max(0, 4 - self.t.dim()) + tuple(self.t.shape)  # right-aligned, as broadcasting
+        return (s[-4], s[-2], s[-1])
 
     def __repr__(self):
         return f"tensor_mask({tuple(self.t.shape)})"

@@ -32,8 +32,8 @@ from ..biases import Bias, TensorBias, _Chain
 from ..masks import index_grid
 from ..problem import AttentionOutput, Problem
 
-BLOCK_Q = 128
-BLOCK_K = 128
+BLOCK_Q = 256
+BLOCK_K = 256
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:

@@ -65,3 +65,17 @@ def test_auto_result_equals_its_choice():
 def test_explain_with_named_backend():
     text = mh.explain(*_qkv(), backend="tiled")
     assert "backend='tiled' requested" in text
+
+
+def test_custom_bias_under_grad_avoids_tiled():
+    """Gradients into a custom_bias closure flow through the dense paths, so auto does not pick tiled."""
+    q, k, v = _qkv()
+    table = torch.randn(4, 16, 16, requires_grad=True)
+    bias = mh.custom_bias(lambda b, h, qi, ki: table[h, qi, ki])
+    text = mh.explain(q, k, v, bias=mh.softcap(3.0) + bias)
+    assert _chosen(text) == "matrix" and "custom_bias" in text
+    out = mh.attention(q, k, v, bias=mh.softcap(3.0) + bias)
+    (g,) = torch.autograd.grad(out.sum(), [table])
+    assert g.abs().sum() > 0
+    with torch.no_grad():
+        assert _chosen(mh.explain(q, k, v, bias=mh.softcap(3.0) + bias)) == "tiled"

@@ -72,6 +72,7 @@ def _cast_bias(bias, dtype):
     return bias.to(dtype) if isinstance(bias, torch.Tensor) else bias
 
 
+@torch.no_grad()
 def _check_forward(q, k, v, mask, bias, backends=FAST):
     """Each backend's error vs gold <= 2x the same-dtype matrix error (floor 1e-5)."""
     gold = mh.attention(

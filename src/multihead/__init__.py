@@ -8,8 +8,14 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
+from . import compat
+from .attention_module import MultiHeadAttention
 from .biases import Bias, alibi, alibi_slopes, custom_bias, softcap
+from .feed_forward import FeedForward
 from .functional import AttentionOutput, attention, backends, explain
+from .kv_cache import KVCache
+from .layers import Decoder, Encoder, TransformerLayer
+from .lm import TransformerLM
 from .masks import (
     Mask,
     causal,
@@ -20,18 +26,32 @@ from .masks import (
     prefix_lm,
     sliding_window,
 )
+from .norms import RMSNorm
+from .positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionOutput",
     "Bias",
+    "Decoder",
+    "Encoder",
+    "FeedForward",
+    "KVCache",
+    "LearnedPositions",
     "Mask",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SinusoidalPositions",
+    "TransformerLM",
+    "TransformerLayer",
     "alibi",
     "alibi_slopes",
     "attention",
     "backends",
     "causal",
+    "compat",
     "custom",
     "custom_bias",
     "document",

@@ -74,6 +74,8 @@ def as_bias(x: Bias | Tensor | Sequence[Bias]) -> Bias:
 
 
 class _Chain(Bias):
+    parts: list[Bias]
+
     def __init__(self, parts: list[Bias]):
         flat: list[Bias] = []
         for p in parts:
@@ -109,7 +111,7 @@ def alibi_slopes(n_heads: int) -> Tensor:
     For a power of two n the slopes are the geometric sequence ``2^(-8/n), 2^(-16/n), ...``; otherwise
     the n' = 2^floor(log2 n) slopes are followed by every other slope of the 2n' sequence.
     """
-    if not isinstance(n_heads, int) or n_heads < 1:
+    if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
         raise ValueError(f"alibi n_heads must be an int >= 1, got {n_heads!r}")
 
     def geometric(n: int) -> list[float]:
@@ -138,8 +140,20 @@ class ALiBi(Bias):
             )
 
     def values(self, b, h, q, k, ctx):
-        slopes = self.slopes.to(device=k.device, dtype=torch.float32)[h]  # (1, H, 1, 1)
-        dist = (q + ctx.offset - k).abs().to(torch.float32)  # (1, 1, nq, nk)
+        return self._values(h, q, k, ctx, torch.float64)
+
+    def apply(self, s, b, h, q, k, ctx):
+        # In the score dtype: the float64 oracle gets exact slopes (2^(-8/n) is not a float32 number for
+        # most n), while the fp32 kernels build no float64 tile.
+        return s + self._values(h, q, k, ctx, torch.promote_types(s.dtype, torch.float32)).to(s.dtype)
+
+    def natural(self, ctx, device=None, dtype=torch.float32):
+        _, h, q, k = index_grid(ctx, None, None, device)
+        return self._values(h, q, k, ctx, torch.promote_types(dtype, torch.float32)).to(dtype)
+
+    def _values(self, h, q, k, ctx, dtype):
+        slopes = self.slopes.to(device=k.device, dtype=dtype)[h]  # (1, H, 1, 1)
+        dist = (q + ctx.offset - k).abs().to(dtype)  # (1, 1, nq, nk)
         return -slopes * dist  # (1, H, nq, nk)
 
     def __repr__(self):

@@ -84,8 +84,15 @@ def attention(
             backend, a backend that cannot serve the request, ``dropout_p`` outside [0, 1).
     """
     p = make_problem(
-        q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
-        return_weights=return_weights, return_lse=return_lse,
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        return_lse=return_lse,
     )
     if backend == "auto":
         name, _ = _choose(p)
@@ -116,8 +123,15 @@ def explain(
         ValueError: the same as :func:`attention`.
     """
     p = make_problem(
-        q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
-        return_weights=return_weights, return_lse=return_lse,
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        return_lse=return_lse,
     )
     lines = [f"problem: {p.describe()}"]
     if backend == "auto":
@@ -126,6 +140,9 @@ def explain(
     else:
         name = _backends.get(backend).name
         lines.append(f"backend={name!r} requested: {_backends.get(name).summary}")
+        own = _backends.get(name).why_not(p)
+        if own is not None and name != "reference":
+            lines.append(f"  warning: auto would not use {name} here: {own}")
         rejected = {n: (_backends.get(n).why_not(p) or "not requested") for n in backends() if n != name}
     for other, why in rejected.items():
         lines.append(f"  not {other}: {why}")

@@ -116,8 +116,8 @@ class Mask:
         return _Not(self)
 
     # -- printing ------------------------------------------------------------------------------
-    def default_size(self) -> tuple[int, int, int] | None:
-        """(B, Nq, Nk) used when printing; None when any size fits (drawn at 8 x 8).
+    def default_size(self) -> tuple[int, int, int, int] | None:
+        """(B, H, Nq, Nk) used when printing; None when any size fits (drawn at 8 x 8).
 
         Masks that know their size (padding, key_padding, document, tensors) override this.
         """
@@ -125,15 +125,15 @@ class Mask:
 
     def picture(self, Nq: int | None = None, Nk: int | None = None, *, batch: int = 0, head: int = 0) -> str:
         """ASCII picture of the mask for one (batch, head): ``#`` may attend, ``.`` masked."""
-        B, dq, dk = self.default_size() or (1, 8, 8)
+        B, H, dq, dk = self.default_size() or (1, 1, 8, 8)
         Nq = dq if Nq is None else Nq
         Nk = dk if Nk is None else Nk
-        grid = self.dense(max(B, batch + 1), head + 1, Nq, Nk)[batch, head]
+        grid = self.dense(max(B, batch + 1), max(H, head + 1), Nq, Nk)[batch, head]
         rows = [" ".join("#" if x else "." for x in row.tolist()) for row in grid]
         return f"{self!r}  (Nq={Nq}, Nk={Nk})\n" + "\n".join(rows)
 
     def __str__(self) -> str:
-        _, nq, nk = self.default_size() or (1, 8, 8)
+        *_, nq, nk = self.default_size() or (1, 1, 8, 8)
         if max(nq, nk) > 48:
             return f"{self!r}  (Nq={nq}, Nk={nk}: too large to draw; use .picture(Nq, Nk))"
         return self.picture()
@@ -163,11 +163,19 @@ class _And(Mask):
         self.b.validate(ctx)
 
     def default_size(self):
-        # Per-dim max over the parts that know their size: fixed sizes must agree anyway, and padding
-        # lengths (<= Nk) or a size-1 broadcast dim fit the larger one. (A lexicographic max of the
-        # tuples drew causal() & key_padding(m) at 8 x 8 and failed.)
+        # Largest B and H; the largest (Nq, Nk) of a part that the whole mask accepts: padding only
+        # bounds Nk from below, key_padding / document fix it, a size-1 tensor dim fits anything.
         sizes = [s for s in (self.a.default_size(), self.b.default_size()) if s is not None]
-        return tuple(max(d) for d in zip(*sizes)) if sizes else None
+        if not sizes:
+            return None
+        B, H = max(s[0] for s in sizes), max(s[1] for s in sizes)
+        for nq, nk in sorted({s[2:] for s in sizes}, reverse=True):
+            try:
+                self.validate(MaskContext(B, H, nq, nk))
+            except ValueError:
+                continue
+            return (B, H, nq, nk)
+        return sizes[0]  # parts that fit no common size: printing reports the validation error
 
     def __repr__(self):
         return f"({self.a!r} & {self.b!r})"
@@ -250,16 +258,14 @@ class Padding(Mask):
                 "give one length per batch row"
             )
         if self.lengths.numel() and int(self.lengths.max()) > ctx.Nk:
-            raise ValueError(
-                f"padding lengths {self.lengths.tolist()} exceed the key length Nk={ctx.Nk}"
-            )
+            raise ValueError(f"padding lengths {self.lengths.tolist()} exceed the key length Nk={ctx.Nk}")
 
     def evaluate(self, b, h, q, k, ctx):
         return k < self.lengths.to(k.device)[b]
 
     def default_size(self):
         n = int(self.lengths.max()) + 1 if self.lengths.numel() else 1
-        return (self.lengths.numel(), n, n)
+        return (self.lengths.numel(), 1, n, n)
 
     def __repr__(self):
         return f"padding({self.lengths.tolist()})"
@@ -289,7 +295,7 @@ class KeyPadding(Mask):
 
     def default_size(self):
         B, N = self.mask.shape
-        return (B, N, N)
+        return (B, 1, N, N)
 
     def __repr__(self):
         return f"key_padding({tuple(self.mask.shape)})"
@@ -327,7 +333,7 @@ class Document(Mask):
 
     def default_size(self):
         B, N = self.ids.shape
-        return (B, N, N)
+        return (B, 1, N, N)
 
     def __repr__(self):
         return f"document(shape={tuple(self.ids.shape)})"
@@ -373,7 +379,9 @@ def _check_broadcast(t: Tensor, ctx: MaskContext, what: str) -> Tensor:
     """Right-align ``t`` to 4 dims and check it broadcasts to (B, H, Nq, Nk) without truncation."""
     want = (ctx.B, ctx.H, ctx.Nq, ctx.Nk)
     if t.dim() > 4:
-        raise ValueError(f"{what} has {t.dim()} dims {tuple(t.shape)}; it must broadcast to (B, Hq, Nq, Nk)={want}")
+        raise ValueError(
+            f"{what} has {t.dim()} dims {tuple(t.shape)}; it must broadcast to (B, Hq, Nq, Nk)={want}"
+        )
     t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (.., .., .., ..)
     for size, full in zip(t4.shape, want):
         if size not in (1, full):
@@ -413,8 +421,7 @@ class TensorMask(Mask):
         return _check_broadcast(self.t, ctx, "mask").to(device)
 
     def default_size(self):
-        s = (1,) * max(0, 4 - self.t.dim()) + tuple(self.t.shape)  # right-aligned, as broadcasting
-        return (s[-4], s[-2], s[-1])
+        return tuple((1,) * max(0, 4 - self.t.dim()) + tuple(self.t.shape))  # right-aligned (broadcast)
 
     def __repr__(self):
         return f"tensor_mask({tuple(self.t.shape)})"

@@ -33,7 +33,7 @@ class SdpaBackend:
             return f"{p.bias!r} is not an additive bias, SDPA has no hook for it"
         if p.bias is not None and p.dtype in (torch.float16, torch.bfloat16):
             return f"SDPA would round the bias to {p.dtype} in its float attn_mask"
-        if p.mask is not None and not (p.mask.is_causal and p.Nq == p.Nk) or p.bias is not None:
+        if (p.mask is not None and not (p.mask.is_causal and p.Nq == p.Nk)) or p.bias is not None:
             n = p.B * p.Hq * p.Nq * p.Nk  # upper bound of the materialised mask
             if n * (4 if p.bias is not None else 1) > MAX_MASK_BYTES:
                 return f"the mask/bias would be materialised as a dense {n * 4 / 2**20:.0f} MiB tensor"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..biases import Bias, TensorBias, _Chain
+from ..biases import Bias, CustomBias, TensorBias, _Chain
 from ..masks import index_grid
 from ..problem import AttentionOutput, Problem
 
@@ -53,7 +53,7 @@ class _Plan:
         for k0 in range(0, self.p.Nk, self.block_k):
             yield k0, min(k0 + self.block_k, self.p.Nk)
 
-    def tile_mask(self, q0: int, q1: int, k0: int, k1: int) -> Tensor | None | bool:
+    def tile_mask(self, q0: int, q1: int, k0: int, k1: int) -> Tensor | bool | None:
         """None: tile full (no per-element mask); False: tile empty (skip); else bool (B|1, H|1, nq, nk)."""
         if self.p.mask is None:
             return None
@@ -196,20 +196,18 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
                 assert leaves is not None
                 grads = torch.autograd.grad(s_mod, [s_in, *leaves], ds.view(s_mod.shape), allow_unused=True)
                 ds = grads[0].reshape(ds.shape) if grads[0] is not None else torch.zeros_like(ds)
-                _accumulate_bias(p, dbias, grads[1:], q0, q1, k0, k1)
+                _accumulate_bias(dbias, grads[1:], q0, q1, k0, k1)
             ds = ds * p.scale
             dqb += torch.matmul(ds, kb)  # (B, Hkv, G*nq, D)
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qb)  # (B, Hkv, nk, D)
         dq[:, :, q0:q1] = dqb.view(p.B, p.Hq, nq, p.D)  # (B, Hq, nq, D)
-    dbias_out = [
-        None if g is None else g.reshape(t.shape).to(t.dtype) for g, t in zip(dbias, bias_tensors)
-    ]
+    dbias_out = [None if g is None else g.reshape(t.shape).to(t.dtype) for g, t in zip(dbias, bias_tensors)]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias_out
 
 
-def _accumulate_bias(p: Problem, dbias, grads, q0, q1, k0, k1) -> None:
+def _accumulate_bias(dbias, grads, q0, q1, k0, k1) -> None:
     it = iter(grads)
-    for i, d in enumerate(dbias):
+    for d in dbias:
         if d is None:
             continue
         g = next(it)
@@ -222,7 +220,7 @@ def _accumulate_bias(p: Problem, dbias, grads, q0, q1, k0, k1) -> None:
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Plan, q, k, v, *bias_tensors):  # type: ignore[override]
+    def forward(ctx, plan: _Plan, q, k, v, *bias_tensors):
         out, lse = _forward(plan, q, k, v)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse, *bias_tensors)
@@ -230,7 +228,7 @@ class _TiledAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):  # type: ignore[override]
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, *bias_tensors = ctx.saved_tensors
         dq, dk, dv, dbias = _backward(ctx.plan, q, k, v, out, lse, dout, bias_tensors)
         return (None, dq, dk, dv, *dbias)
@@ -246,6 +244,11 @@ class TiledBackend:
     def why_not(self, p: Problem) -> str | None:
         if p.return_weights:
             return "the tiled kernel never materialises the weights"
+        if torch.is_grad_enabled() and any(isinstance(b, CustomBias) for b in _bias_parts(p.bias)):
+            return (
+                "gradients into tensors a custom_bias fn captures cannot be routed through the tiled "
+                "backward (only tensor biases are); run under torch.no_grad() or pass the tensor as bias="
+            )
         return None
 
     def run(self, p: Problem) -> AttentionOutput:

@@ -1,0 +1,315 @@
+"""Position information: absolute tables added to the input, and rotary embeddings applied to q and k.
+
+Shape legend: B batch, H heads, N positions, D head dim, d model width.
+
+- :class:`SinusoidalPositions` is the fixed table of Vaswani et al. (seed 003 §3.3)::
+
+      PE[pos, 2i]   = sin(pos / 10000^(2i/d))
+      PE[pos, 2i+1] = cos(pos / 10000^(2i/d))
+
+  computed once into a lookup table and gathered by position index (seed 003 §3.3.1, 预计算位置编码).
+- :class:`LearnedPositions` is the same lookup over a trained table (BERT, GPT-2).
+- :class:`RotaryEmbedding` (RoFormer; LLaMA, Mistral, Qwen2 - seed 004 "参见位置编码") rotates each pair of
+  q/k features by ``pos * theta_i`` with ``theta_i = base^(-2i/D)``, so that ``q_m . k_n`` depends on the
+  positions only through ``m - n``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["LearnedPositions", "RotaryEmbedding", "SinusoidalPositions", "sinusoidal_table"]
+
+
+def _check_size(name: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_positions(positions: object, what: str) -> Tensor:
+    """An integer tensor of shape (N,) or (B, N); anything else raises ValueError."""
+    if not isinstance(positions, Tensor):
+        raise ValueError(
+            f"{what} positions must be an integer tensor of shape (N,) or (B, N), got "
+            f"{type(positions).__name__}; build them with torch.arange(N)"
+        )
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(
+            f"{what} positions must be an integer tensor, got dtype {positions.dtype}; "
+            "convert with positions.long()"
+        )
+    if positions.dim() not in (1, 2):
+        raise ValueError(
+            f"{what} positions must have shape (N,) or (B, N), got {positions.dim()} dims "
+            f"{tuple(positions.shape)}"
+        )
+    return positions
+
+
+def _check_in_table(positions: Tensor, max_len: int, what: str) -> None:
+    """Positions index a table of ``max_len`` rows: they must lie in [0, max_len)."""
+    if positions.numel() == 0:
+        return
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0:
+        raise ValueError(f"{what} positions must be >= 0, got a minimum of {lo}; positions count from 0")
+    if hi >= max_len:
+        raise ValueError(
+            f"{what} positions must be < max_len={max_len}, got a maximum of {hi}; "
+            f"build the module with max_len >= {hi + 1}"
+        )
+
+
+def sinusoidal_table(max_len: int, d_model: int, dtype: torch.dtype = torch.float64) -> Tensor:
+    """The (max_len, d_model) sinusoidal table, computed in float64 and cast to ``dtype``.
+
+    With odd ``d_model`` the last column is a sine (column ``d - 1 = 2i`` is even).
+    """
+    pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (ceil(d/2),)
+    angle = pos / 10000.0 ** (two_i / d_model)  # (max_len, ceil(d/2))
+    pe = torch.empty(max_len, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)  # even columns, ceil(d/2) of them
+    pe[:, 1::2] = torch.cos(angle[:, : d_model // 2])  # odd columns, floor(d/2) of them
+    return pe.to(dtype)
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal position encodings, precomputed once into a lookup table (seed 003 §3.3.1).
+
+    Args:
+        d_model: width d of each encoding.
+        max_len: number of rows; positions must be < max_len.
+        dtype: table dtype, default ``torch.get_default_dtype()``.
+        device: table device.
+
+    The table is a non-persistent buffer ``table`` of shape (max_len, d_model): it is derived, so it is not
+    saved in the state dict, and it follows ``.to()``.
+
+    Raises:
+        ValueError: if ``d_model`` or ``max_len`` is not an int >= 1.
+    """
+
+    table: Tensor
+
+    def __init__(
+        self,
+        d_model: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.d_model = _check_size("d_model", d_model)
+        self.max_len = _check_size("max_len", max_len)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        table = sinusoidal_table(max_len, d_model, dtype).to(device)  # (max_len, d)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """Look up encodings: positions (N,) -> (N, d), or (B, N) -> (B, N, d).
+
+        Raises:
+            ValueError: if positions are not an integer tensor of 1 or 2 dims, or lie outside [0, max_len).
+        """
+        positions = _check_positions(positions, "SinusoidalPositions")
+        _check_in_table(positions, self.max_len, "SinusoidalPositions")
+        return self.table[positions.to(self.table.device)]  # (N, d) or (B, N, d)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, max_len={self.max_len}"
+
+
+class LearnedPositions(nn.Module):
+    """A trained position table (BERT, GPT-2 ``wpe``), looked up like :class:`SinusoidalPositions`.
+
+    Args:
+        max_len: number of rows; positions must be < max_len.
+        d_model: width d of each encoding.
+        dtype, device: of the parameter ``weight`` (max_len, d_model), initialised N(0, 0.02^2) as GPT-2.
+
+    Raises:
+        ValueError: if ``max_len`` or ``d_model`` is not an int >= 1.
+    """
+
+    def __init__(
+        self,
+        max_len: int,
+        d_model: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.max_len = _check_size("max_len", max_len)
+        self.d_model = _check_size("d_model", d_model)
+        self.weight = nn.Parameter(torch.empty(max_len, d_model, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+    @property
+    def table(self) -> Tensor:
+        """The (max_len, d_model) table (the parameter itself)."""
+        return self.weight
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """Look up encodings: positions (N,) -> (N, d), or (B, N) -> (B, N, d).
+
+        Raises:
+            ValueError: if positions are not an integer tensor of 1 or 2 dims, or lie outside [0, max_len).
+        """
+        positions = _check_positions(positions, "LearnedPositions")
+        _check_in_table(positions, self.max_len, "LearnedPositions")
+        return F.embedding(positions.to(self.weight.device), self.weight)  # (N, d) or (B, N, d)
+
+    def extra_repr(self) -> str:
+        return f"max_len={self.max_len}, d_model={self.d_model}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding: rotate feature pairs of q or k by ``pos * theta_i``.
+
+    Args:
+        head_dim: D, the per-head feature count; must be even.
+        base: the frequency base, ``theta_i = base^(-2i/D)`` for ``i < D/2`` (LLaMA 10000, LLaMA 3 500000).
+        interleaved: which features form a pair.
+
+            - False: half-split, pairs ``(i, i + D/2)`` - Hugging Face ``rotate_half``, GPT-NeoX.
+            - True: interleaved, pairs ``(2i, 2i + 1)`` as one complex number - Meta's original LLaMA.
+
+            The two differ only by a permutation of the q/k projection rows; convert checkpoints with
+            :meth:`permute_for_interleaved` / :meth:`permute_for_half_split`.
+
+    No table is stored: cos/sin are recomputed from the positions on each call (O(N D) work, small next to
+    attention), in float32 (float64 for float64 input) exactly as Hugging Face computes them, so no cast
+    of the module to bf16 can degrade them and there is no per-call state.
+
+    Raises:
+        ValueError: if ``head_dim`` is not a positive even int, or ``base`` is not a finite number > 0.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = False):
+        super().__init__()
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 2 or head_dim % 2:
+            raise ValueError(
+                f"RotaryEmbedding head_dim must be a positive even int (features rotate in pairs), "
+                f"got {head_dim!r}"
+            )
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0 or base == math.inf:
+            raise ValueError(f"RotaryEmbedding base must be a finite number > 0, got {base!r}")
+        self.head_dim = head_dim
+        self.base = float(base)
+        self.interleaved = bool(interleaved)
+
+    def inv_freq(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> Tensor:
+        """theta_i = base^(-2i/D), shape (D/2,), computed as ``1 / base ** (2i / D)`` like HF and Meta."""
+        two_i = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).to(dtype)  # (D/2,)
+        return 1.0 / (self.base ** (two_i / self.head_dim))  # (D/2,)
+
+    def cos_sin(
+        self, positions: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """cos and sin of ``pos * theta_i``: positions (N,) -> (N, D/2); (B, N) -> (B, 1, N, D/2)."""
+        positions = _check_positions(positions, "RotaryEmbedding")
+        angle = positions.to(device=device, dtype=dtype).unsqueeze(-1) * self.inv_freq(dtype, device)
+        if angle.dim() == 3:
+            angle = angle.unsqueeze(1)  # (B, 1, N, D/2): broadcasts over heads
+        return angle.cos(), angle.sin()
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate x (B, H, N, D) at positions (N,) or (B, N); returns (B, H, N, D) in x's dtype.
+
+        Positions may be any integers (negative too); a decode step passes ``arange(p, p + N)`` with
+        ``p = cache.position``.
+
+        Raises:
+            ValueError: if x is not a 4-dim float tensor with last dim ``head_dim``, or positions are not
+                integers of shape (N,) or (B, N) (B = x's batch size or 1) matching x's N.
+        """
+        self._check_x(x, positions)
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos, sin = self.cos_sin(positions, f, x.device)  # (N, D/2) or (B, 1, N, D/2)
+        xf = x.to(f)
+        half = self.head_dim // 2
+        if self.interleaved:
+            x1, x2 = xf.unflatten(-1, (half, 2)).unbind(-1)  # 2 x (B, H, N, D/2): real, imaginary parts
+        else:
+            x1, x2 = xf[..., :half], xf[..., half:]  # 2 x (B, H, N, D/2): first, second half
+        o1 = x1 * cos - x2 * sin  # (B, H, N, D/2)
+        o2 = x2 * cos + x1 * sin  # (B, H, N, D/2)
+        pairs = (o1, o2)
+        out = torch.stack(pairs, -1).flatten(-2) if self.interleaved else torch.cat(pairs, -1)  # (B, H, N, D)
+        return out.to(x.dtype)
+
+    def _check_x(self, x: Tensor, positions: Tensor) -> None:
+        if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
+            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"RotaryEmbedding expects a float tensor (B, H, N, D), got {got}; "
+                "split heads first with x.view(B, N, H, D).transpose(1, 2)"
+            )
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"RotaryEmbedding was built for head_dim={self.head_dim} but x has D={x.shape[-1]} "
+                f"(x shape {tuple(x.shape)})"
+            )
+        positions = _check_positions(positions, "RotaryEmbedding")
+        B, N = x.shape[0], x.shape[2]
+        if positions.shape[-1] != N or (positions.dim() == 2 and positions.shape[0] not in (1, B)):
+            raise ValueError(
+                f"RotaryEmbedding positions of shape {tuple(positions.shape)} do not fit x of shape "
+                f"{tuple(x.shape)}; pass (N,) = ({N},) or (B, N) = ({B}, {N})"
+            )
+
+    # -- checkpoint conversion between the two pairings --------------------------------------------------
+    @staticmethod
+    def permute_for_interleaved(w: Tensor, n_heads: int) -> Tensor:
+        """Reorder q/k projection rows so that ``interleaved=True`` on the result equals half-split on ``w``.
+
+        Within each head, half-split row ``j * D/2 + i`` becomes row ``2i + j`` (j in {0, 1}). ``w`` is a
+        weight (H*D, d_in) or bias (H*D,) with H = ``n_heads`` (the kv heads for the k projection).
+        The rotated outputs then agree up to the same per-head feature permutation, so every score
+        ``q . k`` is unchanged.
+
+        Raises:
+            ValueError: if ``w.shape[0]`` is not ``n_heads`` times an even head dim.
+        """
+        H, D = n_heads, _head_dim_of(w, n_heads)
+        wh = w.reshape(H, 2, D // 2, *w.shape[1:])  # (H, 2, D/2, ...): [head, half, pair index]
+        return wh.transpose(1, 2).reshape(w.shape)  # (H*D, ...): rows 2i + j
+
+    @staticmethod
+    def permute_for_half_split(w: Tensor, n_heads: int) -> Tensor:
+        """The inverse of :meth:`permute_for_interleaved`: a Meta (interleaved) checkpoint -> HF layout.
+
+        This is ``permute`` of transformers' ``convert_llama_weights_to_hf.py``.
+
+        Raises:
+            ValueError: if ``w.shape[0]`` is not ``n_heads`` times an even head dim.
+        """
+        H, D = n_heads, _head_dim_of(w, n_heads)
+        wi = w.reshape(H, D // 2, 2, *w.shape[1:])  # (H, D/2, 2, ...): [head, pair index, half]
+        return wi.transpose(1, 2).reshape(w.shape)  # (H*D, ...): rows j * D/2 + i
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}, interleaved={self.interleaved}"
+
+
+def _head_dim_of(w: Tensor, n_heads: int) -> int:
+    _check_size("n_heads", n_heads)
+    if w.dim() < 1 or w.shape[0] % n_heads or (w.shape[0] // n_heads) % 2:
+        raise ValueError(
+            f"a q/k projection of shape {tuple(w.shape)} does not split into n_heads={n_heads} heads of an "
+            "even head dim; pass the kv head count for the k projection"
+        )
+    return w.shape[0] // n_heads

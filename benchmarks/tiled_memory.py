@@ -40,8 +40,18 @@ def _child(n: int, backend: str, heads: int, head_dim: int) -> None:
     dt = time.perf_counter() - t0
     extra = (_peak_kib() - base) * 1024
     scores = heads * n * n * 4
-    print(json.dumps({"n": n, "backend": backend, "extra_bytes": extra, "score_matrix_bytes": scores,
-                      "seconds": dt, "finite": bool(torch.isfinite(out).all())}))
+    print(
+        json.dumps(
+            {
+                "n": n,
+                "backend": backend,
+                "extra_bytes": extra,
+                "score_matrix_bytes": scores,
+                "seconds": dt,
+                "finite": bool(torch.isfinite(out).all()),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -59,17 +69,28 @@ def main() -> None:
     for backend in a.backends:
         ns = a.n or ([4096, 8192, 16384, 32768] if backend == "tiled" else [4096, 8192])
         for n in ns:
-            cmd = [sys.executable, __file__, "--child", str(n), backend, "--heads", str(a.heads),
-                   "--head-dim", str(a.head_dim)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                str(n),
+                backend,
+                "--heads",
+                str(a.heads),
+                "--head-dim",
+                str(a.head_dim),
+            ]
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
     print(f"causal attention, B=1, H={a.heads}, D={a.head_dim}, fp32, forward (no grad)")
     print("| backend | N | extra peak memory | one N x N fp32 score matrix (all heads) | ratio | time |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['backend']} | {r['n']} | {r['extra_bytes'] / 2**20:.1f} MiB | "
-              f"{r['score_matrix_bytes'] / 2**20:.0f} MiB | {r['extra_bytes'] / r['score_matrix_bytes']:.4f} | "
-              f"{r['seconds']:.2f} s |")
+        extra, scores = r["extra_bytes"], r["score_matrix_bytes"]
+        print(
+            f"| {r['backend']} | {r['n']} | {extra / 2**20:.1f} MiB | {scores / 2**20:.0f} MiB | "
+            f"{extra / scores:.4f} | {r['seconds']:.2f} s |"
+        )
 
 
 if __name__ == "__main__":

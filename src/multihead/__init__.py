@@ -8,7 +8,7 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
-from . import compat
+from . import compat, cost
 from .attention_module import MultiHeadAttention
 from .biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .feed_forward import FeedForward
@@ -52,6 +52,7 @@ __all__ = [
     "backends",
     "causal",
     "compat",
+    "cost",
     "custom",
     "custom_bias",
     "document",

@@ -1,0 +1,152 @@
+"""The command line: ``multihead study`` and ``multihead explain``, in-process and as ``python -m``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import multihead as mh
+from multihead.cli import main, parse_mask
+from tests.numerics import allowed
+
+
+@pytest.fixture(scope="module")
+def study_json(tmp_path_factory) -> dict:
+    """One in-process run of ``multihead study --json --out DIR`` shared by the tests below."""
+    out = tmp_path_factory.mktemp("study")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["study", "--json", "--out", str(out)])
+    assert code == 0
+    report = json.loads(buf.getvalue())
+    report["_out"] = out
+    return report
+
+
+def test_study_json_every_backend_within_the_numerics_rule(study_json):
+    rows = study_json["sections"]["exactness"]["rows"]
+    cases = study_json["sections"]["exactness"]["workload"]["cases"]
+    assert {r["backend"] for r in rows} == set(mh.backends())
+    assert len(rows) == len(cases) * len(mh.backends())
+    for r in rows:
+        assert r["out_err"] <= allowed(r["matrix_out_err"]), r
+        assert r["grad_err"] <= allowed(r["matrix_grad_err"], grad=True), r
+        assert r["auto"] in mh.backends()
+
+
+def test_study_json_walk_rows_are_positive(study_json):
+    walk = study_json["sections"]["walk"]
+    assert walk["config"] == {"d_model": 512, "n_heads": 8, "d_ff": 2048, "seq_len": 1024}
+    for phase in ("prefill", "decode"):
+        rows = walk[phase]
+        assert len(rows) == 15
+        assert all(r["bytes"] > 0 for r in rows)
+        assert all(r["flops"] > 0 and r["intensity"] > 0 for r in rows if r["name"] != "concat heads")
+    decode_q = next(r for r in walk["decode"] if r["name"] == "Q = X W^Q")
+    assert decode_q["intensity"] == pytest.approx(0.5, rel=0.02)  # fp32, batch 1: memory-bound
+
+
+def test_study_json_kv_cache(study_json):
+    rows = study_json["sections"]["kv_cache"]["rows"]
+    llama = [r for r in rows if r["model"].startswith("LLaMA")]
+    assert [(r["name"], r["mib"]) for r in llama] == [("MHA", 2048.0), ("GQA-8", 512.0), ("MQA", 64.0)]
+
+
+def test_study_writes_report(study_json):
+    text = (study_json["_out"] / "report.md").read_text()
+    assert study_json["report"].endswith("report.md")
+    for heading in ("## Exactness", "## The layer, eq. 9.31-9.43", "## KV cache"):
+        assert heading in text
+    assert "| 9.41 | U = T3 W1 (FFN up) |" in text
+
+
+def test_explain_mentions_chosen_backend(capsys):
+    assert main(["explain", "--mask", "causal", "--seq", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "auto -> " in out
+    chosen = out.split("auto -> ")[1].split(":")[0]
+    assert chosen in mh.backends()
+    assert "causal()  (Nq=16, Nk=16)" in out  # the mask picture
+    assert "9.43" in out and "H = LayerNorm(T5)" in out  # the walk table
+
+
+def test_explain_json_decode_gqa(capsys):
+    args = [
+        "explain",
+        "--json",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "2",
+        "--phase",
+        "decode",
+        "--mask",
+        "sliding:4",
+    ]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["backend"] in mh.backends()
+    assert "Hq=8 Hkv=2 Nq=1 Nk=1024" in doc["explain"]
+    assert doc["mask"].splitlines()[-1] == ". " * 12 + "# # # #"  # the one decode row sees its last 4 keys
+    assert "drawn at 1x16 (the problem is 1x1024)" in doc["mask"]
+    scores = next(r for r in doc["walk"] if r["name"] == "S = Q K^T")
+    assert "1x2x64x1024" in scores["in_shape"]
+
+
+@pytest.mark.parametrize("command", [[], ["study"], ["explain"]])
+def test_help_exits_zero(command, capsys):
+    assert main([*command, "--help"]) == 0
+    assert "usage: multihead" in capsys.readouterr().out
+
+
+def test_no_command_prints_help_and_version(capsys):
+    assert main([]) == 0
+    assert "study" in capsys.readouterr().out
+    assert main(["--version"]) == 0
+    assert mh.__version__ in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["explain", "--heads", "8", "--kv-heads", "3"], r"query heads Hq \(8\) must be divisible"),
+        (["explain", "--mask", "diagonal"], r"unknown mask 'diagonal'"),
+        (["explain", "--seq", "0"], r"expected an integer >= 1, got '0'"),
+        (["bogus"], r"invalid choice: 'bogus'"),
+    ],
+)
+def test_errors_exit_2_with_message(argv, match, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(match, err), err
+
+
+def test_parse_mask():
+    assert parse_mask("none") is None
+    assert repr(parse_mask("causal")) == "causal()"
+    assert repr(parse_mask("sliding:64")) == "sliding_window(64)"
+    assert repr(parse_mask("prefix:3")) == "prefix_lm(3)"
+    with pytest.raises(ValueError, match="sliding_window size must be an int >= 1"):
+        parse_mask("sliding:0")
+    with pytest.raises(ValueError, match=r"unknown mask 'sliding:'"):
+        parse_mask("sliding:")
+
+
+def test_python_m_multihead_study_quick():
+    proc = subprocess.run(
+        [sys.executable, "-m", "multihead", "study", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for title in ("Exactness", "The layer, eq. 9.31-9.43", "KV cache: MHA vs GQA vs MQA"):
+        assert title in proc.stdout
+    assert "Traceback" not in proc.stderr

@@ -8,7 +8,7 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
-from . import compat, cost
+from . import compat, cost, parallel
 from .attention_module import MultiHeadAttention
 from .biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .feed_forward import FeedForward
@@ -59,6 +59,7 @@ __all__ = [
     "explain",
     "key_padding",
     "padding",
+    "parallel",
     "prefix_lm",
     "sliding_window",
     "softcap",

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from rich.console import Console
 
-from . import __version__, cost, study
+from . import __version__, bench, cost, study
 from .functional import _choose, explain
 from .masks import Mask, causal, prefix_lm, sliding_window
 from .problem import make_problem
@@ -215,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     _add_study(sub)
     _add_explain(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -14,9 +14,14 @@ from .problem import AttentionOutput, Problem, make_problem
 
 __all__ = ["AttentionOutput", "attention", "backends", "explain"]
 
-# The order `auto` tries the backends in: fused torch kernel first, then our O(N)-memory kernel, then the
-# one-matmul path. `reference` is the test oracle and is never chosen automatically.
-_AUTO_ORDER = ("sdpa", "tiled", "matrix")
+# The order `auto` tries the backends in; each backend's `why_not` says when it cannot or should not serve
+# a call (see backends/*.py), so the first that has no objection is the fastest correct path:
+#   decode  1-16 query rows against >= 128 keys: GQA folded into rows, memory-bound
+#   sdpa    no mask or plain causal, small masks/biases that empty few tiles
+#   tiled   masks that empty tiles, large biases, soft-capping, lse, half-precision training
+#   matrix  the attention weights
+# `reference` is the test oracle and is never chosen automatically; `flex` (where registered) neither.
+_AUTO_ORDER = ("decode", "sdpa", "tiled", "matrix")
 
 
 def backends() -> list[str]:

@@ -27,6 +27,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
     "Mask",
     "MaskContext",
     "as_mask",
@@ -71,6 +74,17 @@ def index_grid(
     return b, h, q, k
 
 
+# Block kinds returned by :meth:`Mask.block_kinds` (int8 codes).
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def _kinds(full: Tensor, empty: Tensor) -> Tensor:
+    """Encode two broadcastable bool tensors as block kinds (full wins; neither means partial)."""
+    full, empty = torch.broadcast_tensors(full, empty)
+    out = torch.full(full.shape, PARTIAL, dtype=torch.int8)
+    return out.masked_fill_(empty, EMPTY).masked_fill_(full, FULL)
+
+
 class Mask:
     """Base class: a predicate over ``(b, h, q_idx, kv_idx)``; True = may attend.
 
@@ -81,12 +95,26 @@ class Mask:
 
     #: True only for the plain causal mask (lets SDPA use its own causal kernel when Nq == Nk).
     is_causal: bool = False
+    #: True when ``allowed`` depends only on ``q + offset - k`` (causal, sliding window and their
+    #: combinations): every tile on one diagonal is the same, so a kernel evaluates it once.
+    shift_invariant: bool = False
 
     def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, ctx: MaskContext) -> Tensor:
         raise NotImplementedError
 
     def validate(self, ctx: MaskContext) -> None:
         """Raise ValueError when the mask cannot apply to a problem of this size."""
+
+    def block_kinds(self, ctx: MaskContext, ql: Tensor, qh: Tensor, kl: Tensor, kh: Tensor) -> Tensor | None:
+        """Classify tiles analytically, without evaluating the mask element by element.
+
+        Tile ``(i, j)`` covers query rows ``ql[i]:qh[i]`` and keys ``kl[j]:kh[j]``; ``ql, qh`` have shape
+        (nqb, 1) and ``kl, kh`` shape (1, nkb) (int64, non-empty tiles). Returns an int8 (nqb, nkb) tensor
+        of :data:`EMPTY` (no (b, h, q, k) may attend: the tile is skipped), :data:`FULL` (every one may:
+        no per-element mask) or :data:`PARTIAL` - or None when this mask has no analytic form (the
+        kernel then evaluates it). ``PARTIAL`` is always a correct answer.
+        """
+        return None
 
     def block(
         self, ctx: MaskContext, q_range: tuple[int, int], k_range: tuple[int, int], device=None
@@ -158,6 +186,16 @@ class _And(Mask):
     def evaluate(self, b, h, q, k, ctx):
         return self.a.evaluate(b, h, q, k, ctx) & self.b.evaluate(b, h, q, k, ctx)
 
+    @property
+    def shift_invariant(self):  # type: ignore[override]
+        return self.a.shift_invariant and self.b.shift_invariant
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        ka, kb = self.a.block_kinds(ctx, ql, qh, kl, kh), self.b.block_kinds(ctx, ql, qh, kl, kh)
+        if ka is None or kb is None:
+            return None
+        return torch.minimum(ka, kb)  # empty if either is empty, full if both are full
+
     def validate(self, ctx):
         self.a.validate(ctx)
         self.b.validate(ctx)
@@ -185,6 +223,12 @@ class _Or(_And):
     def evaluate(self, b, h, q, k, ctx):
         return self.a.evaluate(b, h, q, k, ctx) | self.b.evaluate(b, h, q, k, ctx)
 
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        ka, kb = self.a.block_kinds(ctx, ql, qh, kl, kh), self.b.block_kinds(ctx, ql, qh, kl, kh)
+        if ka is None or kb is None:
+            return None
+        return torch.maximum(ka, kb)  # full if either is full, empty if both are empty
+
     def __repr__(self):
         return f"({self.a!r} | {self.b!r})"
 
@@ -195,6 +239,14 @@ class _Not(Mask):
 
     def evaluate(self, b, h, q, k, ctx):
         return ~self.a.evaluate(b, h, q, k, ctx)
+
+    @property
+    def shift_invariant(self):  # type: ignore[override]
+        return self.a.shift_invariant
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        ka = self.a.block_kinds(ctx, ql, qh, kl, kh)
+        return None if ka is None else FULL - ka  # empty <-> full
 
     def validate(self, ctx):
         self.a.validate(ctx)
@@ -210,9 +262,14 @@ class Causal(Mask):
     """Key j is visible from query i iff ``j <= i + (Nk - Nq)`` (bottom-right aligned)."""
 
     is_causal = True
+    shift_invariant = True
 
     def evaluate(self, b, h, q, k, ctx):
         return k <= q + ctx.offset
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        o = ctx.offset
+        return _kinds(kh - 1 <= ql + o, kl > qh - 1 + o)
 
     def __repr__(self):
         return "causal()"
@@ -229,9 +286,16 @@ class SlidingWindow(Mask):
             )
         self.size = size
 
+    shift_invariant = True
+
     def evaluate(self, b, h, q, k, ctx):
         qa = q + ctx.offset
         return (k <= qa) & (qa - k < self.size)
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        lo, hi = ql + ctx.offset, qh - 1 + ctx.offset  # absolute positions of the tile's first/last row
+        full = (kh - 1 <= lo) & (hi - kl < self.size)
+        return _kinds(full, (kl > hi) | (lo - (kh - 1) >= self.size))
 
     def __repr__(self):
         return f"sliding_window({self.size})"
@@ -263,6 +327,10 @@ class Padding(Mask):
     def evaluate(self, b, h, q, k, ctx):
         return k < self.lengths.to(k.device)[b]
 
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        lo, hi = int(self.lengths.min()), int(self.lengths.max())  # every batch row / some batch row
+        return _kinds((kh <= lo) & (ql >= 0), (kl >= hi) & (ql >= 0))
+
     def default_size(self):
         n = int(self.lengths.max()) + 1 if self.lengths.numel() else 1
         return (self.lengths.numel(), 1, n, n)
@@ -292,6 +360,13 @@ class KeyPadding(Mask):
 
     def evaluate(self, b, h, q, k, ctx):
         return self.mask.to(k.device)[b, k]
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        zero = torch.zeros(1, dtype=torch.long)
+        n_all = torch.cat([zero, self.mask.cpu().all(0).long().cumsum(0)])  # (Nk + 1,) keys real in every row
+        n_any = torch.cat([zero, self.mask.cpu().any(0).long().cumsum(0)])  # (Nk + 1,) keys real in some row
+        full = (n_all[kh] - n_all[kl] == kh - kl) & (ql >= 0)
+        return _kinds(full, (n_any[kh] - n_any[kl] == 0) & (ql >= 0))
 
     def default_size(self):
         B, N = self.mask.shape
@@ -331,6 +406,17 @@ class Document(Mask):
         qa = q + ctx.offset  # rows above the key range (Nq > Nk) have no document: they see nothing
         return (ids[bi, qa.clamp(min=0)] == ids[bi, k]) & (qa >= 0)
 
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        ids = self.ids.cpu()
+        lo, hi = (ql + ctx.offset).clamp(min=0), (qh + ctx.offset).clamp(min=0)  # query tiles in key space
+        qmin, qmax = _tile_min_max(ids, lo.view(-1).tolist(), hi.view(-1).tolist())  # (Bi, nqb) each
+        kmin, kmax = _tile_min_max(ids, kl.view(-1).tolist(), kh.view(-1).tolist())  # (Bi, nkb) each
+        qmin, qmax, kmin, kmax = qmin[:, :, None], qmax[:, :, None], kmin[:, None], kmax[:, None]
+        one_doc = ((qmin == qmax) & (kmin == kmax) & (qmin == kmin)).all(0)  # (nqb, nkb)
+        disjoint = ((qmax < kmin) | (kmax < qmin)).all(0)  # (nqb, nkb): id ranges never meet
+        no_rows = hi <= lo  # tiles of rows above the key range (Nq > Nk) see nothing
+        return _kinds(one_doc & (ql + ctx.offset >= 0), disjoint | no_rows)
+
     def default_size(self):
         B, N = self.ids.shape
         return (B, 1, N, N)
@@ -349,6 +435,10 @@ class PrefixLM(Mask):
 
     def evaluate(self, b, h, q, k, ctx):
         return (k < self.n) | (k <= q + ctx.offset)
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        o = ctx.offset
+        return _kinds((kh <= self.n) | (kh - 1 <= ql + o), (kl >= self.n) & (kl > qh - 1 + o))
 
     def __repr__(self):
         return f"prefix_lm({self.n})"
@@ -373,6 +463,15 @@ class Custom(Mask):
 
     def __repr__(self):
         return f"custom({getattr(self.fn, '__name__', 'fn')})"
+
+
+def _tile_min_max(ids: Tensor, lo: list[int], hi: list[int]) -> tuple[Tensor, Tensor]:
+    """Min and max of ``ids`` (Bi, N) over each position range ``lo[t]:hi[t]``; empty ranges give
+    (max + 1, min - 1) so they match nothing."""
+    big = int(ids.max()) + 1 if ids.numel() else 1
+    mins = [ids[:, a:b].amin(1) if b > a else ids.new_full((ids.shape[0],), big) for a, b in zip(lo, hi)]
+    maxs = [ids[:, a:b].amax(1) if b > a else ids.new_full((ids.shape[0],), -big) for a, b in zip(lo, hi)]
+    return torch.stack(mins, 1), torch.stack(maxs, 1)  # (Bi, ntiles) each
 
 
 def _check_broadcast(t: Tensor, ctx: MaskContext, what: str) -> Tensor:

@@ -47,10 +47,14 @@ def names() -> list[str]:
 
 
 def _register_builtins() -> None:
-    from . import matrix, reference, sdpa, tiled
+    from . import decode, matrix, reference, sdpa, tiled
 
-    for mod in (reference, matrix, sdpa, tiled):
+    for mod in (reference, matrix, sdpa, tiled, decode):
         register(mod.BACKEND)
+    from . import flex
+
+    if flex.should_register():  # optional: with CUDA, or MULTIHEAD_FLEX=1 (it compiles per shape)
+        register(flex.BACKEND)
 
 
 _register_builtins()

@@ -15,9 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from ..problem import AttentionOutput, Problem
+from .tiled_plan import nonempty_fraction
 
 # Refuse under `auto` when a materialised mask/bias would exceed this many bytes.
 MAX_MASK_BYTES = 256 << 20
+# Leave a bias larger than this to `tiled`, which builds it one tile at a time instead of in full.
+MAX_BIAS_BYTES = 16 << 20
+# Leave a mask to `tiled` when it empties more than this fraction of the 64 x 64 tiles.
+MAX_EMPTY_FRACTION = 0.2
 
 
 class SdpaBackend:
@@ -42,6 +47,20 @@ class SdpaBackend:
             n = p.B * p.Hq * p.Nq * p.Nk  # upper bound of the materialised mask
             if n * (4 if p.bias is not None else 1) > MAX_MASK_BYTES:
                 return f"the mask/bias would be materialised as a dense {n * 4 / 2**20:.0f} MiB tensor"
+        return self._why_slower(p)
+
+    def _why_slower(self, p: Problem) -> str | None:
+        """Calls SDPA could serve, but `tiled` serves faster (it skips what SDPA would compute)."""
+        if p.bias is not None and p.B * p.Hq * p.Nq * p.Nk * 4 > MAX_BIAS_BYTES:
+            mib = p.B * p.Hq * p.Nq * p.Nk * 4 / 2**20
+            return f"SDPA needs the bias as a dense {mib:.0f} MiB tensor; tiled builds it a tile at a time"
+        if p.mask is not None and not (p.mask.is_causal and p.Nq == p.Nk):
+            frac = nonempty_fraction(p.mask, p.ctx)
+            if frac is not None and 1.0 - frac > MAX_EMPTY_FRACTION:
+                return (
+                    f"the mask empties {100 * (1 - frac):.0f}% of the 64x64 tiles; SDPA would compute "
+                    "them all, tiled skips them"
+                )
         return None
 
     def run(self, p: Problem) -> AttentionOutput:

@@ -1,4 +1,4 @@
-"""``tiled``: the project's own kernel - online softmax over key blocks, O(N) extra memory.
+"""``tiled``: the project's own block-sparse kernel - online softmax over tiles, O(N) extra memory.
 
 For each block of query rows we stream over blocks of keys, keeping the running row maximum ``m``,
 the running denominator ``l`` and the unnormalised output ``o`` (Milakov & Gimelshein 2018; Dao et al.
@@ -10,30 +10,40 @@ FlashAttention 2022). Per key block j:
     o       = o * exp(m - m') + exp(s_j - m') v_j
     out     = o / l,  lse = m + log(l)
 
-Tiles the mask empties are skipped; tiles it fills skip the per-element mask. GQA: the G query heads of a
-kv head are folded into the row dimension, so every tile is one matmul against the un-repeated K/V.
-The backward recomputes each tile from the saved log-sum-exp (FlashAttention-2):
+The tiles are classified once per call from the mask (:mod:`.tiled_plan`): EMPTY tiles are skipped,
+FULL tiles need no per-element mask. Two engines run the plan:
+
+* the fused engine (:mod:`.tiled_exec`, used whenever it can): runs of tiles become a few large calls of
+  torch's fused CPU flash kernel - a sliding window or a causal diagonal is one batched call over
+  strided views of K/V - merged exactly by their log-sum-exp. Parallel over batch x heads x blocks
+  inside the kernel; bf16 inputs accumulate in fp32.
+* the loop engine (this file): the online softmax above, one tile at a time in torch ops, for what the
+  fused kernel cannot do - dropout, soft-capping, gradients into a tensor bias, non-CPU devices.
+
+GQA: no repeated K/V in either engine (the G query heads of a kv head are folded into the rows, or the
+kernel groups them itself). The backward recomputes each tile from the saved log-sum-exp (FlashAttention-2):
 
     P = exp(s - lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ += dS K, dK += dS^T Q
 
-Extra memory is O(B * H * (Nq + Nk) * D) plus one tile. Scores, softmax statistics and P @ V are kept in
-fp32 for half inputs (float64 stays float64). This is the first, correct version; its speed is the job of
-the kernels issue.
+with the same tile skipping. Extra memory is O(B * H * (Nq + Nk) * D) plus one piece's mask.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..biases import Bias, CustomBias, TensorBias, _Chain
-from ..masks import index_grid
+from ..masks import EMPTY, FULL, index_grid
 from ..problem import AttentionOutput, Problem
+from . import tiled_exec
+from .tiled_plan import Grid, Piece, classify, pieces
 
-BLOCK_Q = 256
-BLOCK_K = 256
+BLOCK_Q = 64
+BLOCK_K = 64
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -42,27 +52,29 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class _Plan:
-    """Everything a tile needs besides q, k, v (shared by the forward and backward)."""
+    """Everything a tile of the loop engine needs besides q, k, v (shared by the forward and backward)."""
 
     p: Problem
-    block_q: int
-    block_k: int
+    grid: Grid
     seed: int
 
-    def tiles_k(self):
-        for k0 in range(0, self.p.Nk, self.block_k):
-            yield k0, min(k0 + self.block_k, self.p.Nk)
+    def tiles_q(self):
+        e = self.grid.q_edges
+        yield from enumerate(itertools.pairwise(e))
 
-    def tile_mask(self, q0: int, q1: int, k0: int, k1: int) -> Tensor | bool | None:
+    def tiles_k(self):
+        e = self.grid.k_edges
+        yield from enumerate(itertools.pairwise(e))
+
+    def tile_mask(self, i: int, j: int) -> Tensor | bool | None:
         """None: tile full (no per-element mask); False: tile empty (skip); else bool (B|1, H|1, nq, nk)."""
-        if self.p.mask is None:
+        kind = int(self.grid.kinds[i, j])
+        if self.p.mask is None or kind == FULL:
             return None
-        allowed = self.p.mask.block(self.p.ctx, (q0, q1), (k0, k1), self.p.q.device)
-        if not bool(allowed.any()):
+        if kind == EMPTY:
             return False
-        if bool(allowed.all()):
-            return None
-        return allowed
+        (q0, q1), (k0, k1) = self.grid.q_edges[i : i + 2], self.grid.k_edges[j : j + 2]
+        return self.p.mask.block(self.p.ctx, (q0, q1), (k0, k1), self.p.q.device)
 
     def keep(self, shape, tile_id: int, device) -> Tensor:
         """Dropout keep-mask of one tile, reproducible in the backward from (seed, tile_id)."""
@@ -123,16 +135,15 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     acc = _acc(p.dtype)
     out = torch.empty(p.B, p.Hq, p.Nq, p.Dv, dtype=p.dtype, device=q.device)
     lse = torch.empty(p.B, p.Hq, p.Nq, dtype=acc, device=q.device)
-    n_kb = -(-p.Nk // plan.block_k)
-    for qi, q0 in enumerate(range(0, p.Nq, plan.block_q)):
-        q1 = min(q0 + plan.block_q, p.Nq)
+    n_kb = len(plan.grid.k_edges) - 1
+    for qi, (q0, q1) in plan.tiles_q():
         nq = q1 - q0
         qb = _q_block(p, q, q0, q1, acc)  # (B, Hkv, G*nq, D)
         m = torch.full((p.B, p.Hkv, p.G * nq, 1), float("-inf"), dtype=acc, device=q.device)
         l = torch.zeros_like(m)
         o = torch.zeros(p.B, p.Hkv, p.G * nq, p.Dv, dtype=acc, device=q.device)
-        for ki, (k0, k1) in enumerate(plan.tiles_k()):
-            allowed = plan.tile_mask(q0, q1, k0, k1)
+        for ki, (k0, k1) in plan.tiles_k():
+            allowed = plan.tile_mask(qi, ki)
             if allowed is False:
                 continue
             _, _, s = _scores(plan, qb, k[:, :, k0:k1].to(acc), q0, q1, k0, k1, allowed)
@@ -166,17 +177,16 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
     local_grad = p.bias is not None and (not p.bias.is_additive or any(d is not None for d in dbias))
     delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # (B, Hq, Nq)
     lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
-    n_kb = -(-p.Nk // plan.block_k)
-    for qi, q0 in enumerate(range(0, p.Nq, plan.block_q)):
-        q1 = min(q0 + plan.block_q, p.Nq)
+    n_kb = len(plan.grid.k_edges) - 1
+    for qi, (q0, q1) in plan.tiles_q():
         nq = q1 - q0
         qb = _q_block(p, q, q0, q1, acc)  # (B, Hkv, G*nq, D)
         dob = _q_block(p, dout, q0, q1, acc)  # (B, Hkv, G*nq, Dv)
         lse_b = lse_safe[:, :, q0:q1].reshape(p.B, p.Hkv, p.G * nq, 1)  # (B, Hkv, G*nq, 1)
         delta_b = delta[:, :, q0:q1].reshape(p.B, p.Hkv, p.G * nq, 1)  # (B, Hkv, G*nq, 1)
         dqb = torch.zeros_like(qb)
-        for ki, (k0, k1) in enumerate(plan.tiles_k()):
-            allowed = plan.tile_mask(q0, q1, k0, k1)
+        for ki, (k0, k1) in plan.tiles_k():
+            allowed = plan.tile_mask(qi, ki)
             if allowed is False:
                 continue
             kb, vb = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)
@@ -219,6 +229,8 @@ def _accumulate_bias(dbias, grads, q0, q1, k0, k1) -> None:
 
 
 class _TiledAttention(torch.autograd.Function):
+    """The loop engine under autograd (tensor-bias gradients enter as extra inputs)."""
+
     @staticmethod
     def forward(ctx, plan: _Plan, q, k, v, *bias_tensors):
         out, lse = _forward(plan, q, k, v)
@@ -234,9 +246,38 @@ class _TiledAttention(torch.autograd.Function):
         return (None, dq, dk, dv, *dbias)
 
 
+class _FusedAttention(torch.autograd.Function):
+    """The fused piece engine under autograd; the problem's q, k, v are the differentiable inputs."""
+
+    @staticmethod
+    def forward(ctx, p: Problem, plan: list[Piece], q, k, v):
+        out, lse = tiled_exec.forward(p, plan)
+        ctx.p, ctx.plan = p, plan
+        ctx.save_for_backward(out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv = tiled_exec.backward(ctx.p, ctx.plan, out, lse, dout)
+        return None, None, dq, dk, dv
+
+
+def run_fused(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
+    """Run a fused plan, under autograd when ``p`` needs gradients."""
+    if p.needs_grad:
+        return _FusedAttention.apply(p, plan, p.q, p.k, p.v)
+    with torch.no_grad():
+        return tiled_exec.forward(p, plan)
+
+
 class TiledBackend:
     name = "tiled"
-    summary = "own online-softmax kernel over (query block x key block) tiles; O(N) memory, skips empty tiles"
+    summary = (
+        "own block-sparse kernel: tiles classified from the mask, empty ones skipped, the rest as a few "
+        "fused calls merged by log-sum-exp; O(N) memory, native GQA, any mask or bias"
+    )
 
     def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
         self.block_q, self.block_k = block_q, block_k
@@ -251,11 +292,25 @@ class TiledBackend:
             )
         return None
 
+    def grid(self, p: Problem) -> Grid:
+        """The tile grid of ``p`` with this backend's block sizes."""
+        return classify(p.mask, p.ctx, self.block_q, self.block_k)
+
+    def plan(self, p: Problem) -> list[Piece]:
+        """The fused engine's pieces for ``p`` (what :meth:`run` executes when the engine applies)."""
+        return pieces(self.grid(p), p.mask, p.bias, p.ctx, p.Hq)
+
     def run(self, p: Problem) -> AttentionOutput:
         if p.return_weights:
             raise ValueError("backend 'tiled' cannot return the attention weights; use backend='matrix'")
+        if p.Nq == 0:
+            out = p.q.new_zeros(p.B, p.Hq, 0, p.Dv)
+            return AttentionOutput(out, None, p.q.new_zeros(p.B, p.Hq, 0, dtype=_acc(p.dtype)))
+        if tiled_exec.why_not_fused(p) is None:
+            out, lse = run_fused(p, self.plan(p))
+            return AttentionOutput(out, None, lse if p.return_lse else None)
         seed = int(torch.randint(0, 2**62, (1,)).item()) if p.dropout_p > 0 else 0
-        plan = _Plan(p, self.block_q, self.block_k, seed)
+        plan = _Plan(p, self.grid(p), seed)
         bias_tensors = [part.t for part in _bias_parts(p.bias) if isinstance(part, TensorBias)]
         if p.needs_grad:
             out, lse = _TiledAttention.apply(plan, p.q, p.k, p.v, *bias_tensors)

@@ -1,0 +1,66 @@
+"""The attention speed suite as markdown tables for BENCHMARKS.md (the numbers come from ``multihead bench``).
+
+python benchmarks/attention_speed.py                  # the quick suite, run now
+python benchmarks/attention_speed.py --full           # the whole fixed suite (tens of minutes)
+multihead bench --full --json > bench.json && python benchmarks/attention_speed.py --from bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from multihead import bench
+
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(doc: dict) -> str:
+    m = doc["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; measured in the same run: "
+        f"matmul {m['matmul_gflops']} GFLOP/s, memory bandwidth {m['bandwidth_gbps']} GB/s.",
+        "",
+        "| case | N | method | ms | useful GFLOP/s | % of matmul | GB/s (K/V) | peak extra MiB "
+        "| time ratio vs peers |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in doc["results"]:
+        method = r["method"] + (f" ({r['note']})" if r["note"] and r["ms"] is not None else "")
+        if r["ms"] is None:
+            lines.append(f"| {r['case']} | {r['n']} | {method} | skipped: {r['note']} | | | | | |")
+            continue
+        ours = r["method"] in ("auto", "tiled", "decode")
+        vs = ", ".join(f"{k} {v:.2f}x" for k, v in r["vs"].items()) if ours else ""
+        lines.append(
+            f"| {r['case']} | {r['n']} | {method} | {r['ms']:.1f} | {_f(r['gflops'], '.1f')} | "
+            f"{_f(100 * r['matmul_frac'], '.0f')} | {_f(r['gbps'], '.2f')} | {_f(r['peak_mib'], '.0f')} "
+            f"| {vs} |"
+        )
+    lines += ["", "| goal | case | N | measured | met |", "|---|---|---:|---:|---|"]
+    for g in doc["goals"]:
+        lines.append(
+            f"| {g['goal']} | {g['case']} | {g['n']} | {_f(g['value'], '.3f')} "
+            f"| {'yes' if g['met'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="the whole fixed suite")
+    ap.add_argument("--only", default=None, help="only cases whose name contains this")
+    ap.add_argument("--from", dest="path", default=None, help="format a saved `multihead bench --json` file")
+    a = ap.parse_args()
+    if a.path:
+        with open(a.path) as f:
+            doc = json.load(f)
+    else:
+        doc = bench.run("full" if a.full else "quick", only=a.only)
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()

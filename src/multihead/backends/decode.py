@@ -1,0 +1,120 @@
+"""``decode``: a few query rows (1-16) against a long KV cache - a memory-bound pass over K and V.
+
+Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, Nq (<= 16) new tokens, Nk cached keys.
+
+Decoding reads every cached key and value once and does ~2 flops per byte, so its speed is the memory
+bandwidth. Two things keep it there:
+
+* grouped GQA: the G query heads that share a kv head are folded into the query rows, so each kv head's
+  K and V are streamed once for all G heads (SDPA with ``enable_gqa`` reads them G times)::
+
+      q (B, Hq, Nq, D) -> (B, Hkv, G*Nq, D);   scores = q K^T  (B, Hkv, G*Nq, Nk)
+
+* split over the key length: when B * Hkv is too small to keep every core busy, the cache is cut into
+  equal chunks that run as extra "heads" of one kernel call and are merged by their log-sum-exp.
+
+The mask is planned as in ``tiled`` with a single query block: a causal decode is one unmasked pass over
+the cache plus an Nq x Nq causal corner, a sliding window reads only the window.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..problem import AttentionOutput, Problem
+from . import tiled, tiled_exec
+from .tiled_plan import Piece, classify, pieces
+
+MAX_ROWS = 16  # query rows served as a decode
+MIN_KEYS = 128  # below this the call is too small for the path to matter
+BLOCK_K = 256  # key block of the plan
+MIN_CHUNK = 1024  # never split the cache into chunks shorter than this
+
+
+class DecodeBackend:
+    name = "decode"
+    summary = "1-16 query rows against a long cache: GQA folded into rows, split over keys, memory-bound"
+
+    def why_not(self, p: Problem) -> str | None:
+        if p.return_weights:
+            return "the decode path never materialises the weights"
+        if p.Nq > MAX_ROWS:
+            return f"the decode path serves at most {MAX_ROWS} query rows, this call has Nq={p.Nq}"
+        if p.Nk < MIN_KEYS:
+            return f"only Nk={p.Nk} keys (< {MIN_KEYS}): nothing memory-bound to speed up"
+        return tiled_exec.why_not_fused(p)
+
+    def plan(self, p: Problem) -> list[Piece]:
+        """One query block of all Nq rows against key blocks of ``BLOCK_K`` (see :mod:`.tiled_plan`)."""
+        grid = classify(p.mask, p.ctx, max(p.Nq, 1), BLOCK_K)
+        return pieces(grid, p.mask, p.bias, p.ctx, p.Hq)
+
+    def run(self, p: Problem) -> AttentionOutput:
+        """Decode ``p``; calls that are not decodes (or need the loop engine) run as ``tiled``.
+
+        Raises:
+            ValueError: if the weights are requested.
+        """
+        if p.return_weights:
+            raise ValueError("backend 'decode' cannot return the attention weights; use backend='matrix'")
+        if p.Nq > MAX_ROWS or p.Nq == 0 or tiled_exec.why_not_fused(p) is not None:
+            return tiled.BACKEND.run(p)
+        plan = self.plan(p)
+        if p.needs_grad:
+            out, lse = tiled.run_fused(p, plan)
+        else:
+            with torch.no_grad():
+                out, lse = _forward_split(p, plan)
+        return AttentionOutput(out, None, lse if p.return_lse else None)
+
+
+def n_chunks(p: Problem, length: int) -> int:
+    """How many chunks to cut a span of ``length`` keys into so every core has a (B, kv head) to work on."""
+    lanes = p.B * p.Hkv
+    threads = torch.get_num_threads()
+    n = 1
+    while lanes * n < 2 * threads and length // (2 * n) >= MIN_CHUNK:
+        n *= 2
+    return n
+
+
+def _forward_split(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
+    """The fused forward, with the long unmasked span cut into chunks that run side by side."""
+    big = [pc for pc in plan if pc.kind == "full" and pc.nb == 1 and n_chunks(p, pc.k1 - pc.k0) > 1]
+    if not big or p.D != p.Dv:
+        return tiled_exec.forward(p, plan)
+    pc = big[0]
+    n = n_chunks(p, pc.k1 - pc.k0)
+    c = (pc.k1 - pc.k0) // n
+    rest = [x for x in plan if x is not pc]
+    if pc.k0 + n * c < pc.k1:
+        rest.append(Piece(pc.r0, pc.bq, 1, pc.k0 + n * c, pc.k1, "full"))
+    o, lse = _chunked(p, pc.k0, c, n)  # (B, Hq, Nq, Dv), (B, Hq, Nq)
+    if not rest:
+        return o.to(p.dtype), lse
+    o2, lse2 = tiled_exec.forward(p, rest)
+    new = torch.logaddexp(lse, lse2)  # (B, Hq, Nq)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    out = o * torch.exp(lse - safe).unsqueeze(-1) + o2.to(o.dtype) * torch.exp(lse2 - safe).unsqueeze(-1)
+    return out.to(p.dtype), new
+
+
+def _chunked(p: Problem, k0: int, c: int, n: int) -> tuple[Tensor, Tensor]:
+    """Every query row against keys ``k0 : k0 + n*c`` as n chunks of c keys, one kernel call, merged."""
+    B, Hkv, G, Nq, D, Nk = p.B, p.Hkv, p.G, p.Nq, p.D, p.Nk
+    k, v = p.k.contiguous(), p.v.contiguous()
+    shape, strides = (B * Hkv, n, c, D), (Nk * D, c * D, D, 1)
+    kc = k.as_strided(shape, strides, k.storage_offset() + k0 * D)  # (B*Hkv, n, c, D): chunks as heads
+    vc = v.as_strided(shape, strides, v.storage_offset() + k0 * D)  # (B*Hkv, n, c, D), no copy
+    q = p.q.reshape(B * Hkv, 1, G * Nq, D).expand(B * Hkv, n, G * Nq, D).contiguous()  # (B*Hkv, n, G*Nq, D)
+    o, lse = tiled_exec._FWD(q, kc, vc, 0.0, False, scale=p.scale)
+    acc = tiled_exec.acc_dtype(p.dtype)
+    o = o.reshape(B, Hkv, n, G * Nq, D).to(acc)  # (B, Hkv, n, G*Nq, D)
+    lse = lse.reshape(B, Hkv, n, G * Nq).to(acc)  # (B, Hkv, n, G*Nq)
+    total = torch.logsumexp(lse, dim=2)  # (B, Hkv, G*Nq)
+    out = (o * torch.exp(lse - total.unsqueeze(2)).unsqueeze(-1)).sum(2)  # (B, Hkv, G*Nq, D)
+    return out.reshape(B, p.Hq, Nq, D), total.reshape(B, p.Hq, Nq)  # unfold
+
+
+BACKEND = DecodeBackend()

@@ -1,0 +1,111 @@
+"""``flex``: PyTorch's ``flex_attention`` compiled with ``torch.compile`` - optional, never required.
+
+Shape legend: B, Hq, Hkv, Nq, Nk, D as in :mod:`multihead.problem`.
+
+Our masks are already flex ``mask_mod`` predicates and our additive biases and soft-cap are ``score_mod``
+functions, so the adapter is thin::
+
+    mask_mod(b, h, q_idx, kv_idx)        = mask.evaluate(b, h, q_idx, kv_idx, ctx)
+    score_mod(score, b, h, q_idx, kv_idx) = bias.apply(score, b, h, q_idx, kv_idx, ctx)
+
+flex compiles one kernel per mask/score function and shape (about 30 s on a 2-core CPU), has no CPU
+backward in every torch build and was not measured faster than ``tiled`` on CPU, so ``auto`` never picks
+it; ask for it with ``backend="flex"``. It is registered only where it can be useful: with CUDA, or on
+CPU when ``MULTIHEAD_FLEX=1`` is set (so that tests and the study do not compile on every machine).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from ..problem import AttentionOutput, Problem
+
+
+@functools.cache
+def _compiled() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class FlexBackend:
+    name = "flex"
+    summary = "torch.nn.attention.flex_attention under torch.compile (block-sparse; best on GPU)"
+
+    def unusable(self) -> str | None:
+        """Why flex cannot run on this machine at all, or None."""
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except ImportError:
+            return "this torch has no torch.nn.attention.flex_attention"
+        if not torch.cuda.is_available() and shutil.which(os.environ.get("CXX", "g++")) is None:
+            return "torch.compile needs a C++ compiler on CPU and none was found"
+        return None
+
+    def why_not(self, p: Problem) -> str | None:
+        reason = self.unusable() or self._cannot(p)
+        if reason is not None:
+            return reason
+        return "compiled flex_attention is opt-in (compile time per mask and shape); ask with backend='flex'"
+
+    def _cannot(self, p: Problem) -> str | None:
+        if p.return_weights:
+            return "flex_attention cannot return the attention weights"
+        if p.dropout_p > 0.0:
+            return "flex_attention has no dropout"
+        if p.q.device.type == "cpu" and p.needs_grad:
+            return "flex_attention compiled on CPU supports inference only (no backward)"
+        if p.q.device.type == "cpu" and p.return_lse:
+            return "flex_attention compiled on CPU cannot return the log-sum-exp"
+        return None
+
+    def run(self, p: Problem) -> AttentionOutput:
+        """Run ``p`` through compiled flex_attention.
+
+        Raises:
+            ValueError: when flex is unusable here or cannot serve the request (the message says why).
+        """
+        reason = self.unusable() or self._cannot(p)
+        if reason is not None:
+            raise ValueError(f"backend 'flex' cannot serve this call: {reason}")
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        ctx = p.ctx
+        block_mask, score_mod = None, None
+        if p.mask is not None:
+            mask = p.mask
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return mask.evaluate(b, h, q_idx, kv_idx, ctx)
+
+            block_mask = create_block_mask(mask_mod, p.B, p.Hq, p.Nq, p.Nk, device=str(p.q.device))
+        if p.bias is not None:
+            bias = p.bias
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return bias.apply(score, b, h, q_idx, kv_idx, ctx)
+
+        res = _compiled()(
+            p.q, p.k, p.v, score_mod=score_mod, block_mask=block_mask, scale=p.scale,
+            enable_gqa=p.Hq != p.Hkv, return_lse=p.return_lse,
+        )  # fmt: skip
+        out, lse = res if p.return_lse else (res, None)
+        out = torch.nan_to_num(out, nan=0.0)  # a row with no allowed key returns zeros
+        if lse is not None:
+            out = out.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
+            lse = lse.float() if p.dtype != torch.float64 else lse
+        return AttentionOutput(out, None, lse)
+
+
+BACKEND = FlexBackend()
+
+
+def should_register() -> bool:
+    """Register in the backend list only where flex can run and is wanted (see the module docstring)."""
+    wanted = torch.cuda.is_available() or os.environ.get("MULTIHEAD_FLEX") == "1"
+    return wanted and BACKEND.unusable() is None

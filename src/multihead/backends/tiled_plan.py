@@ -1,0 +1,255 @@
+"""The tiled kernel's plan: classify (query block x key block) tiles once, then cut the work into pieces.
+
+Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, Nq queries, Nk keys, bq / bk the block
+sizes, L the key length of a piece.
+
+Step 1 - classify. The grid has query blocks of ``bq`` rows and key blocks of ``bk`` keys; key edges are
+shifted by ``(Nk - Nq) mod bk`` so that, with bottom-right alignment, a square query block sits exactly on
+a key block (the diagonal of a causal mask is then whole tiles). Each tile is EMPTY, FULL or PARTIAL,
+from the mask's analytic :meth:`~multihead.masks.Mask.block_kinds` when it has one, else by evaluating
+the mask one block row at a time.
+
+Step 2 - rows. Each query block row becomes one of
+    empty     no allowed key: the rows return zeros
+    full      one key span of FULL tiles: no per-element mask
+    stair     FULL tiles then the causal diagonal tile: a full span plus a causal square
+    masked    one key span from the first to the last non-empty tile, with a per-element mask
+
+Step 3 - pieces. Consecutive rows are merged into :class:`Piece` s that one kernel call runs:
+    rect      rows r0:r1 against keys k0:k1 (stationary spans, a run of stair rows, or one masked row)
+    band      ``nb`` blocks of ``bq`` rows, block j against keys ``k0 + j*bq : k1 + j*bq`` with one shared
+              mask: a sliding window, the diagonal of a causal mask ... as one batched call over strided
+              views of K/V (no copy)
+A row's pieces are merged by their log-sum-exp (see :mod:`.tiled_exec`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..biases import ALiBi, Bias, _Chain
+from ..masks import EMPTY, FULL, PARTIAL, Mask, MaskContext
+
+# Merge at most this many mask elements (B * H * rows * L) into one masked rect piece.
+MAX_MASK_ELEMS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One kernel call: query rows ``r0 : r0 + nb * bq`` against keys ``k0 : k1`` (shifted by ``bq`` per
+    block when ``nb > 1``). ``kind`` is "full" (no mask), "causal" (top-left causal over a square) or
+    "masked" (mask and/or bias built for rows ``r0 : r0 + bq`` and keys ``k0 : k1``, shared by the blocks).
+    """
+
+    r0: int
+    bq: int
+    nb: int
+    k0: int
+    k1: int
+    kind: str
+
+    @property
+    def r1(self) -> int:
+        return self.r0 + self.nb * self.bq
+
+    @property
+    def area(self) -> int:
+        """(query, key) pairs the kernel computes (a causal square counts half)."""
+        n = self.nb * self.bq * (self.k1 - self.k0)
+        return n // 2 if self.kind == "causal" else n
+
+
+@dataclass
+class Grid:
+    """Tile edges and kinds: ``kinds[i, j]`` for rows ``q_edges[i]:q_edges[i+1]``, keys ``k_edges[j]:...``."""
+
+    q_edges: list[int]
+    k_edges: list[int]
+    kinds: Tensor  # (nqb, nkb) int8
+
+    def counts(self) -> dict[str, int]:
+        names = (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))
+        return {name: int((self.kinds == code).sum()) for name, code in names}
+
+
+def edges(n: int, block: int, shift: int = 0) -> list[int]:
+    """Block edges ``[0, s, s + block, ..., n]`` with the first block of ``shift`` (0 = none) positions."""
+    inner = range(shift if shift > 0 else block, n, block)
+    return [0, *inner, n]
+
+
+def classify(mask: Mask | None, ctx: MaskContext, bq: int, bk: int) -> Grid:
+    """Step 1: the tile grid and the kind of every tile (see the module docstring)."""
+    q_edges = edges(ctx.Nq, bq)
+    k_edges = edges(ctx.Nk, bk, ctx.offset % bk)
+    nqb, nkb = len(q_edges) - 1, len(k_edges) - 1
+    if mask is None:
+        return Grid(q_edges, k_edges, torch.full((nqb, nkb), FULL, dtype=torch.int8))
+    qe, ke = torch.tensor(q_edges), torch.tensor(k_edges)
+    kinds = mask.block_kinds(ctx, qe[:-1, None], qe[1:, None], ke[None, :-1], ke[None, 1:])
+    if kinds is None:
+        kinds = _evaluate_kinds(mask, ctx, q_edges, ke)
+    return Grid(q_edges, k_edges, kinds.expand(nqb, nkb).contiguous())
+
+
+def nonempty_fraction(mask: Mask | None, ctx: MaskContext, block: int = 64) -> float | None:
+    """Fraction of the (Nq x Nk) area in tiles the mask does not empty; None when it has no analytic
+    classification (finding out would mean evaluating it)."""
+    if mask is None:
+        return 1.0
+    q_edges, k_edges = edges(ctx.Nq, block), edges(ctx.Nk, block, ctx.offset % block)
+    qe, ke = torch.tensor(q_edges), torch.tensor(k_edges)
+    kinds = mask.block_kinds(ctx, qe[:-1, None], qe[1:, None], ke[None, :-1], ke[None, 1:])
+    if kinds is None or ctx.Nq * ctx.Nk == 0:
+        return None
+    area = (qe[1:] - qe[:-1])[:, None] * (ke[1:] - ke[:-1])[None, :]  # (nqb, nkb)
+    return float((area * (kinds != EMPTY)).sum()) / (ctx.Nq * ctx.Nk)
+
+
+def _evaluate_kinds(mask: Mask, ctx: MaskContext, q_edges: list[int], ke: Tensor) -> Tensor:
+    """Kinds by evaluating the mask one block row at a time (masks with no analytic form)."""
+    rows = []
+    zero = torch.zeros(1, dtype=torch.long)
+    for q0, q1 in itertools.pairwise(q_edges):
+        allowed = mask.block(ctx, (q0, q1), (0, ctx.Nk)).cpu()  # (B|1, H|1, nq, Nk)
+        flat = allowed.reshape(-1, ctx.Nk)  # (B'*H'*nq, Nk)
+        n_any = torch.cat([zero, flat.any(0).long().cumsum(0)])  # (Nk + 1,)
+        n_all = torch.cat([zero, flat.all(0).long().cumsum(0)])  # (Nk + 1,)
+        any_t = n_any[ke[1:]] - n_any[ke[:-1]] > 0  # (nkb,)
+        all_t = n_all[ke[1:]] - n_all[ke[:-1]] == ke[1:] - ke[:-1]  # (nkb,)
+        rows.append(torch.where(all_t, FULL, torch.where(any_t, PARTIAL, EMPTY)).to(torch.int8))
+    return torch.stack(rows)  # (nqb, nkb)
+
+
+@dataclass
+class _Row:
+    kind: str  # empty | full | stair | masked
+    r0: int
+    r1: int
+    k0: int = 0
+    k1: int = 0
+    diag: int = 0  # stair rows: first key of the causal diagonal tile
+
+
+def _rows(grid: Grid, ctx: MaskContext, diagonal_ok: bool) -> list[_Row]:
+    """Step 2: one :class:`_Row` per query block row."""
+    kinds = grid.kinds
+    ne = kinds != EMPTY  # (nqb, nkb)
+    nkb = kinds.shape[1]
+    any_ = ne.any(1).tolist()
+    first = ne.int().argmax(1).tolist()
+    last = (nkb - 1 - ne.flip(1).int().argmax(1)).tolist()
+    n_full = (kinds == FULL).sum(1).tolist()
+    last_kind = kinds.gather(1, torch.tensor(last).view(-1, 1)).view(-1).tolist()
+    qe, ke = grid.q_edges, grid.k_edges
+    out = []
+    for i in range(kinds.shape[0]):
+        r0, r1 = qe[i], qe[i + 1]
+        if not any_[i]:
+            out.append(_Row("empty", r0, r1))
+            continue
+        a, b = first[i], last[i]
+        k0, k1 = ke[a], ke[b + 1]
+        if n_full[i] == b - a + 1:
+            out.append(_Row("full", r0, r1, k0, k1))
+        elif (
+            diagonal_ok
+            and n_full[i] == b - a
+            and last_kind[i] == PARTIAL
+            and ke[b] == r0 + ctx.offset
+            and ke[b + 1] == r1 + ctx.offset
+        ):
+            out.append(_Row("stair", r0, r1, k0, k1, ke[b]))
+        else:
+            out.append(_Row("masked", r0, r1, k0, k1))
+    return out
+
+
+def _is_causal_tile(mask: Mask, ctx: MaskContext, r0: int, r1: int, k0: int) -> bool:
+    """Whether the square tile rows r0:r1, keys k0:k0+(r1-r0) is exactly lower-triangular for all (b, h)."""
+    n = r1 - r0
+    allowed = mask.block(ctx, (r0, r1), (k0, k0 + n)).cpu()  # (B|1, H|1, n, n)
+    return bool((allowed == _tril(n)).all())
+
+
+@functools.lru_cache(maxsize=8)
+def _tril(n: int) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def shift_invariant_bias(bias: Bias | None) -> bool:
+    """Whether every tile on one diagonal gets the same bias (ALiBi, or none)."""
+    parts = [] if bias is None else (bias.parts if isinstance(bias, _Chain) else [bias])
+    return all(isinstance(p, ALiBi) for p in parts)
+
+
+def pieces(grid: Grid, mask: Mask | None, bias: Bias | None, ctx: MaskContext, n_heads: int) -> list[Piece]:
+    """Step 3: merge rows into pieces (see the module docstring)."""
+    rows = _rows(grid, ctx, diagonal_ok=bias is None and mask is not None)
+    out: list[Piece] = []
+    i = 0
+    while i < len(rows):
+        row = rows[i]
+        if row.kind == "empty":
+            i += 1
+        elif row.kind == "stair":
+            i = _take_stair(rows, i, mask, ctx, out)
+        else:
+            i = _take_span(rows, i, mask, bias, ctx, n_heads, out)
+    return out
+
+
+def _take_stair(rows: list[_Row], i: int, mask, ctx: MaskContext, out: list[Piece]) -> int:
+    """A run of stair rows with one start: a full rect left of the diagonal plus one causal square."""
+    row = rows[i]
+    if not _is_causal_tile(mask, ctx, row.r0, row.r1, row.diag):
+        rows[i] = _Row("masked", row.r0, row.r1, row.k0, row.k1)
+        return i
+    j = i + 1
+    while (
+        j < len(rows)
+        and rows[j].kind == "stair"
+        and rows[j].k0 == row.k0
+        and rows[j].r0 == rows[j - 1].r1
+        and (mask.shift_invariant or _is_causal_tile(mask, ctx, rows[j].r0, rows[j].r1, rows[j].diag))
+    ):  # every diagonal tile of a shift-invariant mask equals the first
+        j += 1
+    r1 = rows[j - 1].r1
+    if row.diag > row.k0:
+        out.append(Piece(row.r0, r1 - row.r0, 1, row.k0, row.diag, "full"))
+    out.append(Piece(row.r0, r1 - row.r0, 1, row.diag, rows[j - 1].k1, "causal"))
+    return j
+
+
+def _take_span(rows, i, mask, bias, ctx: MaskContext, n_heads: int, out: list[Piece]) -> int:
+    """Rows with one span each: merge a run that stays put (rect) or moves by one block per row (band)."""
+    row = rows[i]
+    kind = "full" if row.kind == "full" and bias is None else "masked"
+    bq, length = row.r1 - row.r0, row.k1 - row.k0
+
+    def same(r: _Row) -> bool:
+        return r.kind == row.kind and r.r1 - r.r0 == bq and r.k1 - r.k0 == length
+
+    # stationary: same keys for every row (dense, a prefix column, padding ...)
+    j = i + 1
+    limit = max(1, MAX_MASK_ELEMS // max(1, ctx.B * n_heads * bq * length)) if kind == "masked" else 1 << 30
+    while j < len(rows) and j - i < limit and same(rows[j]) and rows[j].k0 == row.k0:
+        j += 1
+    if j > i + 1 or (kind == "masked" and not _band_ok(mask if row.kind == "masked" else None, bias)):
+        out.append(Piece(row.r0, rows[j - 1].r1 - row.r0, 1, row.k0, row.k1, kind))
+        return j
+    # band: the span moves by bq keys per block of bq rows (sliding window, diagonals ...)
+    while j < len(rows) and same(rows[j]) and rows[j].k0 == rows[j - 1].k0 + bq:
+        j += 1
+    out.append(Piece(row.r0, bq, j - i, row.k0, row.k1, kind))
+    return j
+
+
+def _band_ok(mask: Mask | None, bias: Bias | None) -> bool:
+    """A masked band shares one mask tile, which is exact only for shift-invariant masks and biases."""
+    return (mask is None or mask.shift_invariant) and shift_invariant_bias(bias)

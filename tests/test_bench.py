@@ -1,0 +1,75 @@
+"""``multihead bench``: a tiny smoke run of the suite (no timed assertions; goals live in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from multihead import bench
+from multihead.cli import main
+
+
+def test_suites_are_fixed_and_named():
+    full = bench.cases("full")
+    names = {c.name for c in full}
+    assert {"dense", "causal", "window 512", "8 causal documents", "GQA decode", "fwd+bwd causal"} <= names
+    assert {c.n for c in full if c.family == "window"} == {16384, 32768}
+    assert {c.n for c in full if c.family == "decode"} == {4096, 8192, 16384, 32768}
+    with pytest.raises(ValueError, match="suite kind must be 'full', 'quick' or 'tiny', got 'huge'"):
+        bench.cases("huge")
+
+
+def test_tiny_run_reports_ratios_and_rates():
+    doc = bench.run("tiny", repeats=1, only="GQA decode")
+    assert doc["machine"]["bandwidth_gbps"] > 0 and doc["machine"]["matmul_gflops"]
+    rows = {r["method"]: r for r in doc["results"]}
+    assert {"auto", "decode", "sdpa"} <= set(rows)
+    assert rows["auto"]["note"] == "auto -> decode"
+    assert rows["auto"]["ms"] > 0 and rows["auto"]["gbps"] > 0 and rows["auto"]["bw_frac"] > 0
+    assert set(rows["auto"]["vs"]) >= {"sdpa", "decode"}
+    with pytest.raises(ValueError, match="no case matches 'nothing'"):
+        bench.run("tiny", only="nothing")
+
+
+def test_goals_are_checked_from_results():
+    results = [
+        {"family": "dense", "n": 4096, "method": "auto", "ms": 1.0, "vs": {"sdpa": 1.01}, "case": "dense"},
+        {"family": "decode", "n": 16384, "method": "auto", "ms": 1.0, "vs": {"sdpa": 0.7}, "case": "d",
+         "bw_frac": 0.6},
+    ]  # fmt: skip
+    goals = {(g["case"], g["goal"]): g["met"] for g in bench.check_goals(results)}
+    assert goals[("dense", "auto <= 1.05x sdpa")] is True
+    assert goals[("d", "auto <= 0.5x sdpa")] is False
+    assert goals[("d", "auto >= 0.5x bandwidth")] is True
+
+
+def test_cli_json_and_plot(tmp_path):
+    png = tmp_path / "bench.png"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["bench", "--tiny", "--repeats", "1", "--only", "window", "--json", "--plot", str(png)])
+    assert code == 0
+    doc = json.loads(buf.getvalue())
+    methods = {r["method"] for r in doc["results"]}
+    assert {"auto", "tiled", "sdpa", "sdpa/block"} <= methods
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_help_and_bad_args(capsys):
+    assert main(["bench", "--help"]) == 0
+    assert "--full" in capsys.readouterr().out
+    assert main(["bench", "--repeats", "0", "--tiny", "--only", "window"]) == 2
+    assert "repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_distributed_flag_runs_ring_attention_on_local_processes():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["bench", "--distributed", "2", "--seq", "256", "--json"]) == 0
+    doc = json.loads(out.getvalue())
+    sizes = [row["world_size"] for row in doc["rows"]]
+    assert sizes == [1, 2]
+    assert all(row["peak_bytes"] > 0 for row in doc["rows"])

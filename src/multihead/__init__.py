@@ -8,7 +8,7 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
-from . import compat, cost, parallel
+from . import compat, cost, parallel, pretrained
 from .attention_module import MultiHeadAttention
 from .biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .feed_forward import FeedForward
@@ -61,6 +61,7 @@ __all__ = [
     "padding",
     "parallel",
     "prefix_lm",
+    "pretrained",
     "sliding_window",
     "softcap",
 ]

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from rich.console import Console
 
-from . import __version__, bench, cost, study
+from . import __version__, approx_cli, bench, cost, encode_cli, generate_cli, study, train_cli
 from .functional import _choose, explain
 from .masks import Mask, causal, prefix_lm, sliding_window
 from .problem import make_problem
@@ -215,7 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     _add_study(sub)
     _add_explain(sub)
+    encode_cli.register(sub)
+    generate_cli.register(sub)
     bench.add_parser(sub)
+    approx_cli.register(sub)
+    train_cli.register(sub)
     return parser
 
 

@@ -5,8 +5,9 @@
 
 Masking is explicit: ``mh.causal()`` (or ``mh.sliding_window(w)``, which is causal too), and-ed with the
 key padding of ``attention_mask``. Both are bottom-right aligned, so the same mask serves a full
-forward, a prefill into a KV cache and one-token decode steps. With a cache the positions continue from
-``cache[0].position``.
+forward, a prefill into a KV cache and one-token decode steps. Positions count the real tokens of each
+row (``attention_mask.cumsum(-1) - 1``, as Hugging Face does), so a left-padded row gets the positions of
+the unpadded sequence; without a mask they are ``arange`` continuing from ``cache[0].position``.
 
 Shape legend: B batch, N new tokens, P tokens seen before (cache position), T = P + N, L keys a layer
 attends (T, or fewer with a sliding cache), d = d_model, V = vocab size.
@@ -26,7 +27,7 @@ from .masks import Mask, MaskContext, causal, sliding_window
 from .norms import make_norm
 from .positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
-__all__ = ["POSITION_KINDS", "TransformerLM"]
+__all__ = ["POSITION_KINDS", "TransformerLM", "left_pad"]
 
 POSITION_KINDS = ("rotary", "learned", "sinusoidal", "none")
 
@@ -64,6 +65,19 @@ def _check_int(name: str, val: Any, low: int) -> None:
         raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
 
 
+def _as_real(attention_mask: Any, B: int, T: int, what: str) -> Tensor:
+    """A (B, T) bool or 0/1 attention mask as bool (True = real token)."""
+    am = attention_mask
+    if not isinstance(am, Tensor) or tuple(am.shape) != (B, T):
+        shape = tuple(am.shape) if isinstance(am, Tensor) else type(am).__name__
+        raise ValueError(f"attention_mask must have shape (B, T) = ({B}, {T}) ({what}), got {shape}")
+    if am.dtype != torch.bool:
+        if not bool(((am == 0) | (am == 1)).all()):
+            raise ValueError("attention_mask must be bool or hold only 0 and 1 (1 = real token)")
+        am = am != 0
+    return am
+
+
 class TransformerLM(nn.Module):
     """Decoder-only Transformer language model; defaults are LLaMA's (RMSNorm, pre-LN, SwiGLU, RoPE).
 
@@ -76,6 +90,7 @@ class TransformerLM(nn.Module):
         tie_embeddings: share the embedding matrix with the output projection (GPT-2, small LLaMAs).
         rope_base: rotary base (10000 in RoFormer / LLaMA 2).
         sliding_window: if set, every layer attends to the last ``sliding_window`` tokens (Mistral).
+        norm_eps: epsilon of every norm (GPT-2 1e-5, LLaMA / Mistral / Qwen2 1e-6).
 
     Raises:
         ValueError: unknown positions kind, non-dividing head counts, bad sizes, and what the layers raise.
@@ -100,6 +115,7 @@ class TransformerLM(nn.Module):
         dropout: float = 0.0,
         rope_base: float = 10000.0,
         sliding_window: int | None = None,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         for name, val in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_len", max_len)):
@@ -135,11 +151,12 @@ class TransformerLM(nn.Module):
                 dropout=dropout,
                 bias=bias,
                 rotary=rotary,
+                norm_eps=norm_eps,
             )
             for _ in range(n_layers)
         )
         # Pre-LN leaves the residual stream un-normalised (GPT-2 ln_f, LLaMA norm); post-LN ends normed.
-        self.final_norm = make_norm(norm, d_model) if norm_first else nn.Identity()
+        self.final_norm = make_norm(norm, d_model, norm_eps) if norm_first else nn.Identity()
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
         if tie_embeddings:
@@ -163,8 +180,8 @@ class TransformerLM(nn.Module):
             ids: (B, N) integer token ids in [0, vocab_size).
             attention_mask: (B, T) bool or 0/1, 1 = real token, over every token seen: T = N without a
                 cache, ``cache[0].position + N`` with one (the past tokens' mask followed by the new ones).
-                Positions stay ``arange``: with left padding rotary is unaffected (it is relative), learned
-                and sinusoidal positions are shifted by the pad count.
+                Token positions count each row's real tokens, so a left-padded row gets exactly the
+                positions (and, for rotary, the logits) of its unpadded sequence.
             cache: one ``KVCache`` per layer (from :meth:`make_cache`); ids are appended to it and their
                 positions continue from ``cache[0].position``.
 
@@ -172,24 +189,43 @@ class TransformerLM(nn.Module):
             ValueError: bad ids, an attention_mask of the wrong shape or values, a cache of the wrong
                 length, positions past ``max_len`` for learned / sinusoidal positions.
         """
+        return self.lm_head(self.hidden_states(ids, attention_mask=attention_mask, cache=cache))  # (B, N, V)
+
+    def hidden_states(
+        self, ids: Tensor, *, attention_mask: Tensor | None = None, cache: list[KVCache] | None = None
+    ) -> Tensor:
+        """The final-normed hidden states (B, N, d) that ``lm_head`` turns into logits; see :meth:`forward`.
+
+        Generation calls this and projects only the last position (V x d per row instead of N x V x d).
+
+        Raises:
+            ValueError: as :meth:`forward`.
+        """
         self._check_ids(ids)
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} entries but the model has {len(self.layers)} layers")
         B, N = ids.shape
         past = 0 if cache is None else int(cache[0].position)
+        real = None if attention_mask is None else _as_real(attention_mask, B, past + N, "T = cached + new")
+        positions = None if real is None else (real.long().cumsum(-1) - 1).clamp_(min=0)[:, past:]  # (B, N)
         x = self.embed(ids)  # (B, N, d)
         if self.pos_embed is not None:
-            if past + N > self.max_len:
+            pos = torch.arange(past, past + N, device=ids.device) if positions is None else positions
+            top = int(pos.max()) + 1
+            if top > self.max_len:
                 raise ValueError(
-                    f"positions up to {past + N} exceed max_len={self.max_len} of the {self.positions} "
+                    f"positions up to {top} exceed max_len={self.max_len} of the {self.positions} "
                     "position table; build the model with a larger max_len"
                 )
-            x = x + self.pos_embed(torch.arange(past, past + N, device=ids.device))  # (B, N, d)
+            x = x + self.pos_embed(pos)  # (B, N, d)
         x = self.drop(x)
-        mask = self._mask(attention_mask, B, past + N)
+        mask = self._mask(real)
+        rope_pos = positions if self.positions == "rotary" else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, mask=mask, cache=None if cache is None else cache[i])  # (B, N, d)
-        return self.lm_head(self.final_norm(x))  # (B, N, V)
+            x = layer(
+                x, mask=mask, cache=None if cache is None else cache[i], positions=rope_pos
+            )  # (B, N, d)
+        return self.final_norm(x)  # (B, N, d)
 
     def _check_ids(self, ids: Any) -> None:
         integer = isinstance(ids, Tensor) and not ids.is_floating_point() and ids.dtype != torch.bool
@@ -202,22 +238,10 @@ class TransformerLM(nn.Module):
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"ids must lie in [0, vocab_size={self.vocab_size}), got min {lo} and max {hi}")
 
-    def _mask(self, attention_mask: Tensor | None, B: int, T: int) -> Mask:
-        """causal (or sliding window) & key padding, all bottom-right aligned."""
+    def _mask(self, real: Tensor | None) -> Mask:
+        """causal (or sliding window) & key padding of the (B, T) real-token mask, bottom-right aligned."""
         base = causal() if self.sliding_window is None else sliding_window(self.sliding_window)
-        if attention_mask is None:
-            return base
-        am = attention_mask
-        if not isinstance(am, Tensor) or tuple(am.shape) != (B, T):
-            shape = tuple(am.shape) if isinstance(am, Tensor) else type(am).__name__
-            raise ValueError(
-                f"attention_mask must have shape (B, T) = ({B}, {T}) (T = cached + new tokens), got {shape}"
-            )
-        if am.dtype != torch.bool:
-            if not bool(((am == 0) | (am == 1)).all()):
-                raise ValueError("attention_mask must be bool or hold only 0 and 1 (1 = real token)")
-            am = am != 0
-        return base & _TrailingKeyPadding(am)
+        return base if real is None else base & _TrailingKeyPadding(real)
 
     # -- caching and generation -----------------------------------------------------------------
     def make_cache(self, batch_size: int, max_len: int, kind: str = "dense") -> list[KVCache]:
@@ -256,51 +280,64 @@ class TransformerLM(nn.Module):
         top_p: float | None = None,
         eos_token_id: int | None = None,
         cache: str | None = "dense",
+        attention_mask: Tensor | None = None,
     ) -> Tensor:
         """Extend ids (B, N) by up to ``max_new_tokens`` tokens -> (B, N + new).
 
         Prefills the prompt in one pass, then feeds one token per step through the KV cache (``cache``
-        names its kind; None recomputes the whole sequence every step). Greedy unless ``do_sample``,
-        which samples from ``softmax(logits / temperature)`` restricted to the ``top_k`` best and the
-        smallest set of probability >= ``top_p``. A row that emitted ``eos_token_id`` keeps emitting
-        it; generation stops early once every row has. Runs in eval mode (no dropout) and restores the
-        previous mode.
+        names its kind, "dense" | "sliding" | "int8", preallocated for N + max_new_tokens positions; None
+        recomputes the whole sequence every step). Greedy unless ``do_sample``, which samples from
+        ``softmax(logits / temperature)`` restricted to the ``top_k`` best and the smallest set of
+        probability >= ``top_p``. A row that emitted ``eos_token_id`` keeps emitting it; generation stops
+        early once every row has. Runs in eval mode (no dropout) and restores the previous mode.
+
+        Prompts of different lengths go in one batch left-padded: ``attention_mask`` (B, N), 0 on the pad
+        tokens before each prompt (any pad id), 1 on the prompt; each row then generates exactly what its
+        unpadded prompt alone would (see :func:`left_pad`).
 
         Raises:
             ValueError: bad ids, a negative max_new_tokens, sampling options without ``do_sample`` or
-                out of range.
+                out of range, an attention_mask that is not left padding or leaves a row empty.
         """
         self._check_ids(ids)
         _check_int("max_new_tokens", max_new_tokens, 0)
         self._check_sampling(do_sample, temperature, top_k, top_p)
+        real = None if attention_mask is None else _check_left_padding(attention_mask, *ids.shape)
         was_training = self.training
         self.eval()
         try:
-            return self._generate(
-                ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, cache
-            )
+            sampling = (do_sample, temperature, top_k, top_p)
+            return self._generate(ids, max_new_tokens, sampling, eos_token_id, cache, real)
         finally:
             self.train(was_training)
 
-    def _generate(self, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, cache):
+    def _generate(self, ids, max_new_tokens, sampling, eos_token_id, cache, real) -> Tensor:
         B, N = ids.shape
-        caches = None if cache is None else self.make_cache(B, N + max_new_tokens, kind=cache)
-        out = ids
-        finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+        total = N + max_new_tokens
+        out = ids.new_empty(B, total)  # (B, N + new), preallocated and written by index
+        out[:, :N] = ids
         if max_new_tokens == 0:
-            return out.clone()
-        logits = self(ids, cache=caches)[:, -1]  # (B, V): prefill
-        for step in range(max_new_tokens):
-            nxt = self._pick(logits, do_sample, temperature, top_k, top_p)  # (B,)
+            return out
+        am = None
+        if real is not None:
+            am = torch.ones(B, total, dtype=torch.bool, device=ids.device)  # (B, N + new)
+            am[:, :N] = real
+        caches = None if cache is None else self.make_cache(B, total, kind=cache)
+        finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+        h = self.hidden_states(ids, attention_mask=None if am is None else am[:, :N], cache=caches)  # prefill
+        for t in range(N, total):
+            nxt = self._pick(self.lm_head(h[:, -1]), *sampling)  # (B,) from the last position's logits
             if eos_token_id is not None:
                 nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
                 finished |= nxt == eos_token_id
-            out = torch.cat([out, nxt[:, None].to(out.dtype)], dim=1)  # (B, N + step + 1)
-            if step == max_new_tokens - 1 or bool(finished.all()):
-                break
-            # one-token decode through the cache, or a full recompute without one
-            step_logits = self(out) if caches is None else self(out[:, -1:], cache=caches)  # (B, n, V)
-            logits = step_logits[:, -1]  # (B, V)
+            out[:, t] = nxt
+            if t == total - 1 or (eos_token_id is not None and bool(finished.all())):
+                return out[:, : t + 1]
+            seen = None if am is None else am[:, : t + 1]  # (B, t + 1)
+            if caches is None:  # a full recompute of the sequence so far
+                h = self.hidden_states(out[:, : t + 1], attention_mask=seen)  # (B, t + 1, d)
+            else:  # one-token decode step on the cache
+                h = self.hidden_states(out[:, t : t + 1], attention_mask=seen, cache=caches)  # (B, 1, d)
         return out
 
     @staticmethod
@@ -333,3 +370,38 @@ class TransformerLM(nn.Module):
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)  # (B, V)
         return torch.multinomial(F.softmax(logits, dim=-1), 1).squeeze(-1)  # (B,)
+
+
+def _check_left_padding(attention_mask: Any, B: int, N: int) -> Tensor | None:
+    """Validate a generate() prompt mask: (B, N), every row 0s then at least one 1. None if all real."""
+    real = _as_real(attention_mask, B, N, "the prompt's shape")
+    if bool(real.all()):
+        return None
+    if not bool(real[:, -1].all()) or bool((real[:, :-1] & ~real[:, 1:]).any()):
+        bad = [r for r in range(B) if not bool(real[r, -1]) or bool((real[r, :-1] & ~real[r, 1:]).any())]
+        raise ValueError(
+            f"attention_mask rows {bad} are not left-padded: generate() needs each row to be pad tokens "
+            "(0) followed by at least one prompt token (1); pad prompts on the left (see left_pad())"
+        )
+    return real
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[Tensor, Tensor]:
+    """Batch prompts of different lengths for :meth:`TransformerLM.generate`: left padding.
+
+    Returns ``ids`` (B, N) and ``attention_mask`` (B, N) bool, N the longest prompt, each row
+    ``[pad_id] * (N - len) + prompt`` with mask False on the pads.
+
+    Raises:
+        ValueError: no prompts, or an empty prompt.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        lengths = [len(p) for p in prompts]
+        raise ValueError(f"left_pad needs at least one prompt and no empty prompt, got lengths {lengths}")
+    N = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), N), pad_id, dtype=torch.long)  # (B, N)
+    mask = torch.zeros(len(prompts), N, dtype=torch.bool)  # (B, N)
+    for r, p in enumerate(prompts):
+        ids[r, N - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        mask[r, N - len(p) :] = True
+    return ids, mask

@@ -29,6 +29,7 @@ from .biases import Bias, alibi
 from .functional import _choose, attention, backends
 from .masks import Mask, causal, document, padding, sliding_window
 from .parallel.study_section import distributed
+from .pretrained.study_section import minilm
 from .problem import make_problem
 
 __all__ = ["SECTIONS", "Section", "StudyContext", "Table", "human", "run_study", "walk_table"]
@@ -329,7 +330,7 @@ def kv_cache(ctx: StudyContext) -> Section:
     return Section("kv_cache", "KV cache: MHA vs GQA vs MQA", {"rows": data}, [table], [note])
 
 
-SECTIONS: list[Callable[[StudyContext], Section]] = [exactness, walk, kv_cache, distributed]
+SECTIONS: list[Callable[[StudyContext], Section]] = [exactness, walk, kv_cache, minilm, distributed]
 
 
 # -- the study ---------------------------------------------------------------------------------------

@@ -1,0 +1,50 @@
+"""Efficient approximations of attention (seeds 002 §4.3 and 003 §3.1, §4.2-4.3), each a callable module.
+
+Every approximation is called like the functional core and returns the same layout::
+
+    import multihead as mh
+    from multihead import approx
+    out = approx.Nystrom(32)(q, k, v)                         # q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
+    out = approx.Performer(256)(q, k, v, mask=mh.causal())    # -> (B, Hq, Nq, Dv)
+    lm2 = approx.apply(lm, approx.TopK(32))                   # a copy of a model, every attention replaced
+
+====================  =====================================  ========  ===============  ==========
+approximation         idea                                   causal    masks / bias     cost
+====================  =====================================  ========  ===============  ==========
+TopK(k)               k largest scores per query             yes       any              O(N^2)
+Threshold(tau)        drop weights < tau, renormalise        yes       any              O(N^2)
+SparseMask(pattern)   exact attention on a sparse pattern    yes       any              O(nnz)
+Linformer(k, L)       project K, V along the sequence to k   no        key padding      O(N k)
+Nystrom(m)            m segment-mean landmarks               no        key padding      O(N m)
+LowRank(r)            rank-r SVD of the exact weights        yes       any              O(N^2)
+LinearAttention()     elu(q)+1 . elu(k)+1 kernel             yes       key padding      O(N)
+Performer(F)          FAVOR+ positive random features        yes       key padding      O(N F)
+====================  =====================================  ========  ===============  ==========
+
+Patterns for :class:`SparseMask` (or any ``mask=``): :func:`local` and :func:`local_global`.
+"""
+
+from ._common import Approximation
+from .apply import ApproxMultiHeadAttention, LowRankLinear, apply, low_rank_ffn
+from .linear import LinearAttention, Performer, linear_attention
+from .low_rank import Linformer, LowRank, Nystrom
+from .sparse import SparseMask, Threshold, TopK, local, local_global
+
+__all__ = [
+    "ApproxMultiHeadAttention",
+    "Approximation",
+    "LinearAttention",
+    "Linformer",
+    "LowRank",
+    "LowRankLinear",
+    "Nystrom",
+    "Performer",
+    "SparseMask",
+    "Threshold",
+    "TopK",
+    "apply",
+    "linear_attention",
+    "local",
+    "local_global",
+    "low_rank_ffn",
+]

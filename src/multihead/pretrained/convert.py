@@ -1,0 +1,154 @@
+"""Shared pieces of the Hugging Face converters: config access, key renaming, fusing, strict loading.
+
+A converter (``bert.py``, ``gpt2.py``, ``llama.py``) turns a Hugging Face config into the constructor
+arguments of a multihead module and renames the checkpoint's keys with a list of regex :data:`Rule`s.
+Everything here works on plain dicts and tensors: transformers is never imported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "Rule",
+    "align_biases",
+    "cfg",
+    "fuse_qkv",
+    "load_converted",
+    "read_checkpoint",
+    "rename",
+]
+
+#: (pattern, replacement, transform): keys matching ``pattern`` (``re.fullmatch``) are renamed with
+#: ``pattern.sub(replacement)``; ``replacement=None`` drops the key; ``transform`` maps the tensor.
+Rule = tuple[str, str | None, Callable[[Tensor], Tensor] | None]
+
+
+def cfg(config: Any, name: str, default: Any = ...) -> Any:
+    """``config.name`` for a transformers config object, ``config[name]`` for a dict (config.json).
+
+    Raises:
+        ValueError: the field is missing and no default was given.
+    """
+    value = config.get(name, default) if isinstance(config, Mapping) else getattr(config, name, default)
+    if value is ...:
+        raise ValueError(f"the config has no {name!r}; pass a complete Hugging Face config (config.json)")
+    return value
+
+
+def rename(state_dict: Mapping[str, Tensor], rules: list[Rule], what: str) -> dict[str, Tensor]:
+    """Apply the first matching rule to every key; a key no rule matches raises.
+
+    Raises:
+        ValueError: naming the keys that no rule knows (a different architecture or a task head).
+    """
+    compiled = [(re.compile(p), r, f) for p, r, f in rules]
+    out: dict[str, Tensor] = {}
+    unknown = []
+    for key, value in state_dict.items():
+        for pattern, repl, fn in compiled:
+            if pattern.fullmatch(key):
+                if repl is not None:
+                    out[pattern.sub(repl, key)] = fn(value) if fn is not None else value
+                break
+        else:
+            unknown.append(key)
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise ValueError(
+            f"{len(unknown)} {what} checkpoint keys have no multihead counterpart: {shown}; "
+            f"pass the bare {what} model's state dict (without task heads)"
+        )
+    return out
+
+
+def fuse_qkv(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Replace every ``<prefix>.{q,k,v}_proj.{weight,bias}`` triple by ``<prefix>.qkv_proj.*`` (rows q|k|v).
+
+    The fused layout of :class:`multihead.MultiHeadAttention` (one matmul for eq. 9.33).
+    """
+    out = dict(sd)
+    for key in sd:
+        m = re.fullmatch(r"(.*)\.q_proj\.(weight|bias)", key)
+        if m:
+            parts = [f"{m[1]}.{p}_proj.{m[2]}" for p in "qkv"]
+            out[f"{m[1]}.qkv_proj.{m[2]}"] = torch.cat([out.pop(p) for p in parts], dim=0)
+    return out
+
+
+def align_biases(model: nn.Module, sd: Mapping[str, Tensor]) -> None:
+    """Give each ``nn.Linear`` of ``model`` a bias exactly when the checkpoint has one.
+
+    Models differ in where they put biases (Qwen2: on q, k, v but not on o_proj or the MLP; LLaMA:
+    none; GPT-2 and BERT: everywhere), so the converters build the model without the bias flag and the
+    checkpoint decides, Linear by Linear.
+    """
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            key = f"{name}.bias"
+            if key in sd and m.bias is None:
+                m.bias = nn.Parameter(torch.zeros(m.out_features, dtype=m.weight.dtype))
+            elif key not in sd and m.bias is not None:
+                m.register_parameter("bias", None)
+
+
+def load_converted(model: nn.Module, sd: dict[str, Tensor], what: str, like: str) -> None:
+    """Move ``model`` to the device and dtype of the checkpoint tensor ``sd[like]``, then
+    ``load_state_dict(strict=True)`` with the mismatches named in a ValueError.
+
+    Raises:
+        ValueError: missing or unexpected keys, or a tensor of the wrong shape (a config that does not
+            describe this checkpoint).
+    """
+    own = model.state_dict()
+    missing = sorted(set(own) - set(sd))
+    extra = sorted(set(sd) - set(own))
+    wrong = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+             for k in own if k in sd and sd[k].shape != own[k].shape]  # fmt: skip
+    if missing or extra or wrong:
+        raise ValueError(
+            f"the {what} checkpoint does not fit the model its config describes: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}, wrong shapes {wrong[:5]}; check that config and weights belong together"
+        )
+    model.to(device=sd[like].device, dtype=sd[like].dtype)
+    model.load_state_dict(sd, strict=True)
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict]:
+    """Read a Hugging Face checkpoint directory: ``config.json`` and ``model.safetensors`` (or shards).
+
+    Returns ``(state_dict, config)`` with the config as a plain dict.
+
+    Raises:
+        ValueError: the directory, its config.json or its safetensors weights are missing.
+    """
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise ValueError(
+            f"{str(root)!r} is not a Hugging Face checkpoint directory: no config.json in it; "
+            "save one with model.save_pretrained(DIR)"
+        )
+    config = json.loads((root / "config.json").read_text())
+    index = root / "model.safetensors.index.json"
+    if (root / "model.safetensors").is_file():
+        files = [root / "model.safetensors"]
+    elif index.is_file():
+        files = [root / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        raise ValueError(
+            f"{str(root)!r} has no model.safetensors (nor a sharded index); save the weights with "
+            "model.save_pretrained(DIR, safe_serialization=True)"
+        )
+    sd: dict[str, Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd, config

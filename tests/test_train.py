@@ -1,0 +1,53 @@
+"""The tiny MQAR trainer: a few steps on a toy size (the real recipe is a benchmark, BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead import approx as A
+from multihead.train import TrainConfig, build_model, train_mqar
+
+TOY = {"seq_len": 32, "n_pairs": 4, "vocab": 64, "d_model": 32, "n_heads": 2, "d_ff": 64, "batch": 16}
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def test_loss_decreases_and_runs_are_reproducible():
+    cfg = TrainConfig(**TOY, steps=25, warmup=3, lr=1e-2, eval_examples=50)
+    seen = []
+    r = train_mqar(cfg, progress=lambda step, loss: seen.append(step))
+    assert seen == list(range(25))
+    assert _mean(r.losses[-5:]) < _mean(r.losses[:5]) - 0.2
+    assert 0.0 <= r.accuracy <= 1.0 and r.causal and r.approx == "exact"
+    short = TrainConfig(**TOY, steps=3, eval_examples=10)
+    assert train_mqar(short).losses == train_mqar(short).losses
+
+
+@pytest.mark.parametrize(("approx", "causal"), [(A.Performer(16), True), (A.Nystrom(4), False)])
+def test_trains_with_an_approximation(approx, causal):
+    r = train_mqar(TrainConfig(**TOY, steps=3, eval_examples=20), approx)
+    assert r.causal is causal  # no causal form: trained bidirectionally
+    assert r.approx.startswith(type(approx).__name__)
+    assert all(torch.isfinite(torch.tensor(r.losses)))
+
+
+def test_build_model_applies_the_approximation():
+    model = build_model(TrainConfig(**TOY), A.TopK(4))
+    assert sum(isinstance(m, A.ApproxMultiHeadAttention) for m in model.modules()) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"steps": 0}, r"TrainConfig steps must be an int >= 1, got 0"),
+        ({"lr": 0.0}, r"TrainConfig lr must be > 0"),
+        ({"warmup": -1}, r"TrainConfig warmup must be an int >= 0"),
+        ({"embed_std": 0.0}, r"TrainConfig embed_std must be > 0 or None"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)

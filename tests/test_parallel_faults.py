@@ -84,7 +84,8 @@ def test_distributed_bench_smoke():
     (row,) = res["rows"]
     assert row["world_size"] == 2 and row["tokens_per_rank"] == 256 and row["finite"]
     assert row["sent_bytes"] == 256 * 16 * 4 * 2  # one K and one V shard of fp32 passed on
-    assert row["peak_bytes"] is None or row["peak_bytes"] > 0
+    # tiny shards may not raise the peak RSS at all (allocator reuse): only a sane, finite figure
+    assert row["peak_bytes"] is None or row["peak_bytes"] >= 0
     assert "| 2 | 256 |" in render_distributed_bench(res)
 
 

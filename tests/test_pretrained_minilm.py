@@ -64,7 +64,7 @@ def test_embeddings_equal_sentence_transformers_on_stdlib_docstrings(encoder, do
 
 @needs_weights
 def test_packed_equals_padded_and_is_independent_of_batching(encoder, docs):
-    few = docs[:24]
+    few = [d for d in docs if len(d) <= 600][:24]  # short texts keep this test quick
     packed = encoder.encode(few, batch_size=8, packed=True)
     assert max_err(encoder.encode(few, batch_size=8, packed=False), packed) <= TOL[torch.float32]
     assert max_err(encoder.encode(few, batch_size=5, packed=True), packed) <= TOL[torch.float32]

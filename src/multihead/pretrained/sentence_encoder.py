@@ -15,8 +15,8 @@ Texts are sorted by token count (longest first, as sentence-transformers sorts b
 batching, which already keeps padding small; embeddings come back in input order. Packing saves the
 padded positions but pays for the document mask, so by default (``packed=None``) a batch is packed only
 when padding would more than :data:`PACK_WHEN_PADDED_OVER` x its real tokens: on the project's 2-core
-CPU a packed batch of sorted docstrings (12% padding) ran 1.2x (1 thread) to 1.7x (2 threads) slower
-than the padded one (benchmarks/bench_models.py; BENCHMARKS.md, "Real models").
+CPU a packed batch of sorted docstrings (12% padding) ran 1.2x (1 thread) to 1.7-2.2x (2 threads)
+slower than the padded one (benchmarks/bench_models.py; BENCHMARKS.md, "Real models").
 
 Shape legend: n texts, R packed rows, N tokens per row, d hidden size (384 for MiniLM).
 """

@@ -92,3 +92,23 @@ def test_decode_refuses_weights():
     q, k, v = _inputs(1, 4, 1, 2, 200, 8, torch.float32)
     with pytest.raises(ValueError, match="backend 'decode' cannot return the attention weights"):
         mh.attention(q, k, v, backend="decode", return_weights=True)
+
+
+@pytest.mark.parametrize("mask", [None, mh.causal()], ids=["none", "causal"])
+@pytest.mark.parametrize("nk", [1000, 1003], ids=["even", "tail"])
+def test_plain_decode_step_is_exact_in_float64(monkeypatch, mask, nk):
+    """A cached step that sees every key skips the planner; chunks and a leftover tail merge exactly."""
+    monkeypatch.setattr(decode_mod, "MIN_CHUNK", 32)
+    q, k, v = _inputs(1, 4, 1, 1, nk, 8, torch.float64)
+    p = make_problem(q, k, v, mask=mask)
+    assert decode_mod._sees_every_key(p) and decode_mod.n_chunks(p, nk) > 1
+    got = mh.attention(q, k, v, mask=mask, backend="decode", return_lse=True)
+    ref = mh.attention(q, k, v, mask=mask, backend="reference", return_lse=True)
+    assert max_err(got.out, ref.out) < 1e-12 and max_err(got.lse, ref.lse) < 1e-12
+
+
+def test_plain_decode_step_needs_one_row_and_no_bias():
+    q, k, v = _inputs(1, 4, 1, 2, 300, 8, torch.float32)
+    assert not decode_mod._sees_every_key(make_problem(q, k, v, mask=mh.causal()))  # 2 rows: a corner
+    assert not decode_mod._sees_every_key(make_problem(q[:, :, :1], k, v, bias=mh.alibi(4)))
+    assert not decode_mod._sees_every_key(make_problem(q[:, :, :1], k, v, mask=mh.sliding_window(8)))

@@ -213,3 +213,20 @@ def test_rotary_matches_transformers_llama():
     rope = RotaryEmbedding(D, base=10000.0)
     assert max_err(rope(q, position_ids), q_hf) <= TOL[torch.float32]
     assert max_err(rope(k, position_ids), k_hf) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rotate_pair_equals_forward_and_regrows_its_table(dtype):
+    """rotate_pair (one cos/sin for q and k, a cached table) gives forward's values bit for bit."""
+    rot = RotaryEmbedding(16)
+    q, k = torch.randn(2, 4, 3, 16).to(dtype), torch.randn(2, 2, 3, 16).to(dtype)
+    for start in (0, 5, 300, 1000):  # 300 and 1000 grow the table past its first size
+        pos = torch.arange(start, start + 3)
+        q2, k2 = rot.rotate_pair(q, k, start=start)
+        assert torch.equal(q2, rot(q, pos)) and torch.equal(k2, rot(k, pos))
+    pos_b = torch.tensor([[0, 1, 2], [7, 8, 9]])
+    q3, k3 = rot.rotate_pair(q, k, pos_b)
+    assert torch.equal(q3, rot(q, pos_b)) and torch.equal(k3, rot(k, pos_b))
+    assert "_tables" not in str(rot.state_dict().keys())
+    with pytest.raises(ValueError, match="start must be an int >= 0"):
+        rot.rotate_pair(q, k, start=-1)

@@ -30,6 +30,7 @@ from .biases import Bias
 from .feed_forward import check_dropout
 from .functional import attention, backends
 from .masks import Mask
+from .positions import RotaryEmbedding
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -209,10 +210,13 @@ class MultiHeadAttention(nn.Module):
         k = k.reshape(B, -1, Hkv, D).transpose(1, 2)  # (B, Hkv, M or N, D)
         v = v.reshape(B, -1, Hkv, D).transpose(1, 2)  # (B, Hkv, M or N, D)
         if self.rotary is not None and context is None:
-            if positions is None:
-                start = 0 if cache is None else int(cache.position)
-                positions = torch.arange(start, start + N, device=x.device)  # (N,)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
+            start = 0 if cache is None else int(cache.position)
+            if isinstance(self.rotary, RotaryEmbedding):
+                q, k = self.rotary.rotate_pair(q, k, positions, start)  # default: start .. start+N-1
+            else:  # any module with forward(x, positions)
+                if positions is None:
+                    positions = torch.arange(start, start + N, device=x.device)  # (N,)
+                q, k = self.rotary(q, positions), self.rotary(k, positions)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, L, D) each, ending with x's positions
         a = attention(

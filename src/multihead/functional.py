@@ -29,6 +29,15 @@ def backends() -> list[str]:
     return _backends.names()
 
 
+def _first_fit(p: Problem) -> str:
+    """auto's pick for ``p``: the first backend of ``_AUTO_ORDER`` that fits (what :func:`_choose` picks,
+    without asking the remaining backends why not - a decode step pays for every check it makes)."""
+    for name in _AUTO_ORDER:
+        if _backends.get(name).why_not(p) is None:
+            return name
+    return "matrix"  # pragma: no cover - as in _choose
+
+
 def _choose(p: Problem) -> tuple[str, dict[str, str]]:
     """Pick a backend for ``p``; return it with the reason each other backend was not taken."""
     rejected: dict[str, str] = {}
@@ -99,10 +108,7 @@ def attention(
         return_weights=return_weights,
         return_lse=return_lse,
     )
-    if backend == "auto":
-        name, _ = _choose(p)
-    else:
-        name = _backends.get(backend).name
+    name = _first_fit(p) if backend == "auto" else _backends.get(backend).name
     res = _backends.get(name).run(p)
     if return_weights or return_lse:
         return res

@@ -188,9 +188,11 @@ class RotaryEmbedding(nn.Module):
             The two differ only by a permutation of the q/k projection rows; convert checkpoints with
             :meth:`permute_for_interleaved` / :meth:`permute_for_half_split`.
 
-    No table is stored: cos/sin are recomputed from the positions on each call (O(N D) work, small next to
-    attention), in float32 (float64 for float64 input) exactly as Hugging Face computes them, so no cast
-    of the module to bf16 can degrade them and there is no per-call state.
+    cos/sin are computed in float32 (float64 for float64 input) exactly as Hugging Face computes them, so
+    no cast of the module to bf16 can degrade them. :meth:`forward` recomputes them from the positions on
+    each call; :meth:`rotate_pair` (what ``MultiHeadAttention`` uses) rotates q and k with one cos/sin,
+    and for consecutive positions ``start .. start+N-1`` slices a cached table (values identical to
+    recomputing; not part of the state dict) so a decode step does no trigonometry per layer.
 
     Raises:
         ValueError: if ``head_dim`` is not a positive even int, or ``base`` is not a finite number > 0.
@@ -239,6 +241,50 @@ class RotaryEmbedding(nn.Module):
         self._check_x(x, positions)
         f = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = self.cos_sin(positions, f, x.device)  # (N, D/2) or (B, 1, N, D/2)
+        return self._rotate(x, cos, sin)
+
+    def rotate_pair(
+        self, q: Tensor, k: Tensor, positions: Tensor | None = None, start: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate q (B, Hq, N, D) and k (B, Hkv, N, D) at the same positions with one cos/sin.
+
+        ``positions`` (N,) or (B, N) as in :meth:`forward`; when None the positions are
+        ``start .. start + N - 1``, read from a cached table.
+
+        Raises:
+            ValueError: as :meth:`forward`, or ``start`` not an int >= 0.
+        """
+        if positions is not None:
+            self._check_x(q, positions)
+            self._check_x(k, positions)
+            f = torch.float64 if q.dtype == torch.float64 else torch.float32
+            cos, sin = self.cos_sin(positions, f, q.device)  # (N, D/2) or (B, 1, N, D/2)
+        else:
+            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+                raise ValueError(f"RotaryEmbedding start must be an int >= 0, got {start!r}")
+            for t in (q, k):
+                if not isinstance(t, Tensor) or t.dim() != 4 or t.shape[-1] != self.head_dim:
+                    raise ValueError(
+                        f"rotate_pair expects (B, H, N, {self.head_dim}) tensors, got "
+                        f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
+                    )
+            cos, sin = self._table(start, q.shape[2], q.dtype, q.device)  # 2 x (N, D/2)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _table(self, start: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos/sin rows ``start : start + n`` of the cached table, grown (doubling) when too short."""
+        f = torch.float64 if dtype == torch.float64 else torch.float32
+        key = (f, device, self.base, self.head_dim)
+        tables: dict = self.__dict__.setdefault("_tables", {})
+        cos, sin = tables.get(key, (None, None))
+        if cos is None or cos.shape[0] < start + n:
+            size = max(256, 2 * (start + n))
+            cos, sin = self.cos_sin(torch.arange(size, device=device), f, device)  # 2 x (size, D/2)
+            tables[key] = (cos, sin)
+        return cos[start : start + n], sin[start : start + n]  # 2 x (n, D/2)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32
         xf = x.to(f)
         half = self.head_dim // 2
         if self.interleaved:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..masks import Causal
 from ..problem import AttentionOutput, Problem
 from . import tiled, tiled_exec
 from .tiled_plan import Piece, classify, pieces
@@ -60,6 +61,9 @@ class DecodeBackend:
             raise ValueError("backend 'decode' cannot return the attention weights; use backend='matrix'")
         if p.Nq > MAX_ROWS or p.Nq == 0 or tiled_exec.why_not_fused(p) is not None:
             return tiled.BACKEND.run(p)
+        if not p.needs_grad and p.D == p.Dv and _sees_every_key(p):
+            with torch.no_grad():
+                return _all_keys(p)
         plan = self.plan(p)
         if p.needs_grad:
             out, lse = tiled.run_fused(p, plan)
@@ -67,6 +71,46 @@ class DecodeBackend:
             with torch.no_grad():
                 out, lse = _forward_split(p, plan)
         return AttentionOutput(out, None, lse if p.return_lse else None)
+
+
+def _sees_every_key(p: Problem) -> bool:
+    """True when every query row attends to every key: no bias and no mask, or a causal mask with one
+    query row (bottom-right aligned, the newest token sees the whole cache) - a plain cached decode step,
+    served without planning."""
+    if p.bias is not None:
+        return False
+    return p.mask is None or (type(p.mask) is Causal and p.Nq == 1)
+
+
+def _all_keys(p: Problem) -> AttentionOutput:
+    """Every row against every key: groups folded into rows, the cache cut into chunks when that keeps
+    more cores busy, one kernel call."""
+    B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
+    n = n_chunks(p, p.Nk)
+    if n > 1:
+        o, lse = _chunked(p, 0, p.Nk // n, n)  # (B, Hq, Nq, D), (B, Hq, Nq) over the first n*c keys
+        if p.Nk % n:
+            o, lse = _merge_tail(p, o, lse, (p.Nk // n) * n)
+        return AttentionOutput(o.to(p.dtype), None, lse if p.return_lse else None)
+    q = p.q.contiguous().view(B, Hkv, G * Nq, D)  # (B, Hkv, G*Nq, D): groups folded into rows
+    k, v = p.k.contiguous(), p.v.contiguous()
+    o, lse = tiled_exec._FWD(q, k, v, 0.0, False, scale=p.scale)  # (B, Hkv, G*Nq, D), (B, Hkv, G*Nq)
+    o = o.reshape(B, p.Hq, Nq, D)  # unfold
+    lse = lse.reshape(B, p.Hq, Nq).to(tiled_exec.acc_dtype(p.dtype))  # unfold
+    return AttentionOutput(o, None, lse if p.return_lse else None)
+
+
+def _merge_tail(p: Problem, o: Tensor, lse: Tensor, k0: int) -> tuple[Tensor, Tensor]:
+    """Merge keys ``k0:`` (the remainder after equal chunks) into (o, lse) by log-sum-exp."""
+    B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
+    q = p.q.contiguous().view(B, Hkv, G * Nq, D)  # (B, Hkv, G*Nq, D)
+    k, v = p.k[:, :, k0:].contiguous(), p.v[:, :, k0:].contiguous()  # (B, Hkv, tail, D)
+    o2, lse2 = tiled_exec._FWD(q, k, v, 0.0, False, scale=p.scale)  # (B, Hkv, G*Nq, D), (B, Hkv, G*Nq)
+    o2 = o2.reshape(B, p.Hq, Nq, D).to(o.dtype)  # unfold
+    lse2 = lse2.reshape(B, p.Hq, Nq).to(lse.dtype)  # unfold
+    new = torch.logaddexp(lse, lse2)  # (B, Hq, Nq); both finite: every row saw keys in both spans
+    out = o * torch.exp(lse - new).unsqueeze(-1) + o2 * torch.exp(lse2 - new).unsqueeze(-1)
+    return out, new
 
 
 def n_chunks(p: Problem, length: int) -> int:

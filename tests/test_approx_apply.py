@@ -63,7 +63,7 @@ def test_apply_with_an_exact_limit_reproduces_the_model_and_leaves_it_untouched(
     assert max_err(approx_lm(ids), lm(ids)) < TOL[F64]
     assert set(approx_lm.state_dict()) == set(lm.state_dict())
     assert all(type(m) is mh.MultiHeadAttention for m in lm.modules() if isinstance(m, mh.MultiHeadAttention))
-    assert sum(isinstance(m, A.ApproxMultiHeadAttention) for m in approx_lm.modules()) == 2
+    assert sum(getattr(m, "approx", None) is not None for m in approx_lm.modules()) == 2
 
 
 def test_apply_decodes_through_the_kv_cache_like_a_full_forward():
@@ -88,7 +88,7 @@ def test_apply_to_an_encoder_with_key_padding():
 
 def test_apply_gives_each_layer_its_own_learned_projections():
     lm = A.apply(_small_lm(), A.Linformer(4, 64, learned=True))
-    projs = [m.approx.proj_k for m in lm.modules() if isinstance(m, A.ApproxMultiHeadAttention)]
+    projs = [m.approx.proj_k for m in lm.modules() if getattr(m, "approx", None) is not None]
     assert len(projs) == 2 and projs[0] is not projs[1]
     assert "layers.0.self_attn.approx.proj_k" in lm.state_dict()
 
@@ -165,3 +165,44 @@ def test_bad_tensors_raise_like_the_core():
         A.TopK(2)(q[0], k, v)
     with pytest.raises(ValueError, match=r"query heads Hq \(2\) must be divisible by kv heads Hkv \(3\)"):
         A.Performer(4)(q, k.expand(1, 3, 9, 4), v.expand(1, 3, 9, 4))
+
+
+# -- the approx= hook of mh.attention and MultiHeadAttention ----------------------------------------------
+def test_attention_approx_argument_calls_the_approximation():
+    q, k, v = _qkv()
+    ap = A.Nystrom(3)
+    got = mh.attention(q, k, v, approx=ap, scale=0.3)
+    assert torch.equal(got, ap(q, k, v, scale=0.3))
+    exact = mh.attention(q, k, v, approx=A.TopK(9), mask=mh.causal())  # k >= N: exact
+    assert max_err(exact, mh.attention(q, k, v, mask=mh.causal(), backend="reference")) <= TOL[F64]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"approx": "topk"}, "approx must be None"),
+        ({"approx": A.TopK(2), "backend": "matrix"}, "backend='matrix'"),
+        ({"approx": A.TopK(2), "return_weights": True}, "return_weights=True"),
+        ({"approx": A.TopK(2), "return_lse": True}, "return_lse=True"),
+    ],
+)
+def test_attention_approx_argument_errors(kw, match):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=match):
+        mh.attention(q, k, v, **kw)
+
+
+def test_module_approx_argument_is_a_registered_submodule():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(16, 4, approx=A.Linformer(4, 32, learned=True))
+    assert "approx.proj_k" in dict(m.named_parameters()) and "approximated" in repr(m)
+    x = torch.randn(2, 32, 16)
+    ref = mh.MultiHeadAttention(16, 4)
+    ref.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("approx.")})
+    assert not torch.allclose(m(x), ref(x))  # the approximation is used
+    m.approx = None
+    assert torch.equal(m(x), ref(x))
+    with pytest.raises(ValueError, match="approx must be None"):
+        mh.MultiHeadAttention(16, 4, approx=torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="backend must stay 'auto'"):
+        mh.MultiHeadAttention(16, 4, backend="matrix", approx=A.TopK(2))

@@ -36,7 +36,7 @@ def test_trains_with_an_approximation(approx, causal):
 
 def test_build_model_applies_the_approximation():
     model = build_model(TrainConfig(**TOY), A.TopK(4))
-    assert sum(isinstance(m, A.ApproxMultiHeadAttention) for m in model.modules()) == 2
+    assert sum(getattr(m, "approx", None) is not None for m in model.modules()) == 2
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
-from . import compat, cost, parallel, pretrained
+from . import approx, compat, cost, data, parallel, pretrained, quant
 from .attention_module import MultiHeadAttention
 from .biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .feed_forward import FeedForward
@@ -48,6 +48,7 @@ __all__ = [
     "TransformerLayer",
     "alibi",
     "alibi_slopes",
+    "approx",
     "attention",
     "backends",
     "causal",
@@ -55,6 +56,7 @@ __all__ = [
     "cost",
     "custom",
     "custom_bias",
+    "data",
     "document",
     "explain",
     "key_padding",
@@ -62,6 +64,7 @@ __all__ = [
     "parallel",
     "prefix_lm",
     "pretrained",
+    "quant",
     "sliding_window",
     "softcap",
 ]

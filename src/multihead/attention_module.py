@@ -75,10 +75,14 @@ class MultiHeadAttention(nn.Module):
         dropout: attention-weight dropout and output dropout (after W^O), training only.
         rotary: a ``RotaryEmbedding`` applied to q and k in self-attention (not to cross-attention).
         backend: backend name passed to :func:`multihead.attention` ("auto" picks per call).
+        approx: an approximation from :mod:`multihead.approx` used instead of exact attention (a
+            registered submodule, so a learned Linformer's projections are parameters of this module);
+            None = exact. :func:`multihead.approx.apply` sets it on a copy of a whole model.
 
     Raises:
         ValueError: head counts that do not divide, a d_model not divisible by n_heads without an
-            explicit head_dim, dropout outside [0, 1), an unknown backend.
+            explicit head_dim, dropout outside [0, 1), an unknown backend, an ``approx`` that is not an
+            approximation or comes with a backend other than "auto".
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
         backend: str = "auto",
+        approx: nn.Module | None = None,
         device=None,
         dtype=None,
     ):
@@ -120,6 +125,11 @@ class MultiHeadAttention(nn.Module):
         self.dropout = check_dropout(dropout)
         self.backend = backend
         self.rotary = rotary
+        if approx is not None:
+            from .approx._common import check_approx  # lazy: multihead.approx builds on this module
+
+            approx = check_approx(approx, backend)
+        self.approx = approx
         fk = {"bias": bias, "device": device, "dtype": dtype}
         self.qkv_proj = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * head_dim, **fk)  # W^Q|W^K|W^V
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, **fk)  # W^O of eq. 9.35
@@ -227,7 +237,8 @@ class MultiHeadAttention(nn.Module):
             bias=bias,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend,
-        )  # (B, Hq, N, D): head_i of eq. 9.34
+            approx=self.approx,
+        )  # (B, Hq, N, D): head_i of eq. 9.34 (or its approximation)
         assert isinstance(a, Tensor)
         if head_mask is not None:
             a = a * self._head_scale(head_mask, B).to(a.dtype)  # (B, Hq, N, D)
@@ -249,4 +260,5 @@ class MultiHeadAttention(nn.Module):
         return (
             f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, dropout={self.dropout}, backend={self.backend!r}"
+            + ("" if self.approx is None else ", approximated")
         )

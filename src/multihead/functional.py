@@ -5,6 +5,8 @@ Layout (PyTorch SDPA order): q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk,
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from . import backends as _backends
@@ -71,6 +73,7 @@ def attention(
     backend: str = "auto",
     return_weights: bool = False,
     return_lse: bool = False,
+    approx: Any = None,
 ) -> Tensor | AttentionOutput:
     """Multi-head scaled dot-product attention, ``softmax(mask(q k^T * scale + bias)) v`` (eq. 9.32).
 
@@ -88,6 +91,9 @@ def attention(
         backend: ``"auto"`` or one of :func:`backends`.
         return_weights: also return the (B, Hq, Nq, Nk) weights (``matrix`` / ``reference`` only).
         return_lse: also return the (B, Hq, Nq) log-sum-exp of the scores (fp32; float64 for float64).
+        approx: an approximation from :mod:`multihead.approx` (``TopK(k)``, ``Nystrom(m)``, ...) computed
+            instead of exact attention; None (the default) is exact. It returns the output only, so it
+            goes with ``backend="auto"`` and neither ``return_weights`` nor ``return_lse``.
 
     Returns:
         out (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, weights, lse)`` when
@@ -95,8 +101,14 @@ def attention(
 
     Raises:
         ValueError: bad shapes, dtypes, head counts, masks/biases that do not broadcast, an unknown
-            backend, a backend that cannot serve the request, ``dropout_p`` outside [0, 1).
+            backend, a backend that cannot serve the request, ``dropout_p`` outside [0, 1), an
+            ``approx`` that is not an approximation or is combined with a backend or returned extras,
+            and what the approximation raises for masks or biases it cannot apply.
     """
+    if approx is not None:
+        return _approximate(
+            q, k, v, mask, bias, scale, dropout_p, backend, return_weights, return_lse, approx
+        )
     p = make_problem(
         q,
         k,
@@ -113,6 +125,23 @@ def attention(
     if return_weights or return_lse:
         return res
     return res.out
+
+
+def _approximate(
+    q, k, v, mask, bias, scale, dropout_p, backend, return_weights, return_lse, approx
+) -> Tensor:
+    """``attention(..., approx=a)``: check the combination, then ``a(q, k, v, ...)``."""
+    from .approx._common import check_approx  # lazy: multihead.approx builds on this module
+
+    check_approx(approx)
+    extras = [n for n, on in (("return_weights", return_weights), ("return_lse", return_lse)) if on]
+    if backend != "auto" or extras:
+        asked = ([f"backend={backend!r}"] if backend != "auto" else []) + [f"{n}=True" for n in extras]
+        raise ValueError(
+            f"approx={approx!r} computes its own attention and returns only the output, but this call also "
+            f"asks for {', '.join(asked)}; drop those or drop approx"
+        )
+    return approx(q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p)
 
 
 def explain(

@@ -25,13 +25,12 @@ Patterns for :class:`SparseMask` (or any ``mask=``): :func:`local` and :func:`lo
 """
 
 from ._common import Approximation
-from .apply import ApproxMultiHeadAttention, LowRankLinear, apply, low_rank_ffn
+from .apply import LowRankLinear, apply, low_rank_ffn
 from .linear import LinearAttention, Performer, linear_attention
 from .low_rank import Linformer, LowRank, Nystrom
 from .sparse import SparseMask, Threshold, TopK, local, local_global
 
 __all__ = [
-    "ApproxMultiHeadAttention",
     "Approximation",
     "LinearAttention",
     "Linformer",

@@ -26,7 +26,15 @@ from ..biases import Bias
 from ..masks import Mask, MaskContext, _And
 from ..problem import Problem, make_problem
 
-__all__ = ["Approximation", "MaskSplit", "acc_dtype", "check_int", "safe_softmax", "split_mask"]
+__all__ = [
+    "Approximation",
+    "MaskSplit",
+    "acc_dtype",
+    "check_approx",
+    "check_int",
+    "safe_softmax",
+    "split_mask",
+]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -164,3 +172,23 @@ class Approximation(nn.Module):
                 "(mh.padding / mh.key_padding); use TopK, Threshold or SparseMask, or exact attention"
             )
         return parts
+
+
+def check_approx(approx: object, backend: str = "auto") -> Approximation | None:
+    """Return ``approx`` if it is None or a :mod:`multihead.approx` approximation usable with ``backend``.
+
+    Raises:
+        ValueError: anything else, or an approximation together with a backend other than "auto".
+    """
+    if approx is None:
+        return None
+    if not isinstance(approx, Approximation):
+        raise ValueError(
+            "approx must be None (exact) or a multihead.approx approximation (TopK(k), Nystrom(m), "
+            f"Performer(f), ...), got {type(approx).__name__}"
+        )
+    if backend != "auto":
+        raise ValueError(
+            f"approx={approx!r} replaces the attention backend, so backend must stay 'auto', got {backend!r}"
+        )
+    return approx

@@ -3,8 +3,8 @@
 Both return a modified deep copy; the original model is untouched, so exact and approximate outputs of
 the same weights can be compared side by side (pretrained MiniLM, ``from_hf`` models, a TransformerLM).
 
-:func:`apply` turns every :class:`~multihead.MultiHeadAttention` into an
-:class:`ApproxMultiHeadAttention`: the same parameters and state-dict keys (plus the approximation's own,
+:func:`apply` sets ``approx`` on every :class:`~multihead.MultiHeadAttention` of the copy (the
+module's own ``approx=`` argument): the same parameters and state-dict keys (plus the approximation's own,
 e.g. a learned Linformer's ``approx.proj_k``), the same forward (projections, rotary, KV cache, head
 mask), with the approximation in place of the exact core call of eq. 9.34.
 
@@ -19,70 +19,11 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from ..attention_module import MultiHeadAttention, check_model_input
+from ..attention_module import MultiHeadAttention
 from ..feed_forward import FeedForward
 from ._common import Approximation, check_int
 
-__all__ = ["ApproxMultiHeadAttention", "LowRankLinear", "apply", "low_rank_ffn"]
-
-
-class ApproxMultiHeadAttention(MultiHeadAttention):
-    """:class:`~multihead.MultiHeadAttention` whose core call is ``self.approx(q, k, v, ...)``.
-
-    Built by :func:`apply` from an existing module (its class is switched on a copy); ``approx`` is a
-    registered submodule.
-    """
-
-    approx: Approximation
-
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = None,
-        *,
-        mask=None,
-        bias=None,
-        cache=None,
-        positions: Tensor | None = None,
-        head_mask: Tensor | None = None,
-    ) -> Tensor:
-        """As :meth:`MultiHeadAttention.forward`, (B, N, d) -> (B, N, d), attention approximated.
-
-        Raises:
-            ValueError: what :meth:`MultiHeadAttention.forward` raises, and what the approximation
-                raises for masks, biases or dropout it cannot apply.
-        """
-        check_model_input(x, self.d_model, "x")
-        if context is not None:
-            check_model_input(context, self.d_model, "context")
-            if context.shape[0] != x.shape[0]:
-                raise ValueError(f"context batch {context.shape[0]} differs from x batch {x.shape[0]}")
-            if cache is not None:
-                raise ValueError("cache is for self-attention; pass context=None or cache=None")
-        if positions is not None and (self.rotary is None or context is not None):
-            raise ValueError("positions are only used by rotary self-attention; drop positions")
-        B, N, _ = x.shape
-        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self._project(x, context)
-        q = q.reshape(B, N, Hq, D).transpose(1, 2)  # (B, Hq, N, D)
-        k = k.reshape(B, -1, Hkv, D).transpose(1, 2)  # (B, Hkv, L, D)
-        v = v.reshape(B, -1, Hkv, D).transpose(1, 2)  # (B, Hkv, L, D)
-        if self.rotary is not None and context is None:
-            if positions is None:
-                start = 0 if cache is None else int(cache.position)
-                positions = torch.arange(start, start + N, device=x.device)  # (N,)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, L, D) each
-        dropout_p = self.dropout if self.training else 0.0
-        a = self.approx(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p)  # (B, Hq, N, D)
-        if head_mask is not None:
-            a = a * self._head_scale(head_mask, B).to(a.dtype)  # (B, Hq, N, D)
-        a = a.transpose(1, 2).reshape(B, N, Hq * D)  # (B, N, Hq*D)
-        return self.out_dropout(self.o_proj(a))  # (B, N, d)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ", approximated"
+__all__ = ["LowRankLinear", "apply", "low_rank_ffn"]
 
 
 def apply(model: nn.Module, approx: Approximation) -> nn.Module:
@@ -113,7 +54,11 @@ def apply(model: nn.Module, approx: Approximation) -> nn.Module:
         raise ValueError(f"{type(model).__name__} contains no multihead.MultiHeadAttention to approximate")
     owns_params = any(True for _ in approx.parameters())
     for m in found:
-        m.__class__ = ApproxMultiHeadAttention
+        if m.backend != "auto":
+            raise ValueError(
+                f"{type(model).__name__} has a MultiHeadAttention with backend={m.backend!r}; an "
+                "approximation replaces the backend, so build the model with backend='auto'"
+            )
         m.approx = copy.deepcopy(approx) if owns_params else approx
     return out
 

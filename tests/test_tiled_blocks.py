@@ -177,3 +177,44 @@ def test_band_backward_in_sub_bands_is_exact(monkeypatch):
     got = torch.autograd.grad(mh.attention(q, k, v, mask=mask, backend="tiled").sum(), (q, k, v))
     for a, b in zip(got, ref):
         assert max_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize(("nq", "nk"), [(16, 16), (12, 20), (8, 24)], ids=["square", "offset", "offset2"])
+def test_causal_alibi_runs_as_diagonal_bands(monkeypatch, nq, nk):
+    """Causal + ALiBi: one band per diagonal of b x b tiles, forward and gradients equal the oracle."""
+    from multihead.backends import tiled_plan
+
+    monkeypatch.setattr(tiled_plan, "DIAGONAL_BLOCKS", (4,))
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, nq, 3, generator=g, dtype=torch.float64).requires_grad_(True)
+    k = torch.randn(1, 2, nk, 3, generator=g, dtype=torch.float64).requires_grad_(True)
+    v = torch.randn(1, 2, nk, 3, generator=g, dtype=torch.float64).requires_grad_(True)
+    bias = mh.alibi(4)
+    pieces = tiled_mod.BACKEND.plan(make_problem(q, k, v, mask=mh.causal(), bias=bias))
+    assert len(pieces) == nk // 4 and all(pc.bq == 4 and pc.k1 - pc.k0 == 4 for pc in pieces)
+    assert sum(pc.nb for pc in pieces) * 16 <= nq * nk  # the tiles of the lower triangle only
+
+    def run(backend):
+        return mh.attention(q, k, v, mask=mh.causal(), bias=bias, backend=backend, return_lse=True)
+
+    got, ref = run("tiled"), run("reference")
+    assert max_err(got.out, ref.out) < 1e-12 and max_err(got.lse, ref.lse) < 1e-12
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: mh.attention(q, k, v, mask=mh.causal(), bias=bias, backend="tiled"),
+        (q, k, v),
+        eps=1e-6,
+        atol=1e-7,
+        fast_mode=True,
+    )
+
+
+def test_diagonal_bands_only_for_causal_with_a_shift_invariant_bias():
+    from multihead.backends.tiled_plan import diagonal_bands
+
+    ctx = make_problem(*(torch.randn(1, 2, 512, 8) for _ in range(3)), mask=mh.causal()).ctx
+    assert diagonal_bands(mh.causal(), None, ctx) is None  # no bias: the stair plan is better
+    assert diagonal_bands(mh.sliding_window(64), mh.alibi(2), ctx) is None  # the window has its own bands
+    tb = mh.custom_bias(lambda b, h, q, k: (q - k).float())
+    assert diagonal_bands(mh.causal(), tb, ctx) is None  # not known to be shift-invariant
+    bands = diagonal_bands(mh.causal(), mh.alibi(2), ctx)
+    assert bands is not None and len(bands) == 2 and bands[0].nb == 2 and bands[1].nb == 1  # 256-blocks

@@ -188,8 +188,49 @@ def shift_invariant_bias(bias: Bias | None) -> bool:
     return all(isinstance(p, ALiBi) for p in parts)
 
 
+#: block sizes tried (largest first) for the diagonal bands of a causal mask with a shift-invariant bias
+DIAGONAL_BLOCKS = (256, 128, 64)
+
+
+def diagonal_bands(mask: Mask | None, bias: Bias | None, ctx: MaskContext) -> list[Piece] | None:
+    """Causal + ALiBi as one band per diagonal of (b x b) tiles, or None when that does not apply.
+
+    With a bias every tile needs its per-element values, so the row-by-row plan builds one mask per block
+    row (N/64 pieces, each with a fresh bq x L bias). A shift-invariant bias is the same on every tile of
+    a diagonal, and so is the causal mask, so diagonal d (key block = query block + offset/b - d) is one
+    band piece sharing one (b x b) mask tile: about N/b kernel calls over the lower triangle only::
+
+        d=0 (masked: causal + bias)   d=1 (bias)         d=2 (bias)
+        X . . .                       . . . .            . . . .
+        . X . .                       X . . .            . . . .
+        . . X .                       . X . .            X . . .
+        . . . X                       . . X .            . X . .
+
+    Applies when the mask is exactly ``causal()``, the bias is shift-invariant and not None, and the
+    query count and the offset ``Nk - Nq`` are multiples of a block size in :data:`DIAGONAL_BLOCKS`.
+    """
+    from ..masks import Causal
+
+    if bias is None or type(mask) is not Causal or not shift_invariant_bias(bias):
+        return None
+    nq, off = ctx.Nq, ctx.offset
+    b = next((b for b in DIAGONAL_BLOCKS if nq % b == 0 and off % b == 0 and nq >= 2 * b), None)
+    if b is None:
+        return None
+    nqb, lead = nq // b, off // b  # query blocks; key blocks left of the first diagonal tile
+    out = []
+    for d in range(nqb + lead):
+        i0 = max(0, d - lead)  # first query block whose key block i + lead - d exists
+        k0 = (i0 + lead - d) * b
+        out.append(Piece(i0 * b, b, nqb - i0, k0, k0 + b, "masked"))
+    return out
+
+
 def pieces(grid: Grid, mask: Mask | None, bias: Bias | None, ctx: MaskContext, n_heads: int) -> list[Piece]:
     """Step 3: merge rows into pieces (see the module docstring)."""
+    bands = diagonal_bands(mask, bias, ctx)
+    if bands is not None:
+        return bands
     rows = _rows(grid, ctx, diagonal_ok=bias is None and mask is not None)
     out: list[Piece] = []
     i = 0

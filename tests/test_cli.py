@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,12 @@ def test_study_writes_report(study_json):
     for heading in ("## Exactness", "## The layer, eq. 9.31-9.43", "## KV cache"):
         assert heading in text
     assert "| 9.41 | U = T3 W1 (FFN up) |" in text
+    page = (study_json["_out"] / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<td>U = T3 W1 (FFN up)</td>" in page
+    for fig in study_json["figures"]:  # every figure is a PNG the page shows
+        assert Path(fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f'src="{fig.rsplit("/", 1)[-1]}"' in page and f"]({fig.rsplit('/', 1)[-1]})" in text
+    assert {"walk-intensity.png", "kv-cache.png"} <= {f.rsplit("/", 1)[-1] for f in study_json["figures"]}
 
 
 def test_explain_mentions_chosen_backend(capsys):
@@ -139,12 +146,13 @@ def test_parse_mask():
         parse_mask("sliding:")
 
 
-def test_python_m_multihead_study_quick():
+def test_python_m_multihead_study_quick(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "multihead", "study", "--quick"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     for title in ("Exactness", "The layer, eq. 9.31-9.43", "KV cache: MHA vs GQA vs MQA"):

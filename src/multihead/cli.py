@@ -83,7 +83,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
     elif args.out is not None:
-        print(f"wrote {report['report']}")
+        print(f"wrote {report['report']} and {report['html']} ({len(report['figures'])} figures)")
     return 0
 
 
@@ -169,7 +169,12 @@ def _add_study(sub: argparse._SubParsersAction) -> None:
         help="the default workload only, a few seconds (default)",
     )
     size.add_argument("--full", dest="quick", action="store_false", help="also the bf16 exactness run")
-    p.add_argument("--out", metavar="DIR", default=None, help="write DIR/report.md (markdown)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default="multihead-report",
+        help="write DIR/report.md, DIR/report.html and the figures (default ./multihead-report)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.set_defaults(func=_cmd_study)
 

@@ -31,6 +31,7 @@ from .masks import Mask, causal, document, padding, sliding_window
 from .parallel.study_section import distributed
 from .pretrained.study_section import minilm
 from .problem import make_problem
+from .report import Figure, draw, render_html, render_markdown_figures
 
 __all__ = ["SECTIONS", "Section", "StudyContext", "Table", "human", "run_study", "walk_table"]
 
@@ -42,6 +43,13 @@ class StudyContext:
     quick: bool = True
     #: ``step(what, done)``: "now doing <what>, fraction ``done`` of this section finished" (progress bar)
     step: Callable[[str, float], None] = lambda what, done: None
+    #: the report directory, where :meth:`figure` writes PNGs; None draws nothing
+    out_dir: Path | None = None
+
+    def figure(self, name: str, caption: str, plot: Callable[[Any], None], **kw: Any) -> list[Figure]:
+        """``[Figure]`` of ``plot(ax)`` saved as ``out_dir/name.png``; ``[]`` without a report directory."""
+        fig = draw(self.out_dir, name, caption, plot, **kw)
+        return [] if fig is None else [fig]
 
 
 # -- rendering ---------------------------------------------------------------------------------------
@@ -81,9 +89,11 @@ class Section:
     data: dict
     tables: list[Table] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
 
     def markdown(self) -> str:
-        parts = [f"## {self.title}", *(t.markdown() for t in self.tables), *self.notes]
+        figs = render_markdown_figures(self.figures)
+        parts = [f"## {self.title}", *(t.markdown() for t in self.tables), *figs, *self.notes]
         return "\n\n".join(parts) + "\n"
 
     def print(self, console: Console) -> None:
@@ -301,7 +311,26 @@ def walk(ctx: StudyContext) -> Section:
         "prefill": [o.as_dict() for o in prefill],
         "decode": [o.as_dict() for o in decode],
     }
-    return Section("walk", "The layer, eq. 9.31-9.43, step by step", data, tables, notes)
+    figures = ctx.figure(
+        "walk-intensity",
+        "Arithmetic intensity of each step, prefill (N=1024) vs batch-1 decode, fp32 (log scale): "
+        "decode's projections sit near 0.5 FLOP/B, memory-bound on any machine.",
+        partial(_plot_intensity, prefill, decode),
+        size=(7.5, 4.2),
+    )
+    return Section("walk", "The layer, eq. 9.31-9.43, step by step", data, tables, notes, figures)
+
+
+def _plot_intensity(prefill: list[cost.Op], decode: list[cost.Op], ax: Any) -> None:
+    names = [o.name for o in prefill]
+    y = range(len(names))
+    ax.barh([i + 0.2 for i in y], [max(o.intensity, 1e-3) for o in prefill], height=0.4, label="prefill")
+    ax.barh([i - 0.2 for i in y], [max(o.intensity, 1e-3) for o in decode], height=0.4, label="decode")
+    ax.set_yticks(list(y), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("FLOP per byte moved")
+    ax.legend(loc="lower right")
 
 
 # -- section (c): KV cache ---------------------------------------------------------------------------
@@ -327,15 +356,32 @@ def kv_cache(ctx: StudyContext) -> Section:
         align="llrlrr",
     )
     note = "The cache holds only the kv heads: GQA with Hkv kv heads stores Hkv/Hq of MHA's bytes."
-    return Section("kv_cache", "KV cache: MHA vs GQA vs MQA", {"rows": data}, [table], [note])
+    figures = ctx.figure(
+        "kv-cache",
+        "KV-cache MiB per sequence by kv-head count (log scale).",
+        partial(_plot_kv, data),
+    )
+    return Section("kv_cache", "KV cache: MHA vs GQA vs MQA", {"rows": data}, [table], [note], figures)
+
+
+def _plot_kv(data: list[dict], ax: Any) -> None:
+    for model in dict.fromkeys(d["model"] for d in data):
+        pts = [(d["n_kv_heads"], d["mib"]) for d in data if d["model"] == model]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=model)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("kv heads")
+    ax.set_ylabel("MiB per sequence")
+    ax.legend(fontsize=7)
 
 
 SECTIONS: list[Callable[[StudyContext], Section]] = [exactness, walk, kv_cache, minilm, distributed]
 
 
 # -- the study ---------------------------------------------------------------------------------------
-def run_sections(quick: bool = True, progress: bool = True) -> list[Section]:
-    """Run every section of :data:`SECTIONS` in order, with a progress bar on stderr."""
+def run_sections(quick: bool = True, progress: bool = True, out_dir: Path | None = None) -> list[Section]:
+    """Run every section of :data:`SECTIONS` in order, with a progress bar on stderr; figures go to
+    ``out_dir`` (none are drawn without it)."""
     results = []
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())  # no ETA: sections differ
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=not progress) as bar:
@@ -344,7 +390,7 @@ def run_sections(quick: bool = True, progress: bool = True) -> list[Section]:
             name = section.__name__
             bar.update(task, description=f"study: {name}", completed=i)
             step = partial(_describe, bar, task, name, i)
-            results.append(section(StudyContext(quick, step)))
+            results.append(section(StudyContext(quick, step, out_dir)))
         bar.update(task, completed=len(SECTIONS))
     return results
 
@@ -374,7 +420,8 @@ def run_study(
 
     Args:
         quick: the default workload only (seconds); False adds the bf16 exactness run.
-        out_dir: when given, write ``out_dir/report.md`` (created if missing).
+        out_dir: when given, write ``out_dir/report.md``, ``out_dir/report.html`` and the figures' PNGs
+            (the directory is created if missing).
         progress: show a progress bar on stderr.
         console: when given, print each section's tables to it.
 
@@ -383,18 +430,23 @@ def run_study(
     """
     from . import __version__
 
-    path = None if out_dir is None else Path(out_dir) / "report.md"
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)  # fail before the work, not after
-    sections = run_sections(quick, progress)
+    out = None if out_dir is None else Path(out_dir)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)  # fail before the work, not after
+    sections = run_sections(quick, progress, out)
     report: dict = {
         "quick": quick,
         "versions": {"multihead": __version__, "torch": torch.__version__},
         "sections": {s.key: s.data for s in sections},
     }
-    if path is not None:
-        path.write_text(render_markdown(sections, quick))
-        report["report"] = str(path)
+    if out is not None:
+        (out / "report.md").write_text(render_markdown(sections, quick))
+        title = f"multihead study ({'quick' if quick else 'full'})"
+        sub = f"multihead {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        (out / "report.html").write_text(render_html(sections, title, sub))
+        report["report"] = str(out / "report.md")
+        report["html"] = str(out / "report.html")
+        report["figures"] = [str(out / f.file) for s in sections for f in s.figures]
     if console is not None:
         for s in sections:
             s.print(console)

@@ -8,7 +8,7 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
-from . import approx, compat, cost, data, parallel, pretrained, quant
+from . import approx, compat, cost, data, heads, parallel, pretrained, quant
 from .attention_module import MultiHeadAttention
 from .biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .feed_forward import FeedForward
@@ -59,6 +59,7 @@ __all__ = [
     "data",
     "document",
     "explain",
+    "heads",
     "key_padding",
     "padding",
     "parallel",

@@ -19,6 +19,7 @@ Shape legend: B batch, N tokens, M memory tokens, d = d_model. Layers map (B, N,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -100,6 +101,7 @@ class TransformerLayer(nn.Module):
         bias: Bias | Tensor | None = None,
         cache: KVCache | None = None,
         positions: Tensor | None = None,
+        head_mask: Tensor | None = None,
     ) -> Tensor:
         """(B, N, d) -> (B, N, d).
 
@@ -111,6 +113,8 @@ class TransformerLayer(nn.Module):
             bias: self-attention score bias (ALiBi, ...).
             cache: this layer's ``KVCache`` for the self-attention.
             positions: rotary positions of x's tokens (default: continue from the cache).
+            head_mask: (Hq,) or (B, Hq) float multiplier on each self-attention head's output (1 keeps,
+                0 prunes; see :class:`MultiHeadAttention`). The cross-attention is never masked.
 
         Raises:
             ValueError: memory given without cross-attention or missing with it, bad shapes.
@@ -125,7 +129,9 @@ class TransformerLayer(nn.Module):
             raise ValueError("memory_mask was given without memory; it masks the cross-attention only")
 
         def self_attention(h: Tensor) -> Tensor:
-            return self.self_attn(h, mask=mask, bias=bias, cache=cache, positions=positions)
+            return self.self_attn(
+                h, mask=mask, bias=bias, cache=cache, positions=positions, head_mask=head_mask
+            )
 
         if self.norm_first:
             return self._pre_ln(x, self_attention, memory, memory_mask)
@@ -146,6 +152,31 @@ class TransformerLayer(nn.Module):
         if self.cross_attn is not None and self.cross_norm is not None:
             x = x + self.cross_attn(self.cross_norm(x), memory, mask=memory_mask)
         return x + self.ffn(self.ffn_norm(x))
+
+
+def per_layer_head_masks(head_mask: Any, n_layers: int) -> list[Tensor | None]:
+    """Split a stack's ``head_mask`` into one entry per layer.
+
+    ``head_mask`` is None, a float tensor (L, Hq) or (L, B, Hq) (row i goes to layer i), or a sequence of
+    L per-layer masks ((Hq_i,), (B, Hq_i) or None; for stacks whose layers differ in width after pruning).
+
+    Raises:
+        ValueError: a head_mask whose first dimension or length is not the number of layers.
+    """
+    if head_mask is None:
+        return [None] * n_layers
+    if isinstance(head_mask, Tensor) and head_mask.dim() not in (2, 3):
+        raise ValueError(
+            f"head_mask must be (L, Hq) or (L, B, Hq) with L = {n_layers} layers, got shape "
+            f"{tuple(head_mask.shape)}; give one row per layer"
+        )
+    masks = list(head_mask)
+    if len(masks) != n_layers:
+        raise ValueError(
+            f"head_mask has {len(masks)} layer entries but the stack has {n_layers} layers; "
+            "give one row (or one per-layer mask) per layer"
+        )
+    return masks
 
 
 def _check_n_layers(n_layers: Any) -> None:
@@ -189,11 +220,23 @@ class Encoder(_Stack):
         super().__init__(n_layers, d_model, n_heads, d_ff, final_norm, layer_kwargs)
 
     def forward(
-        self, x: Tensor, *, mask: Mask | Tensor | None = None, bias: Bias | Tensor | None = None
+        self,
+        x: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: Bias | Tensor | None = None,
+        head_mask: Tensor | Sequence[Tensor | None] | None = None,
     ) -> Tensor:
-        """(B, N, d) -> (B, N, d); ``mask`` (e.g. ``mh.key_padding(real)``) and ``bias`` go to every layer."""
-        for layer in self.layers:
-            x = layer(x, mask=mask, bias=bias)
+        """(B, N, d) -> (B, N, d); ``mask`` (e.g. ``mh.key_padding(real)``) and ``bias`` go to every layer.
+
+        ``head_mask``: (L, Hq) or (L, B, Hq) float gates, row i multiplying layer i's head outputs (1 keeps
+        a head, 0 prunes it), or a list of L per-layer masks; see :func:`per_layer_head_masks`.
+
+        Raises:
+            ValueError: a head_mask of the wrong length or shape, and what the layers raise.
+        """
+        for layer, layer_head_mask in zip(self.layers, per_layer_head_masks(head_mask, len(self.layers))):
+            x = layer(x, mask=mask, bias=bias, head_mask=layer_head_mask)
         return self.final_norm(x)
 
 
@@ -224,6 +267,7 @@ class Decoder(_Stack):
         mask: Mask | Tensor | None = _CAUSAL,
         memory_mask: Mask | Tensor | None = None,
         caches: list[KVCache] | None = None,
+        head_mask: Tensor | Sequence[Tensor | None] | None = None,
     ) -> Tensor:
         """(B, N, d) over memory (B, M, d) -> (B, N, d).
 
@@ -233,15 +277,20 @@ class Decoder(_Stack):
             memory_mask: cross-attention mask broadcastable to (B, Hq, N, M).
             caches: one ``KVCache`` per layer for incremental decoding (self-attention only; the
                 cross-attention keys/values are recomputed from memory at each call).
+            head_mask: (L, Hq) or (L, B, Hq) gates on the self-attention heads, row i for layer i, or a
+                list of L per-layer masks (see :func:`per_layer_head_masks`).
 
         Raises:
-            ValueError: ``caches`` of the wrong length, and what the layers raise.
+            ValueError: ``caches`` or ``head_mask`` of the wrong length, and what the layers raise.
         """
         if caches is not None and len(caches) != len(self.layers):
             raise ValueError(
                 f"caches has {len(caches)} entries but the decoder has {len(self.layers)} layers"
             )
+        head_masks = per_layer_head_masks(head_mask, len(self.layers))
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
-            x = layer(x, memory=memory, mask=mask, memory_mask=memory_mask, cache=cache)
+            x = layer(
+                x, memory=memory, mask=mask, memory_mask=memory_mask, cache=cache, head_mask=head_masks[i]
+            )
         return self.final_norm(x)

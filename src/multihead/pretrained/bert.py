@@ -13,7 +13,7 @@ Shape legend: B batch rows, N tokens per row, d = hidden size.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -100,6 +100,7 @@ class Bert(nn.Module):
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
         token_type_ids: Tensor | None = None,
+        head_mask: Tensor | Sequence[Tensor | None] | None = None,
     ) -> Tensor:
         """Hidden states (B, N, d) of token ids (B, N).
 
@@ -110,6 +111,8 @@ class Bert(nn.Module):
                 ``[0, 0, 0, 1, 1, -1]``): a token sees only its own document and positions restart
                 at each. Give pad slots their own id.
             token_type_ids: (B, N) segment ids (default all 0).
+            head_mask: (L, Hq) or (L, B, Hq) float gates on the attention heads, row i for layer i (1
+                keeps a head, 0 prunes it; Michel et al., 2019), or a list of L per-layer masks.
 
         Raises:
             ValueError: ids that are not (B, N) integers, masks of another shape, a sequence longer
@@ -136,7 +139,7 @@ class Bert(nn.Module):
                 f"{self.max_len}; truncate the input (the tokenizer's max_length)"
             )
         x = self.embeddings(ids, positions, token_type_ids)  # (B, N, d)
-        return self.encoder(x, mask=mask)  # (B, N, d)
+        return self.encoder(x, mask=mask, head_mask=head_mask)  # (B, N, d)
 
     def pool(self, hidden: Tensor) -> Tensor:
         """BERT's pooler: ``tanh(W h_[CLS] + b)``, (B, N, d) -> (B, d).

@@ -163,6 +163,7 @@ class SentenceEncoder(nn.Module):
         packed: bool | None = None,
         output: str = "torch",
         progress: Callable[[int], None] | None = None,
+        head_mask: Tensor | Sequence[Tensor | None] | None = None,
     ) -> Tensor | np.ndarray:
         """Embed texts: (n, d) float32, row i the mean-pooled (and by default L2-normalised) text i.
 
@@ -176,9 +177,13 @@ class SentenceEncoder(nn.Module):
                 pads every sequence of a batch to the longest and masks the pad keys.
             output: "torch" (a tensor) or "numpy" (an ndarray).
             progress: called with the number of texts done after each batch.
+            head_mask: (L, Hq) float gates on the attention heads, row i for layer i (1 keeps a head, 0
+                prunes it), the same for every text, or a list of L per-layer (Hq_i,) gates; see
+                :meth:`Bert.forward`.
 
         Raises:
-            ValueError: texts not a list of strings, batch_size < 1, an unknown output kind.
+            ValueError: texts not a list of strings, batch_size < 1, an unknown output kind, a head_mask
+                of the wrong shape.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -193,27 +198,31 @@ class SentenceEncoder(nn.Module):
             pack_it = packed
             if pack_it is None:
                 pack_it = len(batch) * len(batch[0]) > PACK_WHEN_PADDED_OVER * sum(len(s) for s in batch)
-            out[idx] = (self._packed if pack_it else self._padded)(batch).float()  # (b, d)
+            out[idx] = (self._packed if pack_it else self._padded)(batch, head_mask).float()  # (b, d)
             if progress is not None:
                 progress(min(start + batch_size, len(order)))
         if normalize:
             out = F.normalize(out, p=2.0, dim=-1)  # (n, d)
         return out.numpy() if output == "numpy" else out
 
-    def _packed(self, seqs: list[list[int]]) -> Tensor:
+    def _packed(
+        self, seqs: list[list[int]], head_mask: Tensor | Sequence[Tensor | None] | None = None
+    ) -> Tensor:
         """Mean-pooled states (b, d) of one batch, packed under a document mask."""
         ids, doc = pack(seqs, sum(len(s) for s in seqs))  # (1, T) each: one row holds the whole batch
-        hidden = self.bert(ids, document_ids=doc)  # (R, N, d)
+        hidden = self.bert(ids, document_ids=doc, head_mask=head_mask)  # (R, N, d)
         return _mean_by_document(hidden, doc, len(seqs))  # (b, d)
 
-    def _padded(self, seqs: list[list[int]]) -> Tensor:
+    def _padded(
+        self, seqs: list[list[int]], head_mask: Tensor | Sequence[Tensor | None] | None = None
+    ) -> Tensor:
         """Mean-pooled states (b, d) of one batch, right-padded to its longest sequence."""
         N = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), N, dtype=torch.long)  # (b, N)
         real = torch.zeros(len(seqs), N, dtype=torch.bool)  # (b, N)
         for r, s in enumerate(seqs):
             ids[r, : len(s)], real[r, : len(s)] = torch.as_tensor(s), True
-        hidden = self.bert(ids, attention_mask=real)  # (b, N, d)
+        hidden = self.bert(ids, attention_mask=real, head_mask=head_mask)  # (b, N, d)
         w = real.to(hidden.dtype).unsqueeze(-1)  # (b, N, 1)
         return (hidden * w).sum(1) / w.sum(1)  # (b, d)
 

@@ -1,0 +1,39 @@
+"""Heads of a real model: what they do, which matter, and how to have fewer (seed 001; issue 6).
+
+    maps = mh.heads.attention_maps(model, texts)            # per text (L, H, N, N)
+    table = mh.heads.roles(maps, mh.heads.token_strings(model, texts))   # Clark et al. statistics
+    scores = mh.heads.importance(model, texts)               # (L, H), Michel et al.
+    mh.heads.prune(model, {0: [3, 7], 5: [1]})               # really removes them
+    mh.heads.to_gqa(model, 4, method="aligned")              # MHA -> GQA, Procrustes-aligned merge
+
+Every tool addresses heads as (layer, head): layer i is the model's i-th TransformerLayer, head h its
+self-attention's query head h.
+"""
+
+from ._model import layers_of, token_strings
+from .gqa import kv_cache_bytes_per_token, procrustes, rotate_heads, to_gqa
+from .labels import HeadRole, roles, roles_grid, roles_table
+from .maps import attention_maps, capture_attention
+from .pruning import EmptyAttention, prune
+from .scoring import gate_heads, importance, lm_loss, span_contrastive_loss
+
+__all__ = [
+    "EmptyAttention",
+    "HeadRole",
+    "attention_maps",
+    "capture_attention",
+    "gate_heads",
+    "importance",
+    "kv_cache_bytes_per_token",
+    "layers_of",
+    "lm_loss",
+    "procrustes",
+    "prune",
+    "roles",
+    "roles_grid",
+    "roles_table",
+    "rotate_heads",
+    "span_contrastive_loss",
+    "to_gqa",
+    "token_strings",
+]

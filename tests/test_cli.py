@@ -62,7 +62,12 @@ def test_study_json_kv_cache(study_json):
 def test_study_writes_report(study_json):
     text = (study_json["_out"] / "report.md").read_text()
     assert study_json["report"].endswith("report.md")
-    for heading in ("## Exactness", "## The layer, eq. 9.31-9.43", "## KV cache"):
+    for heading in (
+        "## Exactness",
+        "## The layer, eq. 9.31-9.43",
+        "## KV cache",
+        "## Performance against peers",
+    ):
         assert heading in text
     assert "| 9.41 | U = T3 W1 (FFN up) |" in text
     page = (study_json["_out"] / "report.html").read_text()
@@ -70,7 +75,16 @@ def test_study_writes_report(study_json):
     for fig in study_json["figures"]:  # every figure is a PNG the page shows
         assert Path(fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f'src="{fig.rsplit("/", 1)[-1]}"' in page and f"]({fig.rsplit('/', 1)[-1]})" in text
-    assert {"walk-intensity.png", "kv-cache.png"} <= {f.rsplit("/", 1)[-1] for f in study_json["figures"]}
+    names = {f.rsplit("/", 1)[-1] for f in study_json["figures"]}
+    assert {"walk-intensity.png", "kv-cache.png", "performance.png"} <= names
+
+
+def test_study_performance_rows_are_measured(study_json):
+    perf = study_json["sections"]["performance"]
+    auto = [r for r in perf["results"] if r["method"] == "auto"]
+    assert {r["family"] for r in auto} >= {"causal", "window", "documents", "decode"}
+    for r in auto:  # measured times and ratios against peers run in the same study
+        assert r["ms"] > 0 and r["gflops"] > 0 and "sdpa" in r["vs"] and r["vs"]["sdpa"] > 0
 
 
 def test_explain_mentions_chosen_backend(capsys):
@@ -158,3 +172,86 @@ def test_python_m_multihead_study_quick(tmp_path):
     for title in ("Exactness", "The layer, eq. 9.31-9.43", "KV cache: MHA vs GQA vs MQA"):
         assert title in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+# -- multihead explain --preset / --hf: a whole model's cost ------------------------------------------
+def test_explain_preset_llama_prefill_tables(capsys):
+    assert main(["explain", "--preset", "llama-7b", "--seq", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-7b: 32 x d 4096, 32 heads of 128" in out
+    assert "shape walk: llama-7b" in out and "Xn[1x2048x4096] @ W^Q[4096x4096]" in out
+    assert "layer x32" in out and "G = T3 W1 (FFN gate)" in out and "logits = Hf W_out" in out
+    for what in ("weights", "activations", "attention scores", "KV cache"):
+        assert what in out
+    assert "causal()  (Nq=16, Nk=16)" in out  # the mask in use, drawn small
+
+
+def test_explain_preset_json_decode_sliding_window(capsys):
+    argv = ["explain", "--preset", "mistral-7b", "--seq", "8192", "--phase", "decode", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["call"]["Nq"] == 1 and doc["call"]["Nk"] == 4096  # the sliding cache holds the window
+    assert doc["memory"]["KV cache"] == 512 * 2**20
+    assert doc["backend"] in mh.backends()
+    assert doc["flops"] == pytest.approx(sum(r["flops"] * r["count"] for r in doc["rows"]))
+    scores = next(r for r in doc["rows"] if r["name"] == "S = Q K^T")
+    assert "1x8x128x4096" in scores["in_shape"] and scores["count"] == 32
+    assert "sliding_window(4096)" in doc["masks"][0]
+    assert doc["masks"][1].splitlines()[-1] == ". " * 8 + "# # # # # # # #"  # drawn to scale
+
+
+def test_explain_preset_roof_places_every_row(capsys, tmp_path):
+    png = tmp_path / "roof.png"
+    argv = ["explain", "--preset", "gpt2", "--roof", "100:10", "--plot", str(png), "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["call"]["seq_len"] == 1024 and doc["call"]["dtype"] == "float32"
+    assert doc["roof"]["ridge"] == pytest.approx(10.0)
+    assert len(doc["roofline"]) == len(doc["rows"])
+    assert {p["bound"] for p in doc["roofline"]} == {"memory", "compute"}  # prefill at B=1 has both
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and doc["plot"] == str(png)
+
+
+def test_explain_preset_bert_defaults_to_its_positions(capsys):
+    assert main(["explain", "--preset", "bert-base", "--phase", "prefill"]) == 0
+    out = capsys.readouterr().out
+    assert "Nq=512 new rows" in out  # default seq: min(1024, max_position_embeddings)
+    assert "X = E + P + T" in out and "mask: none" in out
+
+
+def test_explain_hf_dir_reads_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(mh.cost.PRESETS["minilm"]))
+    assert main(["explain", "--hf", str(tmp_path), "--seq", "128", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["params"] == mh.cost.preset("minilm").params
+    assert doc["call"]["Nk"] == 128
+
+
+def test_explain_roof_measure_uses_the_bench_probes(monkeypatch, capsys):
+    import multihead.bench_methods as bm
+
+    monkeypatch.setattr(bm, "machine_rates", lambda dtypes: {next(iter(dtypes)): 80.0, "bandwidth": 8.0})
+    argv = ["explain", "--preset", "llama-tiny", "--phase", "decode", "--roof", "measure"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ridge 10.0 FLOP/B" in out and "memory" in out
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["explain", "--preset", "llama-70b"], r"unknown preset 'llama-70b'; choose one of"),
+        (["explain", "--preset", "gpt2", "--seq", "2048"], r"max_len=1024; use seq_len <= 1024"),
+        (["explain", "--preset", "gpt2", "--heads", "4"], r"--heads describe a single attention problem"),
+        (["explain", "--preset", "gpt2", "--roof", "fast"], r"--roof must be 'measure' or GFLOPS:GBPS"),
+        (["explain", "--cached", "3"], r"--cached, --roof and --plot need a model: add --preset"),
+        (["explain", "--hf", "/nonexistent/dir"], r"no config.json in '/nonexistent/dir'"),
+        (["explain", "--preset", "gpt2", "--hf", "x"], r"argument --hf: not allowed with argument --preset"),
+        (["explain", "--preset", "gpt2", "--cached", "-1"], r"cached must be >= 0 tokens, got -1"),
+    ],
+)
+def test_explain_model_errors_exit_2(argv, match, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(match, err), err

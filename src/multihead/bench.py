@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -126,15 +127,21 @@ def run_case(case: Case, repeats: int, rates: dict[str, float], flex: bool) -> l
 
 
 def run(kind: str = "quick", *, repeats: int = 3, flex: bool = False, only: str | None = None,
-        progress: Callable[[str], None] | None = None) -> dict:  # fmt: skip
+        progress: Callable[[str], None] | None = None, suite: list[Case] | None = None) -> dict:  # fmt: skip
     """Run the suite; returns ``{"machine": ..., "results": [...], "goals": [...]}`` (JSON-ready).
+
+    ``suite`` replaces :func:`cases` (``kind`` is then only a label), e.g. the study's short selection.
 
     Raises:
         ValueError: on an unknown suite kind, ``repeats < 1`` or an ``only`` filter that matches nothing.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    todo = [c for c in cases(kind) if only is None or only in c.name or only == c.family]
+    todo = [
+        c
+        for c in (cases(kind) if suite is None else suite)
+        if only is None or only in c.name or only == c.family
+    ]
     if not todo:
         raise ValueError(f"no case matches {only!r}; cases are: {sorted({c.name for c in cases(kind)})}")
     rates = bm.machine_rates({str(c.dtype) for c in todo})
@@ -236,6 +243,13 @@ def plot(doc: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = plot_figure(doc, plt)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def plot_figure(doc: dict, plt: Any) -> Any:
+    """The matplotlib figure of :func:`plot`."""
     res = [r for r in doc["results"] if r["ms"] is not None]
     fams = [
         f
@@ -252,8 +266,7 @@ def plot(doc: dict, path: str) -> None:
         ax.set(xscale="log", yscale="log", xlabel="N", ylabel="ms", title=fam)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    return fig
 
 
 def add_parser(sub) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from multihead import approx as A
-from multihead.train import TrainConfig, build_model, train_mqar
+from multihead.train import TrainConfig, build_model, forward_flops, train_mqar
 
 TOY = {"seq_len": 32, "n_pairs": 4, "vocab": 64, "d_model": 32, "n_heads": 2, "d_ff": 64, "batch": 16}
 
@@ -51,3 +51,30 @@ def test_build_model_applies_the_approximation():
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize("design", ["gqa", "moh", "talking"])
+def test_trains_a_head_design_and_reports_params_and_flops(design):
+    r = train_mqar(TrainConfig(**TOY, steps=3, eval_examples=20, attention=design))
+    base = train_mqar(TrainConfig(**TOY, steps=1, eval_examples=20))
+    assert r.approx == design and 0.0 <= r.accuracy <= 1.0
+    assert r.extra["params"] > 0 and r.extra["flops"] > 0
+    if design == "gqa":  # fewer K/V projection rows than MHA
+        assert r.extra["params"] < base.extra["params"]
+
+
+def test_forward_flops_count_attention_matmuls():
+    cfg = TrainConfig(**TOY)
+    model = build_model(cfg)
+    ids = torch.zeros(1, cfg.seq_len, dtype=torch.long)
+    flops = forward_flops(model, ids, None)
+    d, n, L, ff = cfg.d_model, cfg.seq_len, cfg.n_layers, cfg.d_ff
+    per_layer = 2 * n * d * (3 * d) + 2 * n * d * d + 2 * 2 * n * n * d + 3 * 2 * n * d * ff
+    assert flops == L * per_layer  # projections, QK^T and PV (counted via matrix), SwiGLU; no head
+
+
+def test_design_and_approximation_together_are_refused():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        TrainConfig(**TOY, attention="nope")
+    with pytest.raises(ValueError, match="not both"):
+        build_model(TrainConfig(**TOY, attention="moh"), A.Performer(8))

@@ -8,7 +8,7 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
-from . import approx, compat, cost, data, heads, parallel, pretrained, quant
+from . import approx, compat, cost, data, heads, parallel, pretrained, quant, variants
 from .attention_module import MultiHeadAttention
 from .biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .feed_forward import FeedForward
@@ -68,4 +68,5 @@ __all__ = [
     "quant",
     "sliding_window",
     "softcap",
+    "variants",
 ]

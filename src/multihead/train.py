@@ -32,6 +32,7 @@ from torch import Tensor
 from .data import IGNORE_INDEX, mqar
 from .lm import TransformerLM
 from .masks import Mask, causal
+from .variants import aux_loss
 
 __all__ = ["TrainConfig", "TrainResult", "accuracy", "build_model", "train_mqar"]
 
@@ -59,6 +60,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     eval_examples: int = 1000
     seed: int = 0
+    #: the attention design (:data:`multihead.variants.NAMES`: "mha", "gqa", "moh", "dcmha", ...)
+    attention: str = "mha"
     #: std of the (tied) token embedding at initialisation, default d_model^-0.5 (rows of norm ~1). GPT-2's
     #: 0.02 makes every logit ~0 and the model must first grow 8192 rows that each appear a few times per
     #: batch (MQAR stalls); N(0, 1) makes the initial logits huge
@@ -83,6 +86,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig lr must be > 0, got {self.lr!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"TrainConfig warmup must be an int >= 0, got {self.warmup!r}")
+        from .variants import NAMES
+
+        if self.attention not in NAMES:
+            raise ValueError(f"TrainConfig attention must be one of {list(NAMES)}, got {self.attention!r}")
         if self.embed_std is not None and not self.embed_std > 0:
             raise ValueError(
                 f"TrainConfig embed_std must be > 0 or None (d_model^-0.5), got {self.embed_std!r}"
@@ -111,6 +118,18 @@ def build_model(cfg: TrainConfig, approx: Any = None) -> TransformerLM:
     model = TransformerLM(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, max_len=cfg.seq_len)
     std = cfg.d_model**-0.5 if cfg.embed_std is None else cfg.embed_std
     torch.nn.init.normal_(model.embed.weight, std=std)  # tied: also the output projection
+    if cfg.attention != "mha":
+        from .variants import swap
+
+        if approx is not None:
+            raise ValueError(
+                f"train either a head design (attention={cfg.attention!r}) or an approximation "
+                f"({approx!r}) on plain MHA, not both"
+            )
+        torch.manual_seed(cfg.seed + 1)
+        swapped = swap(model, cfg.attention)
+        assert isinstance(swapped, TransformerLM)
+        model = swapped
     if approx is None:
         return model
     from .approx import apply
@@ -207,6 +226,7 @@ def train_mqar(
         for group in opt.param_groups:
             group["lr"] = _lr_at(cfg, step)
         loss = F.cross_entropy(_query_logits(model, x, y, mask), y[y != IGNORE_INDEX])
+        loss = loss + aux_loss(model)  # MoH's load balance, GatedHeads' L0 penalty; 0 otherwise
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -216,5 +236,37 @@ def train_mqar(
             progress(step, losses[-1])
     seconds = time.perf_counter() - start
     acc = accuracy(model, test_x, test_y, mask=mask)
-    name = "exact" if approx is None else repr(approx)
-    return TrainResult(acc, losses, seconds, asdict(cfg), name, mask is not None)
+    name = ("exact" if cfg.attention == "mha" else cfg.attention) if approx is None else repr(approx)
+    extra = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "flops": forward_flops(model, test_x[:1], mask),
+    }
+    return TrainResult(acc, losses, seconds, asdict(cfg), name, mask is not None, extra)
+
+
+def forward_flops(model: TransformerLM, ids: Tensor, mask: Mask | None) -> int:
+    """Matmul FLOPs of one forward pass over ``ids`` (B, N), as ``FlopCounterMode`` counts them.
+
+    The counter does not see the fused CPU flash kernel, so for the count every module with a
+    ``backend`` attribute runs the ``matrix`` backend (the same attention as explicit matmuls);
+    approximations compute what they compute.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was = model.training
+    saved = {
+        m: m.backend
+        for m in model.modules()
+        if isinstance(getattr(m, "backend", None), str) and getattr(m, "approx", None) is None
+    }
+    model.eval()
+    try:
+        for m in saved:
+            setattr(m, "backend", "matrix")  # noqa: B010 - nn.Module's __setattr__ types it as a Tensor
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            _hidden(model, ids, mask)
+    finally:
+        for m, b in saved.items():
+            setattr(m, "backend", b)  # noqa: B010
+        model.train(was)
+    return int(counter.get_total_flops())

@@ -2,6 +2,7 @@
 
     multihead train                                    exact attention, the default recipe (CPU minutes)
     multihead train --attention Performer --steps 300  an approximation (names as in `multihead approx`)
+    multihead train --attention moh                    a head design of multihead.variants (MoH, DCMHA, ...)
     multihead train --seq-len 64 --pairs 4 --json      a smaller task, machine-readable result
 
 Prints the held-out accuracy (the fraction of queried keys whose value the model names).
@@ -21,6 +22,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from .approx import measure
     from .train import TrainConfig, train_mqar
+    from .variants import NAMES
 
     cfg = TrainConfig(
         seq_len=args.seq_len,
@@ -33,8 +35,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         batch=args.batch,
         lr=args.lr,
         seed=args.seed,
+        attention=args.attention if args.attention in NAMES else "mha",
     )
-    approx = None if args.attention == "exact" else measure.make(args.attention, cfg.seq_len)
+    plain = args.attention == "exact" or args.attention in NAMES
+    approx = None if plain else measure.make(args.attention, cfg.seq_len)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"train {args.attention}", total=cfg.steps)
@@ -55,7 +59,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     _console().print(
         f"MQAR seq_len={cfg.seq_len}, {cfg.n_pairs} pairs, vocab {cfg.vocab}: {res.approx}, {mode}, "
         f"{cfg.steps} steps in {res.seconds:.0f} s, final loss {res.losses[-1]:.3f}, "
-        f"held-out accuracy {100 * res.accuracy:.1f}% ({cfg.eval_examples} examples)",
+        f"held-out accuracy {100 * res.accuracy:.1f}% ({cfg.eval_examples} examples); "
+        f"{res.extra['params']:,} parameters, {res.extra['flops'] / 1e6:,.1f} MFLOP per sequence forward",
         markup=False,
     )
     return 0
@@ -71,7 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a 2-layer TransformerLM on MQAR (associative recall) with exact or approximate attention",
         description="Train the small model of multihead.train on fresh MQAR batches (Zoology's generator) "
-        "and report held-out accuracy. --attention takes 'exact' or a method of `multihead approx` "
+        "and report held-out accuracy. --attention takes 'exact', a head design of multihead.variants "
+        "(mha, gqa, mqa, moh, dcmha, mohsa, collab, talking, gated) or a method of `multihead approx` "
         "(TopK, Threshold, local, local_global, Linformer, Nystrom, LowRank, LinearAttention, Performer).",
     )
     p.add_argument("--task", choices=["mqar"], default="mqar", help="the task (default mqar)")

@@ -25,6 +25,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Table as RichTable
 
 from . import cost
+from .approx.report import approximations
 from .biases import Bias, alibi
 from .functional import _choose, attention, backends
 from .masks import Mask, causal, document, padding, sliding_window
@@ -447,6 +448,7 @@ SECTIONS: list[Callable[[StudyContext], Section]] = [
     kv_cache,
     performance,
     minilm,
+    approximations,
     distributed,
 ]
 

@@ -2,9 +2,8 @@
 
 :func:`compare` measures each method of :data:`~multihead.approx.measure.METHODS` (fidelity on MiniLM,
 MQAR accuracy, time and peak memory per length); :func:`table` renders the rows with the study's
-:class:`~multihead.study.Table`; :func:`section` is the study section (in study.py:
-``from .approx.report import section as approx`` and add ``approx`` to ``SECTIONS``; this module
-imports study lazily, so there is no import cycle).
+:class:`~multihead.study.Table`; :func:`approximations` is the study section (listed in
+``study.SECTIONS``; this module imports study lazily, so there is no import cycle).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from . import measure
 if TYPE_CHECKING:  # study imports this module to register the section: import it lazily at run time
     from ..study import Section, StudyContext, Table
 
-__all__ = ["compare", "section", "table"]
+__all__ = ["approximations", "compare", "table"]
 
 
 def _minilm(n_texts: int) -> tuple[Any, list[str], Any] | str:
@@ -129,16 +128,16 @@ def table(rows: list[dict], ns: tuple[int, ...]) -> Table:
     return Table(title, cols, out, align="lrrr" + "rrr" * len(ns))
 
 
-def section(ctx: StudyContext) -> Section:
+def approximations(ctx: StudyContext) -> Section:
     """(approx) Every approximation: MiniLM fidelity, time and peak memory vs exact tiled attention.
 
-    Quick: 32 docstrings, N=1024; full: 128 docstrings, N=1K/4K/16K. MQAR accuracy needs training
-    (minutes per method): ``multihead approx --mqar`` or ``benchmarks/bench_approx.py``.
+    Quick: 8 docstrings, N=1024 (about a minute); full: 128 docstrings, N=1K/4K/16K. MQAR accuracy
+    needs training (minutes per method): ``multihead approx --mqar`` or ``benchmarks/bench_approx.py``.
     """
     from ..study import Section
 
     ns = (1024,) if ctx.quick else (1024, 4096, 16384)
-    res = compare(ns=ns, n_texts=32 if ctx.quick else 128, step=ctx.step)
+    res = compare(ns=ns, n_texts=8 if ctx.quick else 128, step=ctx.step)
     notes = [
         *res["notes"],
         "TopK, Threshold and LowRank form every score (they measure what sparsity or rank costs in quality, "
@@ -149,6 +148,14 @@ def section(ctx: StudyContext) -> Section:
         "ns": list(ns),
         "rows": [{**r, "cost": {str(k): v for k, v in r["cost"].items()}} for r in res["rows"]],
     }
+    figures = []
+    if ctx.out_dir is not None:
+        from ..report import Figure
+        from .measure import pareto_png
+
+        png = pareto_png(res["rows"], ctx.out_dir / "approx-pareto.png", ns[-1])
+        if png is not None:
+            figures.append(Figure("approx-pareto.png", f"Quality vs time per attention call at N={ns[-1]}."))
     return Section(
-        "approx", "Approximations: what each costs in quality", data, [table(res["rows"], ns)], notes
+        "approx", "Approximations: what each costs in quality", data, [table(res["rows"], ns)], notes, figures
     )

@@ -78,3 +78,13 @@ def test_design_and_approximation_together_are_refused():
         TrainConfig(**TOY, attention="nope")
     with pytest.raises(ValueError, match="not both"):
         build_model(TrainConfig(**TOY, attention="moh"), A.Performer(8))
+
+
+def test_curriculum_trains_short_sequences_first():
+    cfg = TrainConfig(seq_len=256, n_pairs=16, short_steps=10)
+    assert cfg.size_at(0) == (64, 4) and cfg.size_at(9) == (64, 4) and cfg.size_at(10) == (256, 16)
+    assert TrainConfig(seq_len=8, n_pairs=2, short_steps=1).size_at(0) == (4, 1)  # >= 4 * pairs
+    r = train_mqar(TrainConfig(**TOY, steps=4, short_steps=2, eval_examples=10))
+    assert len(r.losses) == 4
+    with pytest.raises(ValueError, match="short_steps must be an int >= 0"):
+        TrainConfig(short_steps=-1)

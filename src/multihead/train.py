@@ -62,10 +62,21 @@ class TrainConfig:
     seed: int = 0
     #: the attention design (:data:`multihead.variants.NAMES`: "mha", "gqa", "moh", "dcmha", ...)
     attention: str = "mha"
+    #: curriculum: the first ``short_steps`` steps train on sequences of ``seq_len // 4`` with
+    #: ``n_pairs // 4`` pairs (at least 1) - 4x cheaper steps in which the induction mechanism forms
+    #: (it is length-independent with rotary positions); the rest, and the evaluation, at full size
+    short_steps: int = 0
     #: std of the (tied) token embedding at initialisation, default d_model^-0.5 (rows of norm ~1). GPT-2's
     #: 0.02 makes every logit ~0 and the model must first grow 8192 rows that each appear a few times per
     #: batch (MQAR stalls); N(0, 1) makes the initial logits huge
     embed_std: float | None = None
+
+    def size_at(self, step: int) -> tuple[int, int]:
+        """(seq_len, n_pairs) of training step ``step`` (see ``short_steps``)."""
+        if step < self.short_steps:
+            n = max(4 * max(1, self.n_pairs // 4), (self.seq_len // 4) // 2 * 2)
+            return n, max(1, self.n_pairs // 4)
+        return self.seq_len, self.n_pairs
 
     def __post_init__(self) -> None:
         for name in (
@@ -84,6 +95,12 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig {name} must be an int >= 1, got {val!r}")
         if not self.lr > 0:
             raise ValueError(f"TrainConfig lr must be > 0, got {self.lr!r}")
+        if (
+            isinstance(self.short_steps, bool)
+            or not isinstance(self.short_steps, int)
+            or self.short_steps < 0
+        ):
+            raise ValueError(f"TrainConfig short_steps must be an int >= 0, got {self.short_steps!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"TrainConfig warmup must be an int >= 0, got {self.warmup!r}")
         from .variants import NAMES
@@ -222,7 +239,8 @@ def train_mqar(
     start = time.perf_counter()
     model.train()
     for step in range(cfg.steps):
-        x, y = mqar(cfg.batch, cfg.seq_len, cfg.n_pairs, cfg.vocab, cfg.power_a, (cfg.seed << 32) + step)
+        n, pairs = cfg.size_at(step)
+        x, y = mqar(cfg.batch, n, pairs, cfg.vocab, cfg.power_a, (cfg.seed << 32) + step)
         for group in opt.param_groups:
             group["lr"] = _lr_at(cfg, step)
         loss = F.cross_entropy(_query_logits(model, x, y, mask), y[y != IGNORE_INDEX])

@@ -35,6 +35,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         batch=args.batch,
         lr=args.lr,
         seed=args.seed,
+        short_steps=args.short_steps,
         attention=args.attention if args.attention in NAMES else "mha",
     )
     plain = args.attention == "exact" or args.attention in NAMES
@@ -99,6 +100,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--heads", type=_positive_int, default=d.n_heads, help=f"attention heads (default {d.n_heads})"
+    )
+    p.add_argument(
+        "--short-steps",
+        type=int,
+        default=d.short_steps,
+        help="curriculum: train the first N steps on sequences and pair counts a quarter of the size "
+        f"(default {d.short_steps})",
     )
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of data and weights (default {d.seed})")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

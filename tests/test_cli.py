@@ -162,7 +162,7 @@ def test_parse_mask():
 
 def test_python_m_multihead_study_quick(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "multihead", "study", "--quick"],
+        [sys.executable, "-m", "multihead", "study", "--quick", "--only", "exactness,walk,kv_cache"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -255,3 +255,11 @@ def test_explain_model_errors_exit_2(argv, match, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert re.search(match, err), err
+
+
+def test_study_only_runs_the_named_sections(tmp_path, capsys):
+    assert main(["study", "--json", "--only", "walk, kv_cache", "--out", str(tmp_path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc["sections"]) == ["walk", "kv_cache"]
+    assert main(["study", "--only", "walkk", "--out", str(tmp_path)]) == 2
+    assert "unknown study section(s) ['walkk']; choose from exactness,walk" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 Commands::
 
-    multihead study   [--quick | --full] [--out DIR] [--json]     the whole report on the default workload
+    multihead study   [--quick | --full] [--out DIR] [--only NAMES] [--json]   the report (report.md/.html)
     multihead explain [--seq N] [--batch B] [--heads H] [--kv-heads H] [--head-dim D]
                       [--mask causal|none|sliding:W|prefix:N] [--dtype T] [--phase prefill|decode] [--json]
     multihead explain --preset NAME | --hf DIR [--seq N] [--batch B] [--phase P] [--roof measure]
@@ -56,7 +56,9 @@ def _console() -> Console:
 def _cmd_study(args: argparse.Namespace) -> int:
     """Run the study; print its tables (or its JSON) and write ``--out``/report.md."""
     console = None if args.json else _console()
-    report = study.run_study(quick=args.quick, out_dir=args.out, progress=True, console=console)
+    report = study.run_study(
+        quick=args.quick, out_dir=args.out, progress=True, console=console, only=args.only
+    )
     if args.json:
         print(json.dumps(report, indent=1))
     elif args.out is not None:
@@ -83,14 +85,26 @@ def _add_study(sub: argparse._SubParsersAction) -> None:
         dest="quick",
         action="store_true",
         default=True,
-        help="the default workload only, a few seconds (default)",
+        help="every section on its small workload, about 3-4 minutes on 2 cores (default)",
     )
-    size.add_argument("--full", dest="quick", action="store_false", help="also the bf16 exactness run")
+    size.add_argument(
+        "--full",
+        dest="quick",
+        action="store_false",
+        help="every section on its full workload (bf16 exactness, the bench's quick suite, approximations "
+        "at 1K-16K, MiniLM curves at full size, a harder MQAR for the designs); tens of minutes",
+    )
     p.add_argument(
         "--out",
         metavar="DIR",
         default="multihead-report",
         help="write DIR/report.md, DIR/report.html and the figures (default ./multihead-report)",
+    )
+    p.add_argument(
+        "--only",
+        metavar="NAMES",
+        default=None,
+        help="run only these sections, comma-separated (e.g. walk,kv_cache)",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.set_defaults(func=_cmd_study)

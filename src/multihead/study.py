@@ -458,19 +458,46 @@ SECTIONS: list[Callable[[StudyContext], Section]] = [
 
 
 # -- the study ---------------------------------------------------------------------------------------
-def run_sections(quick: bool = True, progress: bool = True, out_dir: Path | None = None) -> list[Section]:
-    """Run every section of :data:`SECTIONS` in order, with a progress bar on stderr; figures go to
-    ``out_dir`` (none are drawn without it)."""
+def select_sections(only: str | list[str] | None) -> list[Callable[[StudyContext], Section]]:
+    """The sections named in ``only`` (comma-separated names or a list), in :data:`SECTIONS` order;
+    all of them for None.
+
+    Raises:
+        ValueError: a name that is not a section's.
+    """
+    if only is None:
+        return list(SECTIONS)
+    names = [n.strip() for n in (only.split(",") if isinstance(only, str) else only) if n.strip()]
+    known = [f.__name__ for f in SECTIONS]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown study section(s) {unknown or names!r}; choose from {','.join(known)}")
+    return [f for f in SECTIONS if f.__name__ in names]
+
+
+def run_sections(
+    quick: bool = True,
+    progress: bool = True,
+    out_dir: Path | None = None,
+    only: str | list[str] | None = None,
+) -> list[Section]:
+    """Run the sections of :data:`SECTIONS` (or those in ``only``) in order, with a progress bar on
+    stderr; figures go to ``out_dir`` (none are drawn without it).
+
+    Raises:
+        ValueError: an unknown name in ``only``.
+    """
+    chosen = select_sections(only)
     results = []
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())  # no ETA: sections differ
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=not progress) as bar:
-        task = bar.add_task("study", total=len(SECTIONS))
-        for i, section in enumerate(SECTIONS):
+        task = bar.add_task("study", total=len(chosen))
+        for i, section in enumerate(chosen):
             name = section.__name__
             bar.update(task, description=f"study: {name}", completed=i)
             step = partial(_describe, bar, task, name, i)
             results.append(section(StudyContext(quick, step, out_dir)))
-        bar.update(task, completed=len(SECTIONS))
+        bar.update(task, completed=len(chosen))
     return results
 
 
@@ -494,6 +521,7 @@ def run_study(
     out_dir: str | Path | None = None,
     progress: bool = True,
     console: Console | None = None,
+    only: str | list[str] | None = None,
 ) -> dict:
     """Run the study and return its data: ``{"quick", "versions", "sections": {key: data}}``.
 
@@ -503,16 +531,19 @@ def run_study(
             (the directory is created if missing).
         progress: show a progress bar on stderr.
         console: when given, print each section's tables to it.
+        only: run only these sections (names as in :data:`SECTIONS`, comma-separated or a list).
 
     Raises:
         OSError: if ``out_dir`` cannot be created or written.
+        ValueError: an unknown section name in ``only``.
     """
     from . import __version__
 
+    select_sections(only)  # fail on a bad name before any work
     out = None if out_dir is None else Path(out_dir)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)  # fail before the work, not after
-    sections = run_sections(quick, progress, out)
+    sections = run_sections(quick, progress, out, only)
     report: dict = {
         "quick": quick,
         "versions": {"multihead": __version__, "torch": torch.__version__},

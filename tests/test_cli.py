@@ -76,7 +76,15 @@ def test_study_writes_report(study_json):
         assert Path(fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f'src="{fig.rsplit("/", 1)[-1]}"' in page and f"]({fig.rsplit('/', 1)[-1]})" in text
     names = {f.rsplit("/", 1)[-1] for f in study_json["figures"]}
-    assert {"walk-intensity.png", "kv-cache.png", "performance.png"} <= names
+    assert {"walk-intensity.png", "roofline.png", "kv-cache.png", "performance.png"} <= names
+
+
+def test_study_roofline_places_decode_on_the_memory_roof(study_json):
+    roof = study_json["sections"]["walk"]["roofline"]
+    assert roof["peak_gflops"] > 0 and roof["bandwidth_gbps"] > 0
+    assert all(p["bound"] == "memory" for p in roof["points"]["decode B=1"])  # seed 001 §2.3
+    b64 = {p["name"]: p for p in roof["points"]["decode B=64"]}
+    assert b64["S = Q K^T"]["intensity"] < 1 and b64["Q = X W^Q"]["intensity"] > 20  # batching helps W only
 
 
 def test_study_performance_rows_are_measured(study_json):

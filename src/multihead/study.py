@@ -314,6 +314,9 @@ def walk(ctx: StudyContext) -> Section:
         "prefill": [o.as_dict() for o in prefill],
         "decode": [o.as_dict() for o in decode],
     }
+    roof_table, roof_data, roof_fig = _roofline(ctx)
+    tables.append(roof_table)
+    data["roofline"] = roof_data
     figures = ctx.figure(
         "walk-intensity",
         "Arithmetic intensity of each step, prefill (N=1024) vs batch-1 decode, fp32 (log scale): "
@@ -321,7 +324,62 @@ def walk(ctx: StudyContext) -> Section:
         partial(_plot_intensity, prefill, decode),
         size=(7.5, 4.2),
     )
-    return Section("walk", "The layer, eq. 9.31-9.43, step by step", data, tables, notes, figures)
+    pts = roof_data["points"]
+    mem1 = sum(p["bound"] == "memory" for p in pts["decode B=1"])
+    comp64 = [p["name"] for p in pts["decode B=64"] if p["bound"] == "compute"]
+    notes.append(
+        f"Roofline: this machine measured {roof_data['peak_gflops']:.0f} GFLOP/s (fp32 matmul) and "
+        f"{roof_data['bandwidth_gbps']:.1f} GB/s, a ridge at {roof_data['ridge']:.1f} FLOP/B: an op below it "
+        f"is memory-bound. Decode at batch 1: {mem1} of {len(pts['decode B=1'])} ops memory-bound. At "
+        f"batch 64, compute-bound: {', '.join(comp64) or 'none (the ridge is above 64 x 0.5 FLOP/B)'}; the "
+        "attention matmuls S = Q K^T and A = P V stay near 0.5 FLOP/B at any batch (each sequence reads its "
+        "own K/V cache)."
+    )
+    return Section("walk", "The layer, eq. 9.31-9.43, step by step", data, tables, notes, figures + roof_fig)
+
+
+def _roofline(ctx: StudyContext) -> tuple[Table, dict, list[Figure]]:
+    """The original Transformer's layer ops on this machine's measured roof: prefill, decode B=1, B=64."""
+    roof = cost.measure_roof(torch.float32)
+    n = WALK_CONFIG["seq_len"]
+    calls = {
+        "prefill B=1": cost.estimate("transformer-base", 1, n, phase="prefill", dtype=torch.float32),
+        "decode B=1": cost.estimate("transformer-base", 1, n, phase="decode", dtype=torch.float32),
+        "decode B=64": cost.estimate("transformer-base", 64, n, phase="decode", dtype=torch.float32),
+    }
+    points = {
+        k: [p for p in c.roofline(roof.peak_flops, roof.bandwidth) if p.part == "layer" and p.flops > 0]
+        for k, c in calls.items()
+    }
+    names = [p.name for p in points["decode B=1"]]
+    rows = []
+    for name in names:
+        cells = [name]
+        for key in calls:
+            p = next(p for p in points[key] if p.name == name)
+            cells.append(f"{p.intensity:.2f} ({p.bound[0]})")
+        rows.append(cells)
+    table = Table(
+        f"roofline, fp32, N={n}: FLOP/B per op and the bound (m = memory, c = compute); ridge "
+        f"{roof.ridge:.1f} FLOP/B",
+        ["step", *calls],
+        rows,
+        align="lrrr",
+    )
+    data = {
+        "peak_gflops": roof.peak_flops / 1e9,
+        "bandwidth_gbps": roof.bandwidth / 1e9,
+        "ridge": roof.ridge,
+        "points": {k: [p.as_dict() for p in v] for k, v in points.items()},
+    }
+    figures: list[Figure] = []
+    if ctx.out_dir is not None:
+        ctx.out_dir.mkdir(parents=True, exist_ok=True)
+        cost.plot_roofline(
+            calls, roof, ctx.out_dir / "roofline.png", title="original Transformer layer, fp32"
+        )
+        figures.append(Figure("roofline.png", f"Roofline of this machine ({roof.label}) with every op."))
+    return table, data, figures
 
 
 def _plot_intensity(prefill: list[cost.Op], decode: list[cost.Op], ax: Any) -> None:

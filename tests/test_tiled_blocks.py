@@ -81,7 +81,33 @@ def test_plans_of_the_common_masks(blocks16):
     assert kinds(mh.sliding_window(64)) == [("causal", 1), ("masked", 12)]  # the window: one band
     assert kinds(mh.prefix_lm(64)) == [("full", 1), ("full", 1), ("causal", 1)]
     docs = mh.document(torch.arange(256) // 64) & mh.causal()
-    assert kinds(docs) == [("causal", 1)] * 4  # one causal call per document
+    assert kinds(docs) == [("causal", 4)]  # equal documents: one batched causal call (a band)
+    uneven = mh.document(torch.tensor([0] * 64 + [1] * 64 + [2] * 96 + [3] * 32)) & mh.causal()
+    assert kinds(uneven) == [("causal", 2), ("causal", 1), ("causal", 1)]  # one call per length run
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("lengths", [(64, 64, 64, 64), (32, 32, 96, 32, 48, 48)], ids=["equal", "mixed"])
+def test_packed_documents_as_bands_match_the_reference(blocks16, lengths, grad):
+    """Causal documents bundled into bands (GQA, B=2 with different packings) equal the float64 oracle."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])  # (N,)
+    ids = torch.stack([ids, ids.flip(0).max() - ids.flip(0)])  # (2, N): the second row packs them reversed
+    mask = mh.document(ids) & mh.causal()
+    N = ids.shape[1]
+    q, k, v = (torch.randn(2, h, N, 16, generator=g, requires_grad=grad) for h in (4, 2, 2))
+    out = mh.attention(q, k, v, mask=mask, backend="tiled")
+    ref = mh.attention(*(t.detach().double().requires_grad_(grad) for t in (q, k, v)), mask=mask,
+                       backend="reference")  # fmt: skip
+    assert max_err(out, ref) < 1e-5
+    if grad:
+        dout = torch.randn(out.shape, generator=g)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        want = torch.autograd.grad(mh.attention(q2, k2, v2, mask=mask, backend="reference"), (q2, k2, v2),
+                                   dout.double())  # fmt: skip
+        for a, b in zip(got, want, strict=True):
+            assert max_err(a, b) < 1e-5
 
 
 def test_empty_tiles_are_skipped(blocks16, monkeypatch):

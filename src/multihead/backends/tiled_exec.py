@@ -136,14 +136,34 @@ class _Merger:
     """Output and log-sum-exp accumulators; each piece is merged in by its log-sum-exp."""
 
     def __init__(self, p: Problem, acc: torch.dtype, dv: int):
-        self.out = torch.zeros(p.B, p.Hq, p.Nq, dv, dtype=acc, device=p.q.device)
-        self.lse = torch.full((p.B, p.Hq, p.Nq), float("-inf"), dtype=acc, device=p.q.device)
+        self.shape, self.acc, self.device = (p.B, p.Hq, p.Nq, dv), acc, p.q.device
+        self._out: Tensor | None = None  # allocated on the first piece that does not cover everything
+        self._lse: Tensor | None = None
         self.touched = bytearray(p.Nq)
+        self.some_row_may_see_nothing = False  # set by a piece with rows that see no key
+
+    @property
+    def out(self) -> Tensor:
+        if self._out is None:
+            self._out = torch.zeros(self.shape, dtype=self.acc, device=self.device)
+        return self._out
+
+    @property
+    def lse(self) -> Tensor:
+        if self._lse is None:
+            self._lse = torch.full(self.shape[:3], float("-inf"), dtype=self.acc, device=self.device)
+        return self._lse
 
     def add(self, rows: slice, heads: slice, o: Tensor, lse: Tensor, has_key: Tensor | None, last: bool):
         """Merge ``o`` (B, h, n, Dv) and ``lse`` (B, h, n) into rows ``rows`` of heads ``heads``."""
         if has_key is not None:
             lse = lse.masked_fill(~has_key, float("-inf"))  # the kernel reports 0 for rows with no key
+            self.some_row_may_see_nothing = True
+        if self._out is None and tuple(o.shape) == self.shape and o.dtype == lse.dtype == self.acc:
+            # the first piece covers every row and head (one causal call, one band ...): keep its result
+            self._out, self._lse = o, lse
+            self.touched[:] = b"\x01" * len(self.touched)
+            return
         acc_o, acc_l = self.out[:, heads, rows], self.lse[:, heads, rows]  # views
         if not any(self.touched[rows]):
             acc_o.copy_(o)
@@ -157,7 +177,9 @@ class _Merger:
             self.touched[rows] = b"\x01" * (rows.stop - rows.start)
 
     def result(self, dtype: torch.dtype, dv: int) -> tuple[Tensor, Tensor]:
-        out = self.out.masked_fill_(torch.isinf(self.lse).unsqueeze(-1), 0.0)  # rows with no key -> 0
+        out = self.out
+        if self.some_row_may_see_nothing or self.touched.count(0):
+            out.masked_fill_(torch.isinf(self.lse).unsqueeze(-1), 0.0)  # rows with no key -> 0
         return out[..., :dv].to(dtype), self.lse
 
 

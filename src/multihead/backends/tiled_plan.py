@@ -33,10 +33,12 @@ import torch
 from torch import Tensor
 
 from ..biases import ALiBi, Bias, _Chain
-from ..masks import EMPTY, FULL, PARTIAL, Mask, MaskContext
+from ..masks import EMPTY, FULL, PARTIAL, Causal, Mask, MaskContext, _And
 
 # Merge at most this many mask elements (B * H * rows * L) into one masked rect piece.
 MAX_MASK_ELEMS = 1 << 22
+# Check a run of causal diagonal tiles of a non-shift-invariant mask as one square up to this side.
+MAX_STAIR_CHECK = 2048
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,38 @@ def _is_causal_tile(mask: Mask, ctx: MaskContext, r0: int, r1: int, k0: int) -> 
     return bool((allowed == _tril(n)).all())
 
 
+class _CausalCheck:
+    """Whether the square tile rows ``r0:r1``, keys ``k0:k0 + (r1 - r0)`` is exactly lower-triangular.
+
+    For ``causal() & other`` the answer comes from ``other``'s analytic tile kinds, computed once on the
+    grid: a diagonal square is causal when ``other`` is FULL on all its tiles (packed documents: no
+    per-tile evaluation). Otherwise the square is evaluated.
+    """
+
+    def __init__(self, mask: Mask, ctx: MaskContext, grid: Grid):
+        self.mask, self.ctx = mask, ctx
+        self.full: Tensor | None = None
+        if isinstance(mask, _And) and Causal in (type(mask.a), type(mask.b)):
+            other = mask.b if type(mask.a) is Causal else mask.a
+            qe, ke = torch.tensor(grid.q_edges), torch.tensor(grid.k_edges)
+            kinds = other.block_kinds(ctx, qe[:-1, None], qe[1:, None], ke[None, :-1], ke[None, 1:])
+            if kinds is not None:
+                self.full = (kinds == FULL).expand(len(qe) - 1, len(ke) - 1)  # (nqb, nkb)
+                self.qi = {e: i for i, e in enumerate(grid.q_edges)}
+                self.ki = {e: i for i, e in enumerate(grid.k_edges)}
+
+    def __call__(self, r0: int, r1: int, k0: int, evaluate_up_to: int | None = None) -> bool:
+        """``evaluate_up_to``: give up (False) rather than evaluate a square with a longer side."""
+        k1 = k0 + r1 - r0
+        if self.full is not None and k0 == r0 + self.ctx.offset:
+            i0, i1, j0, j1 = (self.qi.get(r0), self.qi.get(r1), self.ki.get(k0), self.ki.get(k1))
+            if None not in (i0, i1, j0, j1) and bool(self.full[i0:i1, j0:j1].all()):
+                return True
+        if evaluate_up_to is not None and r1 - r0 > evaluate_up_to:
+            return False
+        return _is_causal_tile(self.mask, self.ctx, r0, r1, k0)
+
+
 @functools.lru_cache(maxsize=8)
 def _tril(n: int) -> Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()
@@ -209,7 +243,6 @@ def diagonal_bands(mask: Mask | None, bias: Bias | None, ctx: MaskContext) -> li
     Applies when the mask is exactly ``causal()``, the bias is shift-invariant and not None, and the
     query count and the offset ``Nk - Nq`` are multiples of a block size in :data:`DIAGONAL_BLOCKS`.
     """
-    from ..masks import Causal
 
     if bias is None or type(mask) is not Causal or not shift_invariant_bias(bias):
         return None
@@ -233,38 +266,78 @@ def pieces(grid: Grid, mask: Mask | None, bias: Bias | None, ctx: MaskContext, n
         return bands
     rows = _rows(grid, ctx, diagonal_ok=bias is None and mask is not None)
     out: list[Piece] = []
+    has_stairs = mask is not None and any(r.kind == "stair" for r in rows)
+    check = _CausalCheck(mask, ctx, grid) if mask is not None and has_stairs else None
     i = 0
     while i < len(rows):
         row = rows[i]
         if row.kind == "empty":
             i += 1
         elif row.kind == "stair":
-            i = _take_stair(rows, i, mask, ctx, out)
+            assert check is not None
+            i = _take_stair(rows, i, mask, check, out)
         else:
             i = _take_span(rows, i, mask, bias, ctx, n_heads, out)
-    return out
+    return bundle_causal(out)
 
 
-def _take_stair(rows: list[_Row], i: int, mask, ctx: MaskContext, out: list[Piece]) -> int:
+def _take_stair(rows: list[_Row], i: int, mask, check: _CausalCheck, out: list[Piece]) -> int:
     """A run of stair rows with one start: a full rect left of the diagonal plus one causal square."""
     row = rows[i]
-    if not _is_causal_tile(mask, ctx, row.r0, row.r1, row.diag):
-        rows[i] = _Row("masked", row.r0, row.r1, row.k0, row.k1)
-        return i
     j = i + 1
     while (
-        j < len(rows)
-        and rows[j].kind == "stair"
-        and rows[j].k0 == row.k0
-        and rows[j].r0 == rows[j - 1].r1
-        and (mask.shift_invariant or _is_causal_tile(mask, ctx, rows[j].r0, rows[j].r1, rows[j].diag))
-    ):  # every diagonal tile of a shift-invariant mask equals the first
+        j < len(rows) and rows[j].kind == "stair" and rows[j].k0 == row.k0 and rows[j].r0 == rows[j - 1].r1
+    ):  # the run's shape; whether its diagonal tiles are exactly causal is checked below
         j += 1
+    # every diagonal tile of a shift-invariant mask equals the first; otherwise one check of the whole
+    # square (packed documents: one lookup per document) or, when that fails, tile by tile
+    if mask.shift_invariant:
+        whole = check(row.r0, row.r1, row.diag)
+    else:
+        whole = check(row.r0, rows[j - 1].r1, row.diag, evaluate_up_to=MAX_STAIR_CHECK)
+    if not whole:
+        if not check(row.r0, row.r1, row.diag):
+            rows[i] = _Row("masked", row.r0, row.r1, row.k0, row.k1)
+            return i
+        j = i + 1
+        while (
+            j < len(rows)
+            and rows[j].kind == "stair"
+            and rows[j].k0 == row.k0
+            and rows[j].r0 == rows[j - 1].r1
+            and not mask.shift_invariant
+            and check(rows[j].r0, rows[j].r1, rows[j].diag)
+        ):
+            j += 1
     r1 = rows[j - 1].r1
     if row.diag > row.k0:
         out.append(Piece(row.r0, r1 - row.r0, 1, row.k0, row.diag, "full"))
     out.append(Piece(row.r0, r1 - row.r0, 1, row.diag, rows[j - 1].k1, "causal"))
     return j
+
+
+def bundle_causal(plan: list[Piece]) -> list[Piece]:
+    """Consecutive equal causal squares on the diagonal (packed documents of one length) as one band.
+
+    Piece ``(r0, n, 1, k0, k0 + n, causal)`` followed by ``(r0 + n, n, 1, k0 + n, k0 + 2n, causal)`` ...
+    is a band of ``n``-row blocks whose keys move by ``n``: one batched kernel call instead of one per
+    document (on 8 documents of 512 tokens, ~29 ms instead of ~36 ms here).
+    """
+    out: list[Piece] = []
+    for pc in plan:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and pc.kind == last.kind == "causal"
+            and pc.nb == 1
+            and pc.bq == last.bq == pc.k1 - pc.k0
+            and pc.r0 == last.r1
+            and pc.k0 == last.k0 + last.nb * last.bq
+        ):
+            out[-1] = Piece(last.r0, last.bq, last.nb + 1, last.k0, last.k1, "causal")
+        else:
+            out.append(pc)
+    return out
 
 
 def _take_span(rows, i, mask, bias, ctx: MaskContext, n_heads: int, out: list[Piece]) -> int:

@@ -85,7 +85,8 @@ def piece_mask(p: Problem, pc: Piece, dtype: torch.dtype) -> tuple[Tensor | None
         return m, None
     allowed = p.mask.block(ctx, rows, keys, p.q.device)  # (B|1, Hq|1, bq, L)
     m = m.masked_fill(~allowed, float("-inf"))
-    return m, allowed.any(-1)
+    has_key = allowed.any(-1)  # (B|1, Hq|1, bq)
+    return m, None if bool(has_key.all()) else has_key
 
 
 def _fold_ok(p: Problem, pc: Piece, m: Tensor | None) -> bool:
@@ -145,7 +146,8 @@ class _Merger:
     @property
     def out(self) -> Tensor:
         if self._out is None:
-            self._out = torch.zeros(self.shape, dtype=self.acc, device=self.device)
+            # rows no piece touches keep lse = -inf and are zeroed in result(), so no zero fill here
+            self._out = torch.empty(self.shape, dtype=self.acc, device=self.device)
         return self._out
 
     @property
@@ -155,7 +157,11 @@ class _Merger:
         return self._lse
 
     def add(self, rows: slice, heads: slice, o: Tensor, lse: Tensor, has_key: Tensor | None, last: bool):
-        """Merge ``o`` (B, h, n, Dv) and ``lse`` (B, h, n) into rows ``rows`` of heads ``heads``."""
+        """Merge ``o`` (B, h, n, Dv) and ``lse`` (B, h, n) into rows ``rows`` of heads ``heads``.
+
+        ``o`` may also come in a band's shape (B*h, nb, bq, Dv) with nb*bq == n: it is then written
+        into place through a view, with no intermediate reshaped copy.
+        """
         if has_key is not None:
             lse = lse.masked_fill(~has_key, float("-inf"))  # the kernel reports 0 for rows with no key
             self.some_row_may_see_nothing = True
@@ -166,9 +172,10 @@ class _Merger:
             return
         acc_o, acc_l = self.out[:, heads, rows], self.lse[:, heads, rows]  # views
         if not any(self.touched[rows]):
-            acc_o.copy_(o)
+            acc_o.view(o.shape).copy_(o)  # (B*h, nb, bq, Dv) band view, or the same shape
             acc_l.copy_(lse)
         else:
+            o = o.reshape(acc_o.shape)  # (B, h, n, Dv)
             new = torch.logaddexp(acc_l, lse)  # (B, h, n)
             safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
             acc_o.mul_(torch.exp(acc_l - safe).unsqueeze(-1)).add_(o * torch.exp(lse - safe).unsqueeze(-1))
@@ -204,7 +211,7 @@ def forward(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
                 kg = band_view(k, p, pc, 1, 0, pc.k1 - pc.k0, pc.k0)  # (B*Hkv, nb, L, D)
                 vg = band_view(v, p, pc, 1, 0, pc.k1 - pc.k0, pc.k0)  # (B*Hkv, nb, L, Dv)
                 o, lse = _FWD(qg, kg, vg, 0.0, causal, attn_mask=_group_mask(m, p, g), scale=p.scale)
-                o = o.reshape(p.B, p.Hkv, pc.nb * pc.bq, X)  # (B, Hkv, rows, Dv)
+                # o stays (B*Hkv, nb, bq, Dv): the merger writes it through a view of its rows
                 lse = lse.reshape(p.B, p.Hkv, pc.nb * pc.bq)  # (B, Hkv, rows)
                 hk = _band_has_key(has, p, pc, g)
                 merger.add(rows, slice(g, None, p.G), o, lse, hk, last=g == p.G - 1)

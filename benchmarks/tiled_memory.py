@@ -5,6 +5,9 @@ Each measurement runs in a fresh subprocess and reports the growth of the proces
 
     python benchmarks/tiled_memory.py                      # N = 4K..32K for tiled, 4K..8K for matrix
     python benchmarks/tiled_memory.py --n 32768 --backends tiled
+    python benchmarks/tiled_memory.py --n 32768 --backends auto --heads 8 --masks causal window:512 --grad
+
+``--grad`` measures forward + backward (the inputs' gradients count as inputs: they are the same size).
 """
 
 from __future__ import annotations
@@ -24,19 +27,39 @@ def _peak_kib() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
-def _child(n: int, backend: str, heads: int, head_dim: int) -> None:
+def _mask(spec: str):
+    import multihead as mh
+
+    if spec == "causal":
+        return mh.causal()
+    if spec.startswith("window:"):
+        return mh.sliding_window(int(spec.split(":")[1]))
+    raise ValueError(f"--masks takes causal or window:W, got {spec!r}")
+
+
+def _child(n: int, backend: str, heads: int, head_dim: int, mask: str, grad: bool) -> None:
     import torch
 
     import multihead as mh
 
     torch.manual_seed(0)
-    q = torch.randn(1, heads, n, head_dim)
-    k = torch.randn(1, heads, n, head_dim)
-    v = torch.randn(1, heads, n, head_dim)
+    w = [torch.randn(1, heads, 256, head_dim, requires_grad=grad) for _ in range(3)]
+    with torch.set_grad_enabled(grad):  # warm-up: lazy initialisation is not the call's memory
+        o = mh.attention(*w, mask=_mask(mask), backend=backend)
+        if grad:
+            o.sum().backward()
+    del w, o
+    q, k, v = (torch.randn(1, heads, n, head_dim, requires_grad=grad) for _ in range(3))
+    dout = torch.randn(1, heads, n, head_dim) if grad else None
+    if grad:  # the gradients' buffers are inputs-sized: allocate them before the baseline
+        for t in (q, k, v):
+            t.grad = torch.zeros_like(t)
     base = _peak_kib()
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = mh.attention(q, k, v, mask=mh.causal(), backend=backend)
+    with torch.set_grad_enabled(grad):
+        out = mh.attention(q, k, v, mask=_mask(mask), backend=backend)
+        if grad:
+            out.backward(dout)
     dt = time.perf_counter() - t0
     extra = (_peak_kib() - base) * 1024
     scores = heads * n * n * 4
@@ -45,10 +68,11 @@ def _child(n: int, backend: str, heads: int, head_dim: int) -> None:
             {
                 "n": n,
                 "backend": backend,
+                "mask": mask,
                 "extra_bytes": extra,
                 "score_matrix_bytes": scores,
                 "seconds": dt,
-                "finite": bool(torch.isfinite(out).all()),
+                "finite": bool(torch.isfinite(out.detach()).all()),
             }
         )
     )
@@ -60,14 +84,16 @@ def main() -> None:
     ap.add_argument("--backends", nargs="*", default=["tiled", "matrix"])
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--child", nargs=2, metavar=("N", "BACKEND"), help=argparse.SUPPRESS)
+    ap.add_argument("--masks", nargs="*", default=["causal"], help="causal and/or window:W")
+    ap.add_argument("--grad", action="store_true", help="forward + backward")
+    ap.add_argument("--child", nargs=3, metavar=("N", "BACKEND", "MASK"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        _child(int(a.child[0]), a.child[1], a.heads, a.head_dim)
+        _child(int(a.child[0]), a.child[1], a.heads, a.head_dim, a.child[2], a.grad)
         return
     rows = []
-    for backend in a.backends:
-        ns = a.n or ([4096, 8192, 16384, 32768] if backend == "tiled" else [4096, 8192])
+    for backend, mask in ((b, m) for m in a.masks for b in a.backends):
+        ns = a.n or ([4096, 8192, 16384, 32768] if backend != "matrix" else [4096, 8192])
         for n in ns:
             cmd = [
                 sys.executable,
@@ -75,6 +101,8 @@ def main() -> None:
                 "--child",
                 str(n),
                 backend,
+                mask,
+                *(["--grad"] if a.grad else []),
                 "--heads",
                 str(a.heads),
                 "--head-dim",
@@ -82,14 +110,15 @@ def main() -> None:
             ]
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    print(f"causal attention, B=1, H={a.heads}, D={a.head_dim}, fp32, forward (no grad)")
-    print("| backend | N | extra peak memory | one N x N fp32 score matrix (all heads) | ratio | time |")
-    print("|---|---:|---:|---:|---:|---:|")
+    what = "forward + backward" if a.grad else "forward (no grad)"
+    print(f"B=1, H={a.heads}, D={a.head_dim}, fp32, {what}")
+    print("| backend | mask | N | extra peak memory | N x N fp32 scores (all heads) | ratio | time |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         extra, scores = r["extra_bytes"], r["score_matrix_bytes"]
         print(
-            f"| {r['backend']} | {r['n']} | {extra / 2**20:.1f} MiB | {scores / 2**20:.0f} MiB | "
-            f"{extra / scores:.4f} | {r['seconds']:.2f} s |"
+            f"| {r['backend']} | {r['mask']} | {r['n']} | {extra / 2**20:.1f} MiB | "
+            f"{scores / 2**20:.0f} MiB | {extra / scores:.4f} | {r['seconds']:.2f} s |"
         )
 
 

@@ -73,3 +73,13 @@ def test_distributed_flag_runs_ring_attention_on_local_processes():
     sizes = [row["world_size"] for row in doc["rows"]]
     assert sizes == [1, 2]
     assert all(row["finite"] and row["peak_bytes"] >= 0 for row in doc["rows"])  # tiny: RSS may not grow
+
+
+def test_only_picks_families_exactly_and_names_by_substring():
+    """--only "causal" is the plain causal family (not ALiBi, documents or fwd+bwd); parts add up."""
+    names = lambda only: sorted({c.name for c in bench.cases("full") if bench.selected(c, only)})  # noqa: E731
+    assert names("causal") == ["causal"]
+    assert names("ALiBi") == ["causal + ALiBi"]
+    assert names("dense,documents") == ["8 causal documents", "dense"]
+    assert names("fwd+bwd") == ["fwd+bwd causal", "fwd+bwd window 256"]
+    assert names(None) == sorted({c.name for c in bench.cases("full")})

@@ -280,11 +280,13 @@ def plot_figure(doc: dict, plt: Any) -> Any:
     ]
     fams = fams or list(dict.fromkeys(r["family"] for r in res))[:1]
     fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4), squeeze=False)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {m: palette[i % len(palette)] for i, m in enumerate(dict.fromkeys(r["method"] for r in res))}
     for ax, fam in zip(axes[0], fams):
         rows = [r for r in res if r["family"] == fam]
         for method in dict.fromkeys(r["method"] for r in rows):
             pts = sorted((r["n"], r["ms"]) for r in rows if r["method"] == method)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method, color=colour[method])
         ax.set(xscale="log", yscale="log", xlabel="N", ylabel="ms", title=fam)
         ax.legend()
     fig.tight_layout()

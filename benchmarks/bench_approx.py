@@ -2,6 +2,7 @@
 
     python benchmarks/bench_approx.py                      # cost at N = 1K/4K/16K + MiniLM fidelity
     python benchmarks/bench_approx.py --mqar-steps 2000    # + MQAR accuracy of every method (slow)
+    python benchmarks/bench_approx.py --mqar-from DIR      # + MQAR results saved by `multihead train --json`
     python benchmarks/bench_approx.py --quant              # int8 weights on the 155M LLaMA-shaped model
     python benchmarks/bench_approx.py --out DIR            # DIR/approx.json, DIR/pareto.png
 
@@ -92,11 +93,28 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _mqar_from(folder: Path, rows: list[dict]) -> None:
+    """Fill ``mqar_acc`` from saved ``multihead train --attention NAME --json`` results: the file
+    ``approx_<NAME>.json`` (NAME as on the command line: TopK, local, ...) or ``exact.json``."""
+    for r in rows:
+        short = "exact" if r["name"].startswith("exact") else r["name"].split("(")[0]
+        path = folder / ("exact.json" if short == "exact" else f"approx_{short}.json")
+        if path.exists() and path.stat().st_size:
+            res = json.loads(path.read_text())
+            r.update(
+                {"mqar_acc": res["accuracy"], "mqar_causal": res["causal"], "mqar_seconds": res["seconds"]}
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="*", default=[1024, 4096, 16384])
     ap.add_argument("--texts", type=int, default=256, help="docstrings for MiniLM fidelity (0: skip)")
     ap.add_argument("--mqar-steps", type=int, default=0, help="train each method on MQAR for this many steps")
+    ap.add_argument(
+        "--mqar-from", default=None, metavar="DIR",
+        help="MQAR column from DIR/approx_NAME.json and DIR/exact.json (`multihead train --json` outputs)",
+    )  # fmt: skip
     ap.add_argument("--only", nargs="*", default=None, help="method names (default: all)")
     ap.add_argument("--quant", action="store_true", help="only the int8 benchmark on llama-155m")
     ap.add_argument("--out", default="bench_out", help="directory for approx.json and pareto.png")
@@ -118,6 +136,8 @@ def main() -> None:
     names = a.only or [m.name for m in measure.METHODS]
     mqar = TrainConfig(steps=a.mqar_steps) if a.mqar_steps else None
     quality = report.compare(names, (), a.texts, mqar, lambda what, done: print(f"  {what}", file=sys.stderr))
+    if a.mqar_from:
+        _mqar_from(Path(a.mqar_from), quality["rows"])
     costs = _costs(names, a.n)
     rows = [{**r, "cost": costs[r["name"]]} for r in quality["rows"]]
     png = measure.pareto_png(rows, out / "pareto.png", max(a.n))

@@ -3,6 +3,7 @@
     python benchmarks/bench_approx.py                      # cost at N = 1K/4K/16K + MiniLM fidelity
     python benchmarks/bench_approx.py --mqar-steps 2000    # + MQAR accuracy of every method (slow)
     python benchmarks/bench_approx.py --mqar-from DIR      # + MQAR results saved by `multihead train --json`
+    python benchmarks/bench_approx.py --from OUT/approx.json --mqar-from DIR   # re-render a saved run
     python benchmarks/bench_approx.py --quant              # int8 weights on the 155M LLaMA-shaped model
     python benchmarks/bench_approx.py --out DIR            # DIR/approx.json, DIR/pareto.png
 
@@ -115,6 +116,9 @@ def main() -> None:
         "--mqar-from", default=None, metavar="DIR",
         help="MQAR column from DIR/approx_NAME.json and DIR/exact.json (`multihead train --json` outputs)",
     )  # fmt: skip
+    ap.add_argument(
+        "--from", dest="saved", default=None, metavar="JSON", help="re-render a saved approx.json"
+    )
     ap.add_argument("--only", nargs="*", default=None, help="method names (default: all)")
     ap.add_argument("--quant", action="store_true", help="only the int8 benchmark on llama-155m")
     ap.add_argument("--out", default="bench_out", help="directory for approx.json and pareto.png")
@@ -133,13 +137,22 @@ def main() -> None:
     from multihead.approx import measure, report
     from multihead.train import TrainConfig
 
-    names = a.only or [m.name for m in measure.METHODS]
-    mqar = TrainConfig(steps=a.mqar_steps) if a.mqar_steps else None
-    quality = report.compare(names, (), a.texts, mqar, lambda what, done: print(f"  {what}", file=sys.stderr))
-    if a.mqar_from:
-        _mqar_from(Path(a.mqar_from), quality["rows"])
-    costs = _costs(names, a.n)
-    rows = [{**r, "cost": costs[r["name"]]} for r in quality["rows"]]
+    if a.saved:  # a saved run: costs and fidelity as measured then, the MQAR column from --mqar-from
+        saved = json.loads(Path(a.saved).read_text())
+        a.n = saved["ns"]
+        rows = [{**r, "cost": {int(k): v for k, v in r["cost"].items()}} for r in saved["rows"]]
+        quality = {"rows": rows, "notes": saved["notes"]}
+        if a.mqar_from:
+            _mqar_from(Path(a.mqar_from), rows)
+    else:
+        names = a.only or [m.name for m in measure.METHODS]
+        mqar = TrainConfig(steps=a.mqar_steps) if a.mqar_steps else None
+        say = lambda what, done: print(f"  {what}", file=sys.stderr)  # noqa: E731
+        quality = report.compare(names, (), a.texts, mqar, say)
+        if a.mqar_from:
+            _mqar_from(Path(a.mqar_from), quality["rows"])
+        costs = _costs(names, a.n)
+        rows = [{**r, "cost": costs[r["name"]]} for r in quality["rows"]]
     png = measure.pareto_png(rows, out / "pareto.png", max(a.n))
     doc = {"ns": a.n, "rows": [{**r, "cost": {str(k): v for k, v in r["cost"].items()}} for r in rows]}
     (out / "approx.json").write_text(json.dumps({**doc, "notes": quality["notes"], "png": png}, indent=1))

@@ -244,3 +244,54 @@ def test_diagonal_bands_only_for_causal_with_a_shift_invariant_bias():
     assert diagonal_bands(mh.causal(), tb, ctx) is None  # not known to be shift-invariant
     bands = diagonal_bands(mh.causal(), mh.alibi(2), ctx)
     assert bands is not None and len(bands) == 2 and bands[0].nb == 2 and bands[1].nb == 1  # 256-blocks
+
+
+@pytest.mark.parametrize("nq_nk", [(40, 40), (17, 40), (40, 23)], ids=["square", "nq<nk", "nq>nk"])
+@pytest.mark.parametrize("blocks", [(8, 8), (5, 7), (16, 4)], ids=["8x8", "5x7", "16x4"])
+@pytest.mark.parametrize("window,n_global", [(9, 0), (9, 5), (1, 0), (7, 40)])
+def test_local_patterns_classify_analytically(window, n_global, blocks, nq_nk):
+    """local / local_global tile kinds: exact for the band alone, sound with global tokens."""
+    from multihead.approx import local, local_global
+
+    mask = local(window) if n_global == 0 else local_global(window, n_global)
+    ctx = MaskContext(2, 3, *nq_nk)
+    grid = classify(mask, ctx, *blocks)
+    truth = _evaluate_kinds(mask, ctx, grid.q_edges, torch.tensor(grid.k_edges))
+    assert ((grid.kinds == FULL) <= (truth == FULL)).all()
+    assert ((grid.kinds == EMPTY) <= (truth == EMPTY)).all()
+    if n_global == 0:
+        assert torch.equal(grid.kinds, truth)
+
+
+def test_rows_with_gaps_become_one_piece_per_run(blocks16):
+    """Global tokens + a band: each block row far from the start has two runs of tiles (the global
+    column and the band), run as two pieces merged by log-sum-exp - not one span over the whole gap."""
+    from multihead.approx import local, local_global
+
+    plan = tiled_mod.BACKEND.plan(_problem(mask=local(32)))
+    assert ("masked", 12) in [(pc.kind, pc.nb) for pc in plan]  # the band is one batched call
+    plan = tiled_mod.BACKEND.plan(_problem(mask=local_global(16, 4)))
+    computed = sum(pc.nb * pc.bq * (pc.k1 - pc.k0) for pc in plan)
+    assert computed < 256 * 256 / 3  # nowhere near the dense 256 x 256
+    assert any(pc.k0 == 0 and pc.k1 == 16 and pc.r0 >= 32 for pc in plan)  # the global key column
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_gapped_rows_match_the_reference(blocks16, causal, grad):
+    """Several pieces per row (global column + band), GQA, against the float64 oracle."""
+    from multihead.approx import local_global
+
+    mask = local_global(20, 5) & mh.causal() if causal else local_global(20, 5)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, h, 150, 16, generator=g, requires_grad=grad) for h in (4, 2, 2))
+    out = mh.attention(q, k, v, mask=mask, backend="tiled")
+    q2, k2, v2 = (t.detach().double().requires_grad_(grad) for t in (q, k, v))
+    ref = mh.attention(q2, k2, v2, mask=mask, backend="reference")
+    assert max_err(out, ref) < 1e-5
+    if grad:
+        dout = torch.randn(out.shape, generator=g)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        want = torch.autograd.grad(ref, (q2, k2, v2), dout.double())
+        for a, b in zip(got, want, strict=True):
+            assert max_err(a, b) < 1e-5

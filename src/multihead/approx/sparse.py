@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import attention
-from ..masks import Mask, MaskContext, as_mask
+from ..masks import Mask, MaskContext, _kinds, as_mask
 from ..problem import Problem
 from ._common import Approximation, check_int, safe_softmax
 
@@ -184,6 +184,23 @@ class _Local(Mask):
 
     def __init__(self, window: int, n_global: int):
         self.window, self.n_global = window, n_global
+
+    @property
+    def shift_invariant(self):  # type: ignore[override]
+        return self.n_global == 0  # the band depends only on q + offset - k; global tokens do not
+
+    def block_kinds(self, ctx: MaskContext, ql: Tensor, qh: Tensor, kl: Tensor, kh: Tensor) -> Tensor:
+        """Analytic tile kinds: the band from the range of ``d = q + offset - k`` over the tile, OR the
+        global keys / queries (a tile is full when any part is, empty when every part is)."""
+        o, w = ctx.offset, self.window
+        d_lo, d_hi = ql + o - (kh - 1), qh - 1 + o - kl  # (nqb, nkb) range of q + offset - k
+        full = (d_lo > -w) & (d_hi < w)
+        empty = (d_lo >= w) | (d_hi <= -w)
+        if self.n_global:
+            n = self.n_global
+            full = full | (kh <= n) | (qh - 1 + o < n)
+            empty = empty & (kl >= n) & (ql + o >= n)
+        return _kinds(full, empty)
 
     def evaluate(self, b, h, q, k, ctx: MaskContext):
         qa = q + ctx.offset  # absolute query position (bottom-right alignment)

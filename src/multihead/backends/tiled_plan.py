@@ -9,8 +9,9 @@ a key block (the diagonal of a causal mask is then whole tiles). Each tile is EM
 from the mask's analytic :meth:`~multihead.masks.Mask.block_kinds` when it has one, else by evaluating
 the mask one block row at a time.
 
-Step 2 - rows. Each query block row becomes one of
-    empty     no allowed key: the rows return zeros
+Step 2 - rows. Each run of non-empty tiles in a query block row becomes one of (rows with no allowed
+key get none and return zeros; a row with several runs - global tokens plus a band - gets one per run,
+and its pieces are merged like any others)
     full      one key span of FULL tiles: no per-element mask
     stair     FULL tiles then the causal diagonal tile: a full span plus a causal square
     masked    one key span from the first to the last non-empty tile, with a per-element mask
@@ -138,38 +139,41 @@ class _Row:
     diag: int = 0  # stair rows: first key of the causal diagonal tile
 
 
-def _rows(grid: Grid, ctx: MaskContext, diagonal_ok: bool) -> list[_Row]:
-    """Step 2: one :class:`_Row` per query block row."""
+def _lanes(grid: Grid, ctx: MaskContext, diagonal_ok: bool) -> list[list[_Row]]:
+    """Step 2: each query block row's runs of non-empty tiles as :class:`_Row` s, run r of every row in
+    lane r (one lane for most masks; a local window plus global tokens has two: the global key column and
+    the band). Rows that see no key appear in no lane (their output is zero)."""
     kinds = grid.kinds
-    ne = kinds != EMPTY  # (nqb, nkb)
-    nkb = kinds.shape[1]
-    any_ = ne.any(1).tolist()
-    first = ne.int().argmax(1).tolist()
-    last = (nkb - 1 - ne.flip(1).int().argmax(1)).tolist()
-    n_full = (kinds == FULL).sum(1).tolist()
-    last_kind = kinds.gather(1, torch.tensor(last).view(-1, 1)).view(-1).tolist()
+    nqb = kinds.shape[0]
+    pad = torch.zeros(nqb, 1, dtype=torch.int8)
+    ne = torch.cat([pad, (kinds != EMPTY).to(torch.int8), pad], 1)  # (nqb, nkb + 2)
+    step = ne[:, 1:] - ne[:, :-1]  # (nqb, nkb + 1): +1 where a run starts, -1 one past its end
+    starts, ends = (step == 1).nonzero().tolist(), (step == -1).nonzero().tolist()  # row-major
+    n_full = torch.cat([pad.int(), (kinds == FULL).int().cumsum(1)], 1).tolist()  # (nqb, nkb + 1)
     qe, ke = grid.q_edges, grid.k_edges
-    out = []
-    for i in range(kinds.shape[0]):
-        r0, r1 = qe[i], qe[i + 1]
-        if not any_[i]:
-            out.append(_Row("empty", r0, r1))
-            continue
-        a, b = first[i], last[i]
-        k0, k1 = ke[a], ke[b + 1]
-        if n_full[i] == b - a + 1:
-            out.append(_Row("full", r0, r1, k0, k1))
+    lanes: list[list[_Row]] = []
+    prev_row, lane = -1, 0
+    for (i, a), (_, b) in zip(starts, ends, strict=True):  # tiles a:b of block row i, none empty
+        lane = lane + 1 if i == prev_row else 0
+        prev_row = i
+        r0, r1, k0, k1 = qe[i], qe[i + 1], ke[a], ke[b]
+        full = n_full[i][b] - n_full[i][a]
+        if full == b - a:
+            row = _Row("full", r0, r1, k0, k1)
         elif (
             diagonal_ok
-            and n_full[i] == b - a
-            and last_kind[i] == PARTIAL
-            and ke[b] == r0 + ctx.offset
-            and ke[b + 1] == r1 + ctx.offset
+            and full == b - a - 1
+            and int(kinds[i, b - 1]) == PARTIAL
+            and ke[b - 1] == r0 + ctx.offset
+            and k1 == r1 + ctx.offset
         ):
-            out.append(_Row("stair", r0, r1, k0, k1, ke[b]))
+            row = _Row("stair", r0, r1, k0, k1, ke[b - 1])
         else:
-            out.append(_Row("masked", r0, r1, k0, k1))
-    return out
+            row = _Row("masked", r0, r1, k0, k1)
+        if lane == len(lanes):
+            lanes.append([])
+        lanes[lane].append(row)
+    return lanes
 
 
 def _is_causal_tile(mask: Mask, ctx: MaskContext, r0: int, r1: int, k0: int) -> bool:
@@ -264,20 +268,18 @@ def pieces(grid: Grid, mask: Mask | None, bias: Bias | None, ctx: MaskContext, n
     bands = diagonal_bands(mask, bias, ctx)
     if bands is not None:
         return bands
-    rows = _rows(grid, ctx, diagonal_ok=bias is None and mask is not None)
+    lanes = _lanes(grid, ctx, diagonal_ok=bias is None and mask is not None)
     out: list[Piece] = []
-    has_stairs = mask is not None and any(r.kind == "stair" for r in rows)
+    has_stairs = mask is not None and any(r.kind == "stair" for rows in lanes for r in rows)
     check = _CausalCheck(mask, ctx, grid) if mask is not None and has_stairs else None
-    i = 0
-    while i < len(rows):
-        row = rows[i]
-        if row.kind == "empty":
-            i += 1
-        elif row.kind == "stair":
-            assert check is not None
-            i = _take_stair(rows, i, mask, check, out)
-        else:
-            i = _take_span(rows, i, mask, bias, ctx, n_heads, out)
+    for rows in lanes:
+        i = 0
+        while i < len(rows):
+            if rows[i].kind == "stair":
+                assert check is not None
+                i = _take_stair(rows, i, mask, check, out)
+            else:
+                i = _take_span(rows, i, mask, bias, ctx, n_heads, out)
     return bundle_causal(out)
 
 
@@ -346,19 +348,20 @@ def _take_span(rows, i, mask, bias, ctx: MaskContext, n_heads: int, out: list[Pi
     kind = "full" if row.kind == "full" and bias is None else "masked"
     bq, length = row.r1 - row.r0, row.k1 - row.k0
 
-    def same(r: _Row) -> bool:
-        return r.kind == row.kind and r.r1 - r.r0 == bq and r.k1 - r.k0 == length
+    def same(j: int) -> bool:  # row j continues the run: same kind and shape, the next block of rows
+        r = rows[j]
+        return r.kind == row.kind and r.r1 - r.r0 == bq and r.k1 - r.k0 == length and r.r0 == rows[j - 1].r1
 
     # stationary: same keys for every row (dense, a prefix column, padding ...)
     j = i + 1
     limit = max(1, MAX_MASK_ELEMS // max(1, ctx.B * n_heads * bq * length)) if kind == "masked" else 1 << 30
-    while j < len(rows) and j - i < limit and same(rows[j]) and rows[j].k0 == row.k0:
+    while j < len(rows) and j - i < limit and same(j) and rows[j].k0 == row.k0:
         j += 1
     if j > i + 1 or (kind == "masked" and not _band_ok(mask if row.kind == "masked" else None, bias)):
         out.append(Piece(row.r0, rows[j - 1].r1 - row.r0, 1, row.k0, row.k1, kind))
         return j
     # band: the span moves by bq keys per block of bq rows (sliding window, diagonals ...)
-    while j < len(rows) and same(rows[j]) and rows[j].k0 == rows[j - 1].k0 + bq:
+    while j < len(rows) and same(j) and rows[j].k0 == rows[j - 1].k0 + bq:
         j += 1
     out.append(Piece(row.r0, bq, j - i, row.k0, row.k1, kind))
     return j

@@ -240,11 +240,22 @@ def _status_kib(key: str) -> int:
     return 0
 
 
+def _trim_heap() -> None:
+    """Return free heap pages to the OS (glibc ``malloc_trim``), so that RSS is live memory only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_extra_bytes(fn: Callable[[], object]) -> float:
     """Growth of the process's peak resident memory during one call (Linux; 0 elsewhere)."""
     if not os.path.exists("/proc/self/clear_refs"):
         fn()
         return 0.0
+    _trim_heap()  # freed memory the allocator kept would otherwise absorb this call's allocations
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak (VmHWM) to the current resident size

@@ -113,7 +113,7 @@ def table(rows: list[dict], ns: tuple[int, ...]) -> Table:
             "-" if r["worst_cos"] is None else f"{r['worst_cos']:.4f}",
             "-"
             if r["mqar_acc"] is None
-            else f"{100 * r['mqar_acc']:.1f}%" + ("" if r.get("mqar_causal", True) else " (bidir.)"),
+            else f"{100 * r['mqar_acc']:.2f}%" + ("" if r.get("mqar_causal", True) else " (bidir.)"),
         ]
         for n in ns:
             c = r["cost"].get(n)

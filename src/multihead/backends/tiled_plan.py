@@ -293,24 +293,21 @@ def _take_stair(rows: list[_Row], i: int, mask, check: _CausalCheck, out: list[P
         j += 1
     # every diagonal tile of a shift-invariant mask equals the first; otherwise one check of the whole
     # square (packed documents: one lookup per document) or, when that fails, tile by tile
-    if mask.shift_invariant:
-        whole = check(row.r0, row.r1, row.diag)
-    else:
-        whole = check(row.r0, rows[j - 1].r1, row.diag, evaluate_up_to=MAX_STAIR_CHECK)
+    whole = not mask.shift_invariant and check(row.r0, rows[j - 1].r1, row.diag, MAX_STAIR_CHECK)
     if not whole:
         if not check(row.r0, row.r1, row.diag):
             rows[i] = _Row("masked", row.r0, row.r1, row.k0, row.k1)
             return i
-        j = i + 1
-        while (
-            j < len(rows)
-            and rows[j].kind == "stair"
-            and rows[j].k0 == row.k0
-            and rows[j].r0 == rows[j - 1].r1
-            and not mask.shift_invariant
-            and check(rows[j].r0, rows[j].r1, rows[j].diag)
-        ):
-            j += 1
+        if not mask.shift_invariant:
+            j = i + 1
+            while (
+                j < len(rows)
+                and rows[j].kind == "stair"
+                and rows[j].k0 == row.k0
+                and rows[j].r0 == rows[j - 1].r1
+                and check(rows[j].r0, rows[j].r1, rows[j].diag)
+            ):
+                j += 1
     r1 = rows[j - 1].r1
     if row.diag > row.k0:
         out.append(Piece(row.r0, r1 - row.r0, 1, row.k0, row.diag, "full"))

@@ -144,6 +144,8 @@ def main() -> None:
         quality = {"rows": rows, "notes": saved["notes"]}
         if a.mqar_from:
             _mqar_from(Path(a.mqar_from), rows)
+            quality["notes"] = [n for n in quality["notes"] if n not in report.mqar_notes(rows)]
+            quality["notes"] += report.mqar_notes(rows)
     else:
         names = a.only or [m.name for m in measure.METHODS]
         mqar = TrainConfig(steps=a.mqar_steps) if a.mqar_steps else None
@@ -151,6 +153,7 @@ def main() -> None:
         quality = report.compare(names, (), a.texts, mqar, say)
         if a.mqar_from:
             _mqar_from(Path(a.mqar_from), quality["rows"])
+            quality["notes"] += report.mqar_notes(quality["rows"])
         costs = _costs(names, a.n)
         rows = [{**r, "cost": costs[r["name"]]} for r in quality["rows"]]
     png = measure.pareto_png(rows, out / "pareto.png", max(a.n))

@@ -57,6 +57,14 @@ def test_report_rows_render_and_plot(tmp_path):
     assert png is not None and (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_mqar_notes_flag_linformer_only_when_it_was_trained():
+    rows = [{"name": "exact (tiled)", "mqar_acc": 1.0}, {"name": "Linformer(64)", "mqar_acc": None}]
+    assert report.mqar_notes(rows) == []  # no MQAR result for Linformer: nothing to qualify
+    rows[1]["mqar_acc"] = 1.0
+    (note,) = report.mqar_notes(rows)
+    assert "Linformer" in note and "mqar_shift.py" in note
+
+
 def test_make_and_unknown_method():
     assert measure.make("exact (tiled)", 64) is None
     assert repr(measure.make("Nystrom", 64)).startswith("Nystrom(")

@@ -149,8 +149,11 @@ def pareto_png(rows: list[dict], path: str | Path, n: int) -> str | None:
             t = r.get("cost", {}).get(n, {}).get("seconds")
             if t is None or r.get(key) is None:
                 continue
-            ax.scatter(t, r[key], s=40, color="black" if r["name"].startswith("exact") else "tab:blue")
-            ax.annotate(r["name"], (t, r[key]), fontsize=8, xytext=(4, 3), textcoords="offset points")
+            layout = key == "mqar_acc" and r["name"].startswith("Linformer")  # see report.mqar_notes
+            color = "black" if r["name"].startswith("exact") else "tab:gray" if layout else "tab:blue"
+            ax.scatter(t, r[key], s=40, color=color, marker="x" if layout else "o")
+            name = r["name"] + (" (keeps the fixed pair positions)" if layout else "")
+            ax.annotate(name, (t, r[key]), fontsize=8, xytext=(4, 3), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel(f"seconds per attention call, N={n} (B=1, H={HEADS}, D={HEAD_DIM}, fp32)")
         ax.set_ylabel(label)

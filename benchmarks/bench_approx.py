@@ -142,20 +142,17 @@ def main() -> None:
         a.n = saved["ns"]
         rows = [{**r, "cost": {int(k): v for k, v in r["cost"].items()}} for r in saved["rows"]]
         quality = {"rows": rows, "notes": saved["notes"]}
-        if a.mqar_from:
-            _mqar_from(Path(a.mqar_from), rows)
-            quality["notes"] = [n for n in quality["notes"] if n not in report.mqar_notes(rows)]
-            quality["notes"] += report.mqar_notes(rows)
     else:
         names = a.only or [m.name for m in measure.METHODS]
         mqar = TrainConfig(steps=a.mqar_steps) if a.mqar_steps else None
         say = lambda what, done: print(f"  {what}", file=sys.stderr)  # noqa: E731
         quality = report.compare(names, (), a.texts, mqar, say)
-        if a.mqar_from:
-            _mqar_from(Path(a.mqar_from), quality["rows"])
-            quality["notes"] += report.mqar_notes(quality["rows"])
         costs = _costs(names, a.n)
         rows = [{**r, "cost": costs[r["name"]]} for r in quality["rows"]]
+    if a.mqar_from:
+        _mqar_from(Path(a.mqar_from), rows)
+        extra = report.mqar_notes(rows)
+        quality["notes"] = [n for n in quality["notes"] if n not in extra] + extra
     png = measure.pareto_png(rows, out / "pareto.png", max(a.n))
     doc = {"ns": a.n, "rows": [{**r, "cost": {str(k): v for k, v in r["cost"].items()}} for r in rows]}
     (out / "approx.json").write_text(json.dumps({**doc, "notes": quality["notes"], "png": png}, indent=1))

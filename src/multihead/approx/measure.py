@@ -129,6 +129,12 @@ def fidelity(
 
 
 # -- the Pareto plot ----------------------------------------------------------------------------------
+def mqar_layout_bound(row: dict) -> bool:
+    """True for a row whose MQAR score may rest on the pairs' fixed positions, not on recall: a Linformer
+    (learned (k, max_len) projections are tied to absolute positions; ``benchmarks/mqar_shift.py``)."""
+    return row["name"].startswith("Linformer") and row.get("mqar_acc") is not None
+
+
 def pareto_png(rows: list[dict], path: str | Path, n: int) -> str | None:
     """Plot quality (MiniLM mean cosine; MQAR accuracy) against time at length ``n``, one point per
     method, and write a PNG; returns the path, or None when matplotlib is not installed."""
@@ -149,7 +155,7 @@ def pareto_png(rows: list[dict], path: str | Path, n: int) -> str | None:
             t = r.get("cost", {}).get(n, {}).get("seconds")
             if t is None or r.get(key) is None:
                 continue
-            layout = key == "mqar_acc" and r["name"].startswith("Linformer")  # see report.mqar_notes
+            layout = key == "mqar_acc" and mqar_layout_bound(r)
             color = "black" if r["name"].startswith("exact") else "tab:gray" if layout else "tab:blue"
             ax.scatter(t, r[key], s=40, color=color, marker="x" if layout else "o")
             name = r["name"] + (" (keeps the fixed pair positions)" if layout else "")

@@ -95,7 +95,7 @@ def compare(
 
 def mqar_notes(rows: list[dict]) -> list[str]:
     """What the MQAR column cannot show: a note per row whose score rests on MQAR's fixed layout."""
-    if not any(r["name"].startswith("Linformer") and r.get("mqar_acc") is not None for r in rows):
+    if not any(measure.mqar_layout_bound(r) for r in rows):
         return []
     return [
         "Linformer's learned (k, max_len) projections are tied to absolute positions, and MQAR always puts "

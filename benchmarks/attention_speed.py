@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from multihead import bench
+from multihead.bench import suite as bench
 
 
 def _f(x, spec: str) -> str:

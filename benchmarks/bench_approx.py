@@ -23,14 +23,14 @@ from pathlib import Path
 
 
 def _child(name: str, n: int) -> None:
-    from multihead.approx import measure
+    from multihead.bench import approx as measure
 
     approx = measure.make(name, n)
     print(json.dumps(measure.cost(approx, n)))
 
 
 def _costs(names: list[str], ns: list[int]) -> dict[str, dict[int, dict]]:
-    from multihead.approx import measure
+    from multihead.bench import approx as measure
 
     limits = {m.name: m.max_n for m in measure.METHODS}
     out: dict[str, dict[int, dict]] = {name: {} for name in names}
@@ -49,7 +49,8 @@ def _quant(prompt: int = 256, new: int = 32, repeats: int = 5) -> dict:
     """fp32 vs int8 on the llama-155m preset: bytes, prefill seconds, decode tokens/s, logit agreement."""
     import torch
 
-    from multihead import pretrained, quant
+    from multihead import pretrained
+    from multihead.models import quant
 
     fp32 = pretrained.random_lm("llama-155m", seed=0).eval()
     ids = torch.randint(0, fp32.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
@@ -134,8 +135,9 @@ def main() -> None:
         (out / "quant.json").write_text(json.dumps(res, indent=1))
         print(json.dumps(res, indent=1))
         return
-    from multihead.approx import measure, report
-    from multihead.train import TrainConfig
+    from multihead.bench import approx as measure
+    from multihead.study.sections import approximations as report
+    from multihead.train.trainer import TrainConfig
 
     if a.saved:  # a saved run: costs and fidelity as measured then, the MQAR column from --mqar-from
         saved = json.loads(Path(a.saved).read_text())

@@ -26,8 +26,8 @@ def main() -> None:
     ap.add_argument("--fills", default="0,32,64,128", help="filler tokens before the pairs, comma list")
     args = ap.parse_args()
 
-    import multihead.train as T
-    from multihead.approx import measure
+    import multihead.train.trainer as T
+    from multihead.bench import approx as measure
     from multihead.data import IGNORE_INDEX, mqar
 
     cfg = T.TrainConfig() if args.steps is None else T.TrainConfig(steps=args.steps)

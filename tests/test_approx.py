@@ -188,7 +188,7 @@ def test_performer_causal_form_equals_its_masked_quadratic_form():
 
 
 def _problem(q, k, v):
-    from multihead.problem import make_problem
+    from multihead.core.problem import make_problem
 
     return make_problem(q, k, v)
 

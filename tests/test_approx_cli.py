@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from multihead.approx import measure, report
-from multihead.cli import main
+from multihead.bench import approx as measure
+from multihead.cli.main import main
+from multihead.study.sections import approximations as report
 
 
 def _run(argv: list[str]) -> tuple[int, str]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.attention_module import MultiHeadAttention
+from multihead.nn.attention import MultiHeadAttention
 from tests.numerics import TOL, max_err
 
 F64 = torch.float64
@@ -230,7 +230,7 @@ def test_no_hidden_state_is_kept():
 
 # -- rotary and the KV cache ---------------------------------------------------------------------------
 def rotary_mha(Hq, Hkv, d=32, bias=False):
-    from multihead.positions import RotaryEmbedding
+    from multihead.nn.positions import RotaryEmbedding
 
     torch.manual_seed(0)
     return MultiHeadAttention(d, Hq, Hkv, bias=bias, rotary=RotaryEmbedding(d // Hq), dtype=F64)
@@ -248,7 +248,7 @@ def test_rotary_is_applied_to_q_and_k_and_is_relative():
 
 
 def _kv_cache(m, kind, max_len, window=None):
-    from multihead.kv_cache import KVCache
+    from multihead.nn.kv_cache import KVCache
 
     return KVCache(1, m.n_kv_heads, m.head_dim, max_len, kind=kind, window=window, dtype=F64)
 

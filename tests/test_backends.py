@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.backends import get as get_backend
-from multihead.backends import tiled as tiled_mod
-from multihead.problem import make_problem
+from multihead.backends.registry import get as get_backend
+from multihead.backends.tiled import loop as tiled_mod
+from multihead.core.problem import make_problem
 from tests.numerics import allowed, max_err
 
 FAST = ["matrix", "sdpa", "tiled"]

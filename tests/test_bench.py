@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from multihead import bench
-from multihead.cli import main
+from multihead.bench import suite as bench
+from multihead.cli.main import main
 
 
 def test_suites_are_fixed_and_named():

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.biases import as_bias
-from multihead.masks import MaskContext
+from multihead.core.biases import as_bias
+from multihead.core.masks import MaskContext
 from tests.numerics import TOL
 
 F64 = torch.float64

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import multihead as mh
-from multihead.cli import main, parse_mask
+from multihead.cli.main import main, parse_mask
 from tests.numerics import allowed
 
 
@@ -236,7 +236,7 @@ def test_explain_hf_dir_reads_config_json(tmp_path, capsys):
 
 
 def test_explain_roof_measure_uses_the_bench_probes(monkeypatch, capsys):
-    import multihead.bench_methods as bm
+    import multihead.cost.machine as bm
 
     monkeypatch.setattr(bm, "machine_rates", lambda dtypes: {next(iter(dtypes)): 80.0, "bandwidth": 8.0})
     argv = ["explain", "--preset", "llama-tiny", "--phase", "decode", "--roof", "measure"]

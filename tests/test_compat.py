@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from multihead.compat import MultiheadAttention
+from multihead.nn.compat import MultiheadAttention
 from tests.numerics import TOL
 
 # torch warns (deprecation) when a bool and a float mask are mixed; we accept the mix silently.

@@ -377,7 +377,7 @@ def test_roofline_places_rows_under_the_roof():
 
 
 def test_measure_roof_reuses_the_bench_probes(monkeypatch):
-    import multihead.bench_methods as bm
+    import multihead.cost.machine as bm
 
     monkeypatch.setattr(bm, "machine_rates", lambda dtypes: {next(iter(dtypes)): 50.0, "bandwidth": 5.0})
     roof = cost.measure_roof(torch.bfloat16)

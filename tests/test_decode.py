@@ -7,7 +7,7 @@ import torch
 
 import multihead as mh
 from multihead.backends import decode as decode_mod
-from multihead.problem import make_problem
+from multihead.core.problem import make_problem
 from tests.numerics import allowed, max_err
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}

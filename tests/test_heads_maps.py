@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead import attention_module, functional, heads
+from multihead import heads
+from multihead.core import functional
 from multihead.heads.maps import _sinks
+from multihead.nn import attention as attention_module
 from tests.numerics import TOL, max_err
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.kv_cache import KVCache
+from multihead.nn.kv_cache import KVCache
 from tests.numerics import TOL, max_err
 
 F64 = torch.float64

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead.layers import Decoder, Encoder, TransformerLayer
-from multihead.norms import RMSNorm, make_norm
-from multihead.positions import RotaryEmbedding
+from multihead.nn.layers import Decoder, Encoder, TransformerLayer
+from multihead.nn.norms import RMSNorm, make_norm
+from multihead.nn.positions import RotaryEmbedding
 from tests.numerics import TOL, max_err
 
 F64 = torch.float64
@@ -228,7 +228,7 @@ def _cached_run(run, x, caches_reset, first):
     "kind,norm_first,n_kv", [("dense", True, 2), ("dense", False, 4), ("int8", True, 1), ("sliding", True, 2)]
 )
 def test_layer_cache_prefill_then_steps_equals_full_forward(kind, norm_first, n_kv):
-    from multihead.kv_cache import KVCache
+    from multihead.nn.kv_cache import KVCache
 
     torch.manual_seed(6)
     layer = TransformerLayer(
@@ -253,7 +253,7 @@ def test_layer_cache_prefill_then_steps_equals_full_forward(kind, norm_first, n_
 
 
 def test_decoder_with_caches_equals_full_forward():
-    from multihead.kv_cache import KVCache
+    from multihead.nn.kv_cache import KVCache
 
     torch.manual_seed(7)
     dec = Decoder(2, D_MODEL, HEADS, D_FF, norm_first=True, rotary=RotaryEmbedding(D_MODEL // HEADS)).double()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multihead.lm import TransformerLM
+from multihead.models.lm import TransformerLM
 from tests.numerics import TOL, max_err
 
 F64 = torch.float64

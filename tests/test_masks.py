@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.masks import MaskContext, as_mask
+from multihead.core.masks import MaskContext, as_mask
 from tests.numerics import TOL
 
 # (Nq, Nk): Nq < Nk (decode / chunked prefill), Nq == Nk, Nq > Nk (first rows see nothing).

@@ -13,15 +13,8 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.parallel import (
-    LaunchError,
-    launch,
-    render_distributed_bench,
-    ring_attention,
-    run_distributed_bench,
-    shard,
-    world_sizes_up_to,
-)
+from multihead.bench.distributed import render_distributed_bench, run_distributed_bench, world_sizes_up_to
+from multihead.parallel import LaunchError, launch, ring_attention, shard
 
 RING_TIMEOUT = 5.0  # seconds a surviving rank waits for a message
 GRACE = 5.0  # seconds the launcher gives the other ranks after the first failure

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from multihead.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions, sinusoidal_table
+from multihead.nn.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions, sinusoidal_table
 from tests.numerics import TOL, max_err
 
 F64 = torch.float64

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.cli import main
+from multihead.cli.main import main
 
 
 def _weights_installed() -> bool:

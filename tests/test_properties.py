@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import multihead as mh
-from multihead.backends import get as get_backend
-from multihead.problem import make_problem
+from multihead.backends.registry import get as get_backend
+from multihead.core.problem import make_problem
 from tests.numerics import TOL, max_err
 
 

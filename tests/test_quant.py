@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead import quant
+from multihead.models import quant
 
 # Stated tolerance of a quantized model: per-channel int8 rounds each weight by at most scale / 2, i.e.
 # 0.4% of its row's largest weight; through a small LM this moves logits by at most this fraction of

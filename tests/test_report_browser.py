@@ -14,8 +14,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from multihead import study
-from multihead.report import render_html
+from multihead.study.context import StudyContext
+from multihead.study.render import render_html
+from multihead.study.sections.kv_cache import kv_cache
+from multihead.study.sections.walk import walk
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = [
@@ -49,8 +51,8 @@ def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
-    ctx = study.StudyContext(quick=True, out_dir=out)
-    sections = [study.walk(ctx), study.kv_cache(ctx)]
+    ctx = StudyContext(quick=True, out_dir=out)
+    sections = [walk(ctx), kv_cache(ctx)]
     assert sum(len(s.figures) for s in sections) >= 2
     (out / "report.html").write_text(render_html(sections, "multihead study (test)", "two sections"))
     return out

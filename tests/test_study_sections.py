@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from multihead.heads import study_section as heads_section
 from multihead.pretrained import minilm_dir
-from multihead.study import Section, StudyContext, Table
-from multihead.train import TrainConfig
+from multihead.study.context import Section, StudyContext, Table
+from multihead.study.sections import designs as designs_section
+from multihead.study.sections import heads as heads_section
+from multihead.train.trainer import TrainConfig
 from multihead.variants import NAMES
-from multihead.variants import study_section as designs_section
 
 NUMBER = re.compile(r"^-?[\d,]+(\.\d+)?%?$")
 

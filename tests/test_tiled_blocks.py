@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.backends import tiled as tiled_mod
-from multihead.backends import tiled_exec
-from multihead.backends.tiled_plan import _evaluate_kinds, classify, edges, nonempty_fraction
-from multihead.masks import EMPTY, FULL, PARTIAL, MaskContext
-from multihead.problem import make_problem
+from multihead.backends.tiled import fused as tiled_exec
+from multihead.backends.tiled import loop as tiled_mod
+from multihead.core.masks import EMPTY, FULL, PARTIAL, MaskContext
+from multihead.core.problem import make_problem
+from multihead.core.tiles import classify, edges, evaluate_kinds, nonempty_fraction
 from tests.numerics import max_err
 
 
@@ -43,7 +43,7 @@ def test_block_kinds_agree_with_evaluation(name, blocks, nq_nk):
     mask = _masks(2, Nk)[name]
     ctx = MaskContext(2, 3, Nq, Nk)
     grid = classify(mask, ctx, *blocks)
-    truth = _evaluate_kinds(mask, ctx, grid.q_edges, torch.tensor(grid.k_edges))
+    truth = evaluate_kinds(mask, ctx, grid.q_edges, torch.tensor(grid.k_edges))
     assert grid.kinds.shape == truth.shape
     assert ((grid.kinds == FULL) <= (truth == FULL)).all()
     assert ((grid.kinds == EMPTY) <= (truth == EMPTY)).all()
@@ -125,7 +125,7 @@ def test_empty_tiles_are_skipped(blocks16, monkeypatch):
     computed = sum(calls) / 2  # per head (B*Hkv = 1*2 in a band call's batch)
     assert computed <= 512 * (32 + 16)  # necessary ~512*32 plus one block of slack per row
     assert max_err(out, mh.attention(p.q, p.k, p.v, mask=p.mask, backend="reference")) < 1e-5
-    assert nonempty_fraction(p.mask, p.ctx) < 0.25
+    assert nonempty_fraction(p.grid(64, 64)) < 0.25
 
 
 def test_loop_engine_evaluates_only_partial_tiles(blocks16, monkeypatch):
@@ -208,7 +208,7 @@ def test_band_backward_in_sub_bands_is_exact(monkeypatch):
 @pytest.mark.parametrize(("nq", "nk"), [(16, 16), (12, 20), (8, 24)], ids=["square", "offset", "offset2"])
 def test_causal_alibi_runs_as_diagonal_bands(monkeypatch, nq, nk):
     """Causal + ALiBi: one band per diagonal of b x b tiles, forward and gradients equal the oracle."""
-    from multihead.backends import tiled_plan
+    from multihead.backends.tiled import plan as tiled_plan
 
     monkeypatch.setattr(tiled_plan, "DIAGONAL_BLOCKS", (4,))
     g = torch.Generator().manual_seed(4)
@@ -235,7 +235,7 @@ def test_causal_alibi_runs_as_diagonal_bands(monkeypatch, nq, nk):
 
 
 def test_diagonal_bands_only_for_causal_with_a_shift_invariant_bias():
-    from multihead.backends.tiled_plan import diagonal_bands
+    from multihead.backends.tiled.plan import diagonal_bands
 
     ctx = make_problem(*(torch.randn(1, 2, 512, 8) for _ in range(3)), mask=mh.causal()).ctx
     assert diagonal_bands(mh.causal(), None, ctx) is None  # no bias: the stair plan is better
@@ -256,7 +256,7 @@ def test_local_patterns_classify_analytically(window, n_global, blocks, nq_nk):
     mask = local(window) if n_global == 0 else local_global(window, n_global)
     ctx = MaskContext(2, 3, *nq_nk)
     grid = classify(mask, ctx, *blocks)
-    truth = _evaluate_kinds(mask, ctx, grid.q_edges, torch.tensor(grid.k_edges))
+    truth = evaluate_kinds(mask, ctx, grid.q_edges, torch.tensor(grid.k_edges))
     assert ((grid.kinds == FULL) <= (truth == FULL)).all()
     assert ((grid.kinds == EMPTY) <= (truth == EMPTY)).all()
     if n_global == 0:

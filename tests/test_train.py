@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from multihead import approx as A
-from multihead.train import TrainConfig, build_model, forward_flops, train_mqar
+from multihead.train.trainer import TrainConfig, build_model, forward_flops, train_mqar
 
 TOY = {
     "seq_len": 32,

@@ -8,26 +8,19 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
-from . import approx, compat, cost, data, heads, parallel, pretrained, quant, variants
-from .attention_module import MultiHeadAttention
-from .biases import Bias, alibi, alibi_slopes, custom_bias, softcap
-from .feed_forward import FeedForward
-from .functional import AttentionOutput, attention, backends, explain
-from .kv_cache import KVCache
-from .layers import Decoder, Encoder, TransformerLayer
-from .lm import TransformerLM
-from .masks import (
-    Mask,
-    causal,
-    custom,
-    document,
-    key_padding,
-    padding,
-    prefix_lm,
-    sliding_window,
-)
-from .norms import RMSNorm
-from .positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
+from . import approx, cost, data, heads, parallel, pretrained, variants
+from .core.biases import Bias, alibi, alibi_slopes, custom_bias, softcap
+from .core.functional import AttentionOutput, attention, backends, explain
+from .core.masks import Mask, causal, custom, document, key_padding, padding, prefix_lm, sliding_window
+from .models import quant
+from .models.lm import TransformerLM
+from .nn import compat
+from .nn.attention import MultiHeadAttention
+from .nn.feed_forward import FeedForward
+from .nn.kv_cache import KVCache
+from .nn.layers import Decoder, Encoder, TransformerLayer
+from .nn.norms import RMSNorm
+from .nn.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
 __version__ = "0.1.0"
 

@@ -24,8 +24,8 @@ Performer(F)          FAVOR+ positive random features        yes       key paddi
 Patterns for :class:`SparseMask` (or any ``mask=``): :func:`local` and :func:`local_global`.
 """
 
-from ._common import Approximation
 from .apply import LowRankLinear, apply, low_rank_ffn
+from .base import Approximation
 from .linear import LinearAttention, Performer, linear_attention
 from .low_rank import Linformer, LowRank, Nystrom
 from .sparse import SparseMask, Threshold, TopK, local, local_global

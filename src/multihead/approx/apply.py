@@ -19,9 +19,9 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from ..attention_module import MultiHeadAttention
-from ..feed_forward import FeedForward
-from ._common import Approximation, check_int
+from ..nn.attention import MultiHeadAttention
+from ..nn.feed_forward import FeedForward
+from .base import Approximation, check_int
 
 __all__ = ["LowRankLinear", "apply", "low_rank_ffn"]
 

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..problem import Problem
-from ._common import Approximation, check_int
+from ..core.problem import Problem
+from .base import Approximation, check_int
 
 __all__ = ["LinearAttention", "Performer", "linear_attention"]
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..functional import attention
-from ..problem import AttentionOutput, Problem
-from ._common import Approximation, check_int, safe_softmax
+from ..core.functional import attention
+from ..core.problem import AttentionOutput, Problem
+from .base import Approximation, check_int, safe_softmax
 
 __all__ = ["Linformer", "LowRank", "Nystrom"]
 

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..functional import attention
-from ..masks import Mask, MaskContext, _kinds, as_mask
-from ..problem import Problem
-from ._common import Approximation, check_int, safe_softmax
+from ..core.functional import attention
+from ..core.masks import Mask, MaskContext, as_mask, kinds_from
+from ..core.problem import Problem
+from .base import Approximation, check_int, safe_softmax
 
 __all__ = ["SparseMask", "Threshold", "TopK", "local", "local_global"]
 
@@ -200,7 +200,7 @@ class _Local(Mask):
             n = self.n_global
             full = full | (kh <= n) | (qh - 1 + o < n)
             empty = empty & (kl >= n) & (ql + o >= n)
-        return _kinds(full, empty)
+        return kinds_from(full, empty)
 
     def evaluate(self, b, h, q, k, ctx: MaskContext):
         qa = q + ctx.offset  # absolute query position (bottom-right alignment)

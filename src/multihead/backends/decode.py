@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import Causal
-from ..problem import AttentionOutput, Problem
-from . import tiled, tiled_exec
-from .tiled_plan import Piece, classify, pieces
+from ..core.masks import Causal
+from ..core.problem import AttentionOutput, Problem
+from .tiled import fused as tiled_exec
+from .tiled import loop as tiled
+from .tiled.plan import Piece, pieces
 
 MAX_ROWS = 16  # query rows served as a decode
 MIN_KEYS = 128  # below this the call is too small for the path to matter
@@ -48,7 +49,7 @@ class DecodeBackend:
 
     def plan(self, p: Problem) -> list[Piece]:
         """One query block of all Nq rows against key blocks of ``BLOCK_K`` (see :mod:`.tiled_plan`)."""
-        grid = classify(p.mask, p.ctx, max(p.Nq, 1), BLOCK_K)
+        grid = p.grid(max(p.Nq, 1), BLOCK_K)
         return pieces(grid, p.mask, p.bias, p.ctx, p.Hq)
 
     def run(self, p: Problem) -> AttentionOutput:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..problem import AttentionOutput, Problem
+from ..core.problem import AttentionOutput, Problem
 
 
 @functools.cache

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..problem import AttentionOutput, Problem
-from ._dense import modify_scores, safe_softmax
+from ..core.problem import AttentionOutput, Problem
+from .dense import modify_scores, safe_softmax
 
 # Refuse under `auto` when the fp32 score matrix would exceed this many bytes.
 MAX_SCORE_BYTES = 1 << 30

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..problem import AttentionOutput, Problem
-from ._dense import modify_scores, safe_softmax
+from ..core.problem import AttentionOutput, Problem
+from .dense import modify_scores, safe_softmax
 
 
 class ReferenceBackend:

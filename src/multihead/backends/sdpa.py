@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..problem import AttentionOutput, Problem
-from .tiled_plan import nonempty_fraction
+from ..core.problem import AttentionOutput, Problem
+from ..core.tiles import nonempty_fraction
 
 # Refuse under `auto` when a materialised mask/bias would exceed this many bytes.
 MAX_MASK_BYTES = 256 << 20
@@ -55,7 +55,8 @@ class SdpaBackend:
             mib = p.B * p.Hq * p.Nq * p.Nk * 4 / 2**20
             return f"SDPA needs the bias as a dense {mib:.0f} MiB tensor; tiled builds it a tile at a time"
         if p.mask is not None and not (p.mask.is_causal and p.Nq == p.Nk):
-            frac = nonempty_fraction(p.mask, p.ctx)
+            grid = p.analytic_grid(64, 64)
+            frac = None if grid is None else nonempty_fraction(grid)
             if frac is not None and 1.0 - frac > MAX_EMPTY_FRACTION:
                 return (
                     f"the mask empties {100 * (1 - frac):.0f}% of the 64x64 tiles; SDPA would compute "

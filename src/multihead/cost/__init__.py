@@ -49,7 +49,8 @@ from .configs import PRESETS, as_shape, from_config, load_config, preset
 from .estimate import Cost, estimate
 from .kv import KVVariant, compare_kv_heads, kv_cache_bytes
 from .ops import Call, Op, total
-from .roofline import Roof, RooflinePoint, measure_roof, plot_roofline, roofline
+from .plot import plot_roofline
+from .roofline import Roof, RooflinePoint, measure_roof, roofline
 from .shapes import ModelShape, from_model
 from .walk import LayerSpec, layer_walk, walk_layer
 

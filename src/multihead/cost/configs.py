@@ -119,7 +119,7 @@ def _signature_defaults(fn: Any) -> dict[str, Any]:
 
 def _from_lm_kwargs(kw: Mapping[str, Any], name: str, dtype: torch.dtype | None) -> ModelShape:
     """The shape of ``TransformerLM(**kw)``, with TransformerLM's own defaults for missing keys."""
-    from ..lm import TransformerLM
+    from ..models.lm import TransformerLM
 
     allowed = _signature_defaults(TransformerLM.__init__)
     unknown = sorted(set(kw) - set(allowed))

@@ -64,7 +64,7 @@ class ModelShape:
 
     def mask(self):
         """The self-attention mask the model's forward uses: causal, sliding_window(w), or None."""
-        from ..masks import causal, sliding_window
+        from ..core.masks import causal, sliding_window
 
         if not self.causal:
             return None
@@ -88,7 +88,7 @@ class ModelShape:
 
 # -- from a module ------------------------------------------------------------------------------------
 def _attention_spec(attn: nn.Module, **layer: Any) -> LayerSpec:
-    from ..attention_module import MultiHeadAttention
+    from ..nn.attention import MultiHeadAttention
 
     if not isinstance(attn, MultiHeadAttention) or attn.approx is not None:
         what = type(attn).__name__ + (" with an approximation" if getattr(attn, "approx", None) else "")
@@ -108,8 +108,8 @@ def _attention_spec(attn: nn.Module, **layer: Any) -> LayerSpec:
 
 
 def _layer_spec(layer: nn.Module) -> LayerSpec:
-    from ..feed_forward import FeedForward
-    from ..layers import TransformerLayer
+    from ..nn.feed_forward import FeedForward
+    from ..nn.layers import TransformerLayer
 
     if not isinstance(layer, TransformerLayer) or not isinstance(layer.ffn, FeedForward):
         raise ValueError(
@@ -143,7 +143,7 @@ def _runs(specs: list[LayerSpec]) -> tuple[tuple[LayerSpec, int], ...]:
 
 
 def _norm_kind(m: nn.Module) -> str | None:
-    from ..norms import RMSNorm
+    from ..nn.norms import RMSNorm
 
     return "layernorm" if isinstance(m, nn.LayerNorm) else "rmsnorm" if isinstance(m, RMSNorm) else None
 
@@ -155,9 +155,9 @@ def from_model(model: nn.Module) -> ModelShape:
     Raises:
         ValueError: another module, a Decoder / cross-attention layer, an approximated attention.
     """
-    from ..attention_module import MultiHeadAttention
-    from ..layers import Decoder, Encoder, TransformerLayer
-    from ..lm import TransformerLM
+    from ..models.lm import TransformerLM
+    from ..nn.attention import MultiHeadAttention
+    from ..nn.layers import Decoder, Encoder, TransformerLayer
     from ..pretrained import Bert, SentenceEncoder
 
     param = next(model.parameters(), None)

@@ -10,7 +10,7 @@ Every tool addresses heads as (layer, head): layer i is the model's i-th Transfo
 self-attention's query head h.
 """
 
-from ._model import layers_of, token_strings
+from .access import layers_of, token_strings
 from .gqa import kv_cache_bytes_per_token, procrustes, rotate_heads, to_gqa
 from .labels import HeadRole, roles, roles_grid, roles_table
 from .maps import attention_maps, capture_attention

@@ -29,12 +29,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..attention_module import MultiHeadAttention
-from ..lm import TransformerLM
-from ..positions import RotaryEmbedding
+from ..models.lm import TransformerLM
+from ..nn.attention import MultiHeadAttention
+from ..nn.positions import RotaryEmbedding
 from ..pretrained.corpus import stdlib_docstrings
 from ..pretrained.sentence_encoder import SentenceEncoder
-from ._model import (
+from .access import (
     forward_ids,
     layers_of,
     model_device,

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import attention_module, functional
-from ..attention_module import MultiHeadAttention
-from ._model import forward_ids, layers_of, model_device, to_id_lists
+from ..core import functional
+from ..nn import attention as attention_module
+from ..nn.attention import MultiHeadAttention
+from .access import forward_ids, layers_of, model_device, to_id_lists
 
 __all__ = ["attention_maps", "capture_attention"]
 

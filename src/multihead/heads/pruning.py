@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..attention_module import MultiHeadAttention, check_model_input
-from ..lm import TransformerLM
-from ._model import head_rows, layers_of, plain_attention, rebuild_attention
+from ..models.lm import TransformerLM
+from ..nn.attention import MultiHeadAttention, check_model_input
+from .access import head_rows, layers_of, plain_attention, rebuild_attention
 
 if TYPE_CHECKING:
-    from ..kv_cache import KVCache
+    from ..nn.kv_cache import KVCache
 
 __all__ = ["EmptyAttention", "prune"]
 

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention_module import MultiHeadAttention
-from ..lm import TransformerLM
+from ..models.lm import TransformerLM
+from ..nn.attention import MultiHeadAttention
 from ..pretrained.bert import Bert
 from ..pretrained.sentence_encoder import SentenceEncoder
-from ._model import layers_of, model_device, pad_batch
+from .access import layers_of, model_device, pad_batch
 
 __all__ = ["CONTRASTIVE_SCALE", "gate_heads", "importance", "lm_loss", "span_contrastive_loss"]
 

@@ -4,13 +4,12 @@
 - :func:`ring_attention`: exact attention over a sequence split across ranks (context parallelism),
   K/V shards travelling around a ring; :func:`shard` / :func:`unshard` split and rebuild sequences.
 - :func:`launch`: start N local gloo processes and run a function on each (tests, benchmarks).
-- :func:`run_distributed_bench`: per-rank memory, time and traffic of ring attention as N grows.
 
 Failures of a peer surface as :class:`CommError` (on the surviving ranks) or :class:`LaunchError` (from
-:func:`launch`) within a timeout, never as a hang or a partial result.
+:func:`launch`) within a timeout, never as a hang or a partial result. Per-rank memory, time and traffic
+of ring attention as N grows: ``python -m multihead.parallel bench`` (:mod:`multihead.bench.distributed`).
 """
 
-from .bench import render_distributed_bench, run_distributed_bench, world_sizes_up_to
 from .comm import CommError, Traffic, traffic
 from .launch import LaunchError, launch
 from .layout import LAYOUTS, shard, shard_ranges, unshard
@@ -23,13 +22,10 @@ __all__ = [
     "LaunchError",
     "Traffic",
     "launch",
-    "render_distributed_bench",
     "ring_attention",
-    "run_distributed_bench",
     "shard",
     "shard_ranges",
     "tensor_parallel",
     "traffic",
     "unshard",
-    "world_sizes_up_to",
 ]

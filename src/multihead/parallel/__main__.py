@@ -24,7 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .bench import MASKS, bench_worker, render_distributed_bench, run_distributed_bench, summarise
+from ..bench.distributed import (
+    MASKS,
+    bench_worker,
+    render_distributed_bench,
+    run_distributed_bench,
+    summarise,
+)
 from .check import check_worker
 from .launch import launch
 

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..biases import Bias, as_bias
-from ..functional import attention, backends
-from ..masks import Mask, MaskContext, as_mask
-from ..problem import AttentionOutput, make_problem
+from ..core.biases import Bias, as_bias
+from ..core.functional import attention, backends
+from ..core.masks import Mask, MaskContext, as_mask
+from ..core.problem import AttentionOutput, make_problem
 from .comm import DEFAULT_TIMEOUT, all_gather_ints, check_timeout, resolve_group
 from .layout import check_layout, ranges_from_lengths
 from .ring_parts import Ring, acc_dtype, backward_stats, merge_, step_backward

@@ -16,8 +16,8 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from ..biases import Bias
-from ..masks import Mask, MaskContext
+from ..core.biases import Bias
+from ..core.masks import Mask, MaskContext
 from .comm import irecv, isend, wait
 from .layout import Ranges, positions
 

@@ -30,11 +30,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention_module import MultiHeadAttention
-from ..biases import Bias, TensorBias, _Chain, as_bias
-from ..feed_forward import FeedForward
-from ..lm import TransformerLM
-from ..masks import Mask, MaskContext, TensorMask, as_mask
+from ..core.biases import Bias, TensorBias, as_bias, bias_parts
+from ..core.masks import Mask, MaskContext, TensorMask, as_mask
+from ..models.lm import TransformerLM
+from ..nn.attention import MultiHeadAttention
+from ..nn.feed_forward import FeedForward
 from .comm import resolve_group
 
 __all__ = ["tensor_parallel"]
@@ -154,7 +154,7 @@ def _shard_bias(bias, h0: int, hl: int, H: int) -> Bias | None:
     if bias is None:
         return None
     b = as_bias(bias)
-    parts = b.parts if isinstance(b, _Chain) else [b]
+    parts = bias_parts(b)
     out: list[Bias] = [
         TensorBias(_head_slice(p.t, h0, hl, H, "bias"))
         if isinstance(p, TensorBias)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..lm import TransformerLM
+from ..models.lm import TransformerLM
 from .bert import Bert, bert_from_state_dict
 from .convert import cfg, read_checkpoint
 from .corpus import stdlib_docstrings

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..layers import Encoder
-from ..masks import Mask, document, key_padding
-from ..positions import LearnedPositions
+from ..core.masks import Mask, document, key_padding
+from ..nn.layers import Encoder
+from ..nn.positions import LearnedPositions
 from .convert import Rule, align_biases, cfg, fuse_qkv, load_converted, rename
 
 __all__ = ["Bert", "BertEmbeddings", "bert_from_state_dict", "positions_in_documents"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..lm import TransformerLM
+from ..models.lm import TransformerLM
 from .convert import Rule, align_biases, cfg, load_converted, rename
 
 __all__ = ["gpt2_from_state_dict", "gpt2_kwargs"]

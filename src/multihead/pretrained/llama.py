@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..lm import TransformerLM
+from ..models.lm import TransformerLM
 from .convert import Rule, align_biases, cfg, fuse_qkv, load_converted, rename
 
 __all__ = ["PRESETS", "llama_from_state_dict", "llama_kwargs", "preset_config"]

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..attention_module import MultiHeadAttention
-from ..layers import TransformerLayer
-from ..lm import TransformerLM
+from ..models.lm import TransformerLM
+from ..nn.attention import MultiHeadAttention
+from ..nn.layers import TransformerLayer
 from .collab import CollaborativeHeads
 from .dcmha import DynamicComposition
 from .gated import GatedHeads

@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from ..attention_module import MultiHeadAttention
-from ..biases import Bias
-from ..functional import attention
-from ..masks import Mask
-from ._base import AttentionVariant, check_int, head_scale
+from ..core.biases import Bias
+from ..core.functional import attention
+from ..core.masks import Mask
+from ..nn.attention import MultiHeadAttention
+from .base import AttentionVariant, check_int, head_scale
 
 if TYPE_CHECKING:
-    from ..kv_cache import KVCache
+    from ..nn.kv_cache import KVCache
 
 __all__ = ["CollaborativeHeads", "cp_decompose"]
 

@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..biases import Bias
-from ..masks import Mask
-from ._base import AttentionVariant, check_int, head_scale
-from ._explicit import explicit_attention
+from ..core.biases import Bias
+from ..core.masks import Mask
+from .base import AttentionVariant, check_int, head_scale
+from .explicit import explicit_attention
 
 if TYPE_CHECKING:
-    from ..kv_cache import KVCache
+    from ..nn.kv_cache import KVCache
 
 __all__ = ["Composition", "DynamicComposition"]
 

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..attention_module import MultiHeadAttention
-from ..biases import Bias
-from ..masks import Mask
-from ._base import check_number, head_scale
+from ..core.biases import Bias
+from ..core.masks import Mask
+from ..nn.attention import MultiHeadAttention
+from .base import check_number, head_scale
 
 if TYPE_CHECKING:
-    from ..kv_cache import KVCache
+    from ..nn.kv_cache import KVCache
 
 __all__ = ["GAMMA", "ZETA", "GatedHeads", "hard_concrete", "l0_norm"]
 

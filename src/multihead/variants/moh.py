@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..biases import Bias
-from ..functional import attention
-from ..masks import EMPTY, Mask, MaskContext, as_mask
-from ._base import AttentionVariant, check_int, check_number, head_scale
-from ._remap import sub_bias, sub_mask
+from ..core.biases import Bias
+from ..core.functional import attention
+from ..core.masks import EMPTY, Mask, MaskContext, as_mask
+from .base import AttentionVariant, check_int, check_number, head_scale
+from .remap import sub_bias, sub_mask
 
 if TYPE_CHECKING:
-    from ..kv_cache import KVCache
+    from ..nn.kv_cache import KVCache
 
 __all__ = ["SKIP_MODES", "MixtureOfHeads", "Routing", "load_balance", "pack_rows"]
 

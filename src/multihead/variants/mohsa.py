@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..biases import Bias
-from ..functional import attention
-from ..masks import Mask
-from ._base import AttentionVariant, check_number, head_scale
+from ..core.biases import Bias
+from ..core.functional import attention
+from ..core.masks import Mask
+from .base import AttentionVariant, check_number, head_scale
 
 if TYPE_CHECKING:
-    from ..kv_cache import KVCache
+    from ..nn.kv_cache import KVCache
 
 __all__ = ["OverlappingHeads", "widen_heads"]
 

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from ..biases import Bias
-from ..masks import Mask
-from ._base import AttentionVariant, head_scale
-from ._explicit import explicit_attention
+from ..core.biases import Bias
+from ..core.masks import Mask
+from .base import AttentionVariant, head_scale
+from .explicit import explicit_attention
 
 if TYPE_CHECKING:
-    from ..kv_cache import KVCache
+    from ..nn.kv_cache import KVCache
 
 __all__ = ["TalkingHeads", "mix_heads"]
 

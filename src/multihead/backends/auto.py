@@ -1,0 +1,101 @@
+"""``auto``: which backend serves a call, and why each other one does not (:func:`explain`).
+
+Each backend's ``why_not(problem)`` says when it cannot or should not serve a call; ``auto`` takes the first
+of :data:`AUTO_ORDER` that has no objection. The problem keeps its tile grid (:meth:`Problem.grid`), so
+the checks and the chosen kernel classify the mask once.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..core.biases import Bias
+from ..core.masks import Mask
+from ..core.problem import Problem, make_problem
+from . import registry
+
+__all__ = ["AUTO_ORDER", "choose", "explain", "first_fit"]
+
+# The order `auto` tries the backends in; each backend's `why_not` says when it cannot or should not serve
+# a call (see backends/*.py), so the first that has no objection is the fastest correct path:
+#   decode  1-16 query rows against >= 128 keys: GQA folded into rows, memory-bound
+#   sdpa    no mask or plain causal, small masks/biases that empty few tiles
+#   tiled   masks that empty tiles, large biases, soft-capping, lse, half-precision training
+#   matrix  the attention weights
+# `reference` is the test oracle and is never chosen automatically; `flex` (where registered) neither.
+AUTO_ORDER = ("decode", "sdpa", "tiled", "matrix")
+
+
+def first_fit(p: Problem) -> str:
+    """auto's pick for ``p``: the first backend of ``AUTO_ORDER`` that fits (what :func:`choose` picks,
+    without asking the remaining backends why not - a decode step pays for every check it makes)."""
+    for name in AUTO_ORDER:
+        if registry.get(name).why_not(p) is None:
+            return name
+    return "matrix"  # pragma: no cover - as in choose
+
+
+def choose(p: Problem) -> tuple[str, dict[str, str]]:
+    """Pick a backend for ``p``; return it with the reason each other backend was not taken."""
+    rejected: dict[str, str] = {}
+    chosen = None
+    for name in AUTO_ORDER:
+        reason = registry.get(name).why_not(p)
+        if chosen is None and reason is None:
+            chosen = name
+        elif reason is not None:
+            rejected[name] = reason
+    for name in registry.names():
+        if name not in AUTO_ORDER and name != chosen:
+            rejected[name] = registry.get(name).why_not(p) or "not in auto's candidate list"
+    if chosen is None:  # pragma: no cover - `matrix` only refuses on size, `tiled` only on weights
+        chosen = "matrix"
+    for name in AUTO_ORDER:
+        if name != chosen and name not in rejected:
+            rejected[name] = f"fits, but '{chosen}' comes first in auto's order {list(AUTO_ORDER)}"
+    return chosen, rejected
+
+
+def explain(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    bias: Bias | Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    return_weights: bool = False,
+    return_lse: bool = False,
+) -> str:
+    """Say which backend ``attention(...)`` with the same arguments uses, and why the others were not.
+
+    Raises:
+        ValueError: the same as :func:`attention`.
+    """
+    p = make_problem(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        return_lse=return_lse,
+    )
+    lines = [f"problem: {p.describe()}"]
+    if backend == "auto":
+        name, rejected = choose(p)
+        lines.append(f"auto -> {name}: {registry.get(name).summary}")
+    else:
+        name = registry.get(backend).name
+        lines.append(f"backend={name!r} requested: {registry.get(name).summary}")
+        own = registry.get(name).why_not(p)
+        if own is not None and name != "reference":
+            lines.append(f"  warning: auto would not use {name} here: {own}")
+        rejected = {n: (registry.get(n).why_not(p) or "not requested") for n in registry.names() if n != name}
+    for other, why in rejected.items():
+        lines.append(f"  not {other}: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,318 @@
+"""``tiled``: the project's own block-sparse kernel - online softmax over tiles, O(N) extra memory.
+
+For each block of query rows we stream over blocks of keys, keeping the running row maximum ``m``,
+the running denominator ``l`` and the unnormalised output ``o`` (Milakov & Gimelshein 2018; Dao et al.
+FlashAttention 2022). Per key block j:
+
+    s_j     = mod(q k_j^T * scale), masked to -inf       (bias / soft-cap / mask, one tile at a time)
+    m'      = max(m, rowmax(s_j))
+    l       = l * exp(m - m') + rowsum(exp(s_j - m'))
+    o       = o * exp(m - m') + exp(s_j - m') v_j
+    out     = o / l,  lse = m + log(l)
+
+The tiles are classified once per call from the mask (:mod:`.tiled_plan`): EMPTY tiles are skipped,
+FULL tiles need no per-element mask. Two engines run the plan:
+
+* the fused engine (:mod:`.tiled_exec`, used whenever it can): runs of tiles become a few large calls of
+  torch's fused CPU flash kernel - a sliding window or a causal diagonal is one batched call over
+  strided views of K/V - merged exactly by their log-sum-exp. Parallel over batch x heads x blocks
+  inside the kernel; bf16 inputs accumulate in fp32.
+* the loop engine (this file): the online softmax above, one tile at a time in torch ops, for what the
+  fused kernel cannot do - dropout, soft-capping, gradients into a tensor bias, non-CPU devices.
+
+GQA: no repeated K/V in either engine (the G query heads of a kv head are folded into the rows, or the
+kernel groups them itself). The backward recomputes each tile from the saved log-sum-exp (FlashAttention-2):
+
+    P = exp(s - lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ += dS K, dK += dS^T Q
+
+with the same tile skipping. Extra memory is O(B * H * (Nq + Nk) * D) plus one piece's mask.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...core.biases import CustomBias, TensorBias, bias_parts
+from ...core.masks import EMPTY, FULL, index_grid
+from ...core.problem import AttentionOutput, Problem
+from ...core.tiles import Grid
+from . import fused as tiled_exec
+from .plan import Piece, pieces
+
+BLOCK_Q = 64
+BLOCK_K = 64
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class _Plan:
+    """Everything a tile of the loop engine needs besides q, k, v (shared by the forward and backward)."""
+
+    p: Problem
+    grid: Grid
+    seed: int
+
+    def tiles_q(self):
+        e = self.grid.q_edges
+        yield from enumerate(itertools.pairwise(e))
+
+    def tiles_k(self):
+        e = self.grid.k_edges
+        yield from enumerate(itertools.pairwise(e))
+
+    def tile_mask(self, i: int, j: int) -> Tensor | bool | None:
+        """None: tile full (no per-element mask); False: tile empty (skip); else bool (B|1, H|1, nq, nk)."""
+        kind = int(self.grid.kinds[i, j])
+        if self.p.mask is None or kind == FULL:
+            return None
+        if kind == EMPTY:
+            return False
+        (q0, q1), (k0, k1) = self.grid.q_edges[i : i + 2], self.grid.k_edges[j : j + 2]
+        return self.p.mask.block(self.p.ctx, (q0, q1), (k0, k1), self.p.q.device)
+
+    def keep(self, shape, tile_id: int, device) -> Tensor:
+        """Dropout keep-mask of one tile, reproducible in the backward from (seed, tile_id)."""
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed + tile_id)
+        return torch.rand(shape, generator=g, device=device) >= self.p.dropout_p
+
+
+def _modify(s4: Tensor, plan: _Plan, q0, q1, k0, k1, leaves: list[Tensor] | None) -> Tensor:
+    """Apply the bias chain to one tile of scores (B, Hq, nq, nk).
+
+    With ``leaves`` given, each grad-requiring tensor bias enters as a fresh leaf holding just this tile,
+    so the backward can take its gradient without touching the full (.., Nq, Nk) tensor.
+    """
+    ctx = plan.p.ctx
+    b, h, q, k = index_grid(ctx, (q0, q1), (k0, k1), s4.device)
+    for part in bias_parts(plan.p.bias):
+        if leaves is not None and isinstance(part, TensorBias) and part.t.requires_grad:
+            val = part.values(b, h, q, k, ctx).detach().to(s4.dtype).requires_grad_(True)
+            leaves.append(val)
+            s4 = s4 + val
+        else:
+            s4 = part.apply(s4, b, h, q, k, ctx)
+    return s4
+
+
+def _scores(plan: _Plan, qb: Tensor, kb: Tensor, q0, q1, k0, k1, allowed, leaves=None):
+    """Masked, modified scores of one tile: qb (B, Hkv, G*nq, D), kb (B, Hkv, nk, D)."""
+    p = plan.p
+    nq, nk = q1 - q0, k1 - k0
+    s = torch.matmul(qb, kb.transpose(-1, -2)) * p.scale  # (B, Hkv, G*nq, nk)
+    s4 = s.view(p.B, p.Hq, nq, nk)  # (B, Hq, nq, nk): heads (Hkv, G) are adjacent
+    if leaves is not None:
+        s4 = s4.detach().requires_grad_(True)
+    s_in = s4
+    if p.bias is not None:
+        s4 = _modify(s4, plan, q0, q1, k0, k1, leaves)
+    s_mod = s4
+    if allowed is not None:
+        s4 = s4.masked_fill(~allowed, float("-inf"))
+    return s_in, s_mod, s4.reshape(p.B, p.Hkv, p.G * nq, nk)  # (B, Hkv, G*nq, nk)
+
+
+def _q_block(p: Problem, t: Tensor, q0: int, q1: int, acc) -> Tensor:
+    """Rows q0:q1 of a (B, Hq, Nq, X) tensor, groups folded: (B, Hkv, G*nq, X)."""
+    x = t.shape[-1]
+    return t[:, :, q0:q1].to(acc).reshape(p.B, p.Hkv, p.G * (q1 - q0), x)  # (B, Hkv, G*nq, X)
+
+
+def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    p = plan.p
+    acc = _acc(p.dtype)
+    out = torch.empty(p.B, p.Hq, p.Nq, p.Dv, dtype=p.dtype, device=q.device)
+    lse = torch.empty(p.B, p.Hq, p.Nq, dtype=acc, device=q.device)
+    n_kb = len(plan.grid.k_edges) - 1
+    for qi, (q0, q1) in plan.tiles_q():
+        nq = q1 - q0
+        qb = _q_block(p, q, q0, q1, acc)  # (B, Hkv, G*nq, D)
+        m = torch.full((p.B, p.Hkv, p.G * nq, 1), float("-inf"), dtype=acc, device=q.device)
+        l = torch.zeros_like(m)
+        o = torch.zeros(p.B, p.Hkv, p.G * nq, p.Dv, dtype=acc, device=q.device)
+        for ki, (k0, k1) in plan.tiles_k():
+            allowed = plan.tile_mask(qi, ki)
+            if allowed is False:
+                continue
+            _, _, s = _scores(plan, qb, k[:, :, k0:k1].to(acc), q0, q1, k0, k1, allowed)
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # (B, Hkv, G*nq, 1)
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            pt = torch.exp(s - m_safe)  # (B, Hkv, G*nq, nk)
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + pt.sum(dim=-1, keepdim=True)
+            if p.dropout_p > 0.0:
+                pt = pt * plan.keep(pt.shape, qi * n_kb + ki, q.device) / (1.0 - p.dropout_p)
+            o = o * alpha + torch.matmul(pt, v[:, :, k0:k1].to(acc))  # (B, Hkv, G*nq, Dv)
+            m = m_new
+        has = l > 0
+        o = torch.where(has, o / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(o))
+        out[:, :, q0:q1] = o.view(p.B, p.Hq, nq, p.Dv).to(p.dtype)  # (B, Hq, nq, Dv)
+        lse[:, :, q0:q1] = (m + torch.log(l)).view(p.B, p.Hq, nq)  # -inf on empty rows
+    return out, lse
+
+
+def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
+    p = plan.p
+    acc = _acc(p.dtype)
+    dq = torch.zeros(p.B, p.Hq, p.Nq, p.D, dtype=acc, device=q.device)
+    dk = torch.zeros(p.B, p.Hkv, p.Nk, p.D, dtype=acc, device=q.device)
+    dv = torch.zeros(p.B, p.Hkv, p.Nk, p.Dv, dtype=acc, device=q.device)
+    tensor_biases = [part for part in bias_parts(p.bias) if isinstance(part, TensorBias)]
+    dbias = [
+        tb.t4(p.ctx).new_zeros(tb.t4(p.ctx).shape, dtype=acc) if tb.t.requires_grad else None
+        for tb in tensor_biases
+    ]
+    local_grad = p.bias is not None and (not p.bias.is_additive or any(d is not None for d in dbias))
+    delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # (B, Hq, Nq)
+    lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
+    n_kb = len(plan.grid.k_edges) - 1
+    for qi, (q0, q1) in plan.tiles_q():
+        nq = q1 - q0
+        qb = _q_block(p, q, q0, q1, acc)  # (B, Hkv, G*nq, D)
+        dob = _q_block(p, dout, q0, q1, acc)  # (B, Hkv, G*nq, Dv)
+        lse_b = lse_safe[:, :, q0:q1].reshape(p.B, p.Hkv, p.G * nq, 1)  # (B, Hkv, G*nq, 1)
+        delta_b = delta[:, :, q0:q1].reshape(p.B, p.Hkv, p.G * nq, 1)  # (B, Hkv, G*nq, 1)
+        dqb = torch.zeros_like(qb)
+        for ki, (k0, k1) in plan.tiles_k():
+            allowed = plan.tile_mask(qi, ki)
+            if allowed is False:
+                continue
+            kb, vb = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)
+            leaves: list[Tensor] | None = [] if local_grad else None
+            with torch.enable_grad() if local_grad else torch.no_grad():
+                s_in, s_mod, s = _scores(plan, qb, kb, q0, q1, k0, k1, allowed, leaves)
+            pt = torch.exp(s.detach() - lse_b)  # (B, Hkv, G*nq, nk)
+            if p.dropout_p > 0.0:
+                keep = plan.keep(pt.shape, qi * n_kb + ki, q.device) / (1.0 - p.dropout_p)
+                dv[:, :, k0:k1] += torch.matmul((pt * keep).transpose(-1, -2), dob)
+                dp = torch.matmul(dob, vb.transpose(-1, -2)) * keep  # (B, Hkv, G*nq, nk)
+            else:
+                dv[:, :, k0:k1] += torch.matmul(pt.transpose(-1, -2), dob)  # (B, Hkv, nk, Dv)
+                dp = torch.matmul(dob, vb.transpose(-1, -2))  # (B, Hkv, G*nq, nk)
+            ds = pt * (dp - delta_b)  # (B, Hkv, G*nq, nk)
+            if local_grad:
+                assert leaves is not None
+                grads = torch.autograd.grad(s_mod, [s_in, *leaves], ds.view(s_mod.shape), allow_unused=True)
+                ds = grads[0].reshape(ds.shape) if grads[0] is not None else torch.zeros_like(ds)
+                _accumulate_bias(dbias, grads[1:], q0, q1, k0, k1)
+            ds = ds * p.scale
+            dqb += torch.matmul(ds, kb)  # (B, Hkv, G*nq, D)
+            dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qb)  # (B, Hkv, nk, D)
+        dq[:, :, q0:q1] = dqb.view(p.B, p.Hq, nq, p.D)  # (B, Hq, nq, D)
+    dbias_out = [None if g is None else g.reshape(t.shape).to(t.dtype) for g, t in zip(dbias, bias_tensors)]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias_out
+
+
+def _accumulate_bias(dbias, grads, q0, q1, k0, k1) -> None:
+    it = iter(grads)
+    for d in dbias:
+        if d is None:
+            continue
+        g = next(it)
+        if g is None:
+            continue
+        qs = slice(q0, q1) if d.shape[2] > 1 else slice(0, 1)
+        ks = slice(k0, k1) if d.shape[3] > 1 else slice(0, 1)
+        d[:, :, qs, ks] += g.to(d.dtype)  # g has the tile's natural shape
+
+
+class _TiledAttention(torch.autograd.Function):
+    """The loop engine under autograd (tensor-bias gradients enter as extra inputs)."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, q, k, v, *bias_tensors):
+        out, lse = _forward(plan, q, k, v)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse, *bias_tensors)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *bias_tensors = ctx.saved_tensors
+        dq, dk, dv, dbias = _backward(ctx.plan, q, k, v, out, lse, dout, bias_tensors)
+        return (None, dq, dk, dv, *dbias)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The fused piece engine under autograd; the problem's q, k, v are the differentiable inputs."""
+
+    @staticmethod
+    def forward(ctx, p: Problem, plan: list[Piece], q, k, v):
+        out, lse = tiled_exec.forward(p, plan)
+        ctx.p, ctx.plan = p, plan
+        ctx.save_for_backward(out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv = tiled_exec.backward(ctx.p, ctx.plan, out, lse, dout)
+        return None, None, dq, dk, dv
+
+
+def run_fused(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
+    """Run a fused plan, under autograd when ``p`` needs gradients."""
+    if p.needs_grad:
+        return _FusedAttention.apply(p, plan, p.q, p.k, p.v)
+    with torch.no_grad():
+        return tiled_exec.forward(p, plan)
+
+
+class TiledBackend:
+    name = "tiled"
+    summary = (
+        "own block-sparse kernel: tiles classified from the mask, empty ones skipped, the rest as a few "
+        "fused calls merged by log-sum-exp; O(N) memory, native GQA, any mask or bias"
+    )
+
+    def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+        self.block_q, self.block_k = block_q, block_k
+
+    def why_not(self, p: Problem) -> str | None:
+        if p.return_weights:
+            return "the tiled kernel never materialises the weights"
+        if torch.is_grad_enabled() and any(isinstance(b, CustomBias) for b in bias_parts(p.bias)):
+            return (
+                "gradients into tensors a custom_bias fn captures cannot be routed through the tiled "
+                "backward (only tensor biases are); run under torch.no_grad() or pass the tensor as bias="
+            )
+        return None
+
+    def grid(self, p: Problem) -> Grid:
+        """The tile grid of ``p`` with this backend's block sizes."""
+        return p.grid(self.block_q, self.block_k)
+
+    def plan(self, p: Problem) -> list[Piece]:
+        """The fused engine's pieces for ``p`` (what :meth:`run` executes when the engine applies)."""
+        return pieces(self.grid(p), p.mask, p.bias, p.ctx, p.Hq)
+
+    def run(self, p: Problem) -> AttentionOutput:
+        if p.return_weights:
+            raise ValueError("backend 'tiled' cannot return the attention weights; use backend='matrix'")
+        if p.Nq == 0:
+            out = p.q.new_zeros(p.B, p.Hq, 0, p.Dv)
+            return AttentionOutput(out, None, p.q.new_zeros(p.B, p.Hq, 0, dtype=_acc(p.dtype)))
+        if tiled_exec.why_not_fused(p) is None:
+            out, lse = run_fused(p, self.plan(p))
+            return AttentionOutput(out, None, lse if p.return_lse else None)
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if p.dropout_p > 0 else 0
+        plan = _Plan(p, self.grid(p), seed)
+        bias_tensors = [part.t for part in bias_parts(p.bias) if isinstance(part, TensorBias)]
+        if p.needs_grad:
+            out, lse = _TiledAttention.apply(plan, p.q, p.k, p.v, *bias_tensors)
+        else:
+            with torch.no_grad():
+                out, lse = _forward(plan, p.q, p.k, p.v)
+        return AttentionOutput(out, None, lse if p.return_lse else None)
+
+
+BACKEND = TiledBackend()

@@ -1,0 +1,173 @@
+"""What each approximation costs: quality (MiniLM fidelity, MQAR recall) against time and peak memory.
+
+Used by ``multihead approx``, the study section :func:`section` and ``benchmarks/bench_approx.py``.
+
+- fidelity: the bundled all-MiniLM-L6-v2 with every attention approximated, against the exact model, on
+  real text (standard-library docstrings): mean and worst cosine of the sentence embeddings;
+- recall: held-out MQAR accuracy after training the same small model with the approximation
+  (:func:`multihead.train.train_mqar`);
+- cost: seconds and extra peak memory (growth of the process's peak resident set over the inputs) of one
+  attention call, B=1, H=8, D=64, fp32, no mask, against exact attention on the ``tiled`` kernel.
+
+Shape legend: N sequence length, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..approx.apply import apply
+from ..approx.base import Approximation
+from ..approx.linear import LinearAttention, Performer
+from ..approx.low_rank import Linformer, LowRank, Nystrom
+from ..approx.sparse import SparseMask, Threshold, TopK, local, local_global
+from ..core.functional import attention
+
+__all__ = ["METHODS", "Method", "cost", "fidelity", "make", "pareto_png", "peak_rss_tracker"]
+
+HEADS, HEAD_DIM = 8, 64
+#: LowRank forms the dense N x N weights (and an SVD of them): measured only up to this length
+DENSE_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the comparison: a name and a factory ``build(max_len) -> approximation or None``."""
+
+    name: str
+    build: Callable[[int], Approximation | None]
+    max_n: int | None = None  # longest N the cost benchmark runs (None: any)
+
+
+METHODS: list[Method] = [
+    Method("exact (tiled)", lambda n: None),
+    Method("TopK(32)", lambda n: TopK(32)),
+    Method("Threshold(0.01)", lambda n: Threshold(0.01)),
+    Method("local(64)", lambda n: SparseMask(local(64))),
+    Method("local_global(64, 16)", lambda n: SparseMask(local_global(64, 16))),
+    Method("Linformer(64)", lambda n: Linformer(64, n, learned=True)),  # random at init; trains with MQAR
+    Method("Nystrom(64)", lambda n: Nystrom(64)),
+    Method("LowRank(16)", lambda n: LowRank(16, "random", clamp=True), DENSE_LIMIT),
+    Method("LinearAttention(elu)", lambda n: LinearAttention()),
+    Method("Performer(128)", lambda n: Performer(128)),
+]
+
+
+def make(name: str, max_len: int) -> Approximation | None:
+    """The approximation of the method called ``name`` (None for exact).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    for m in METHODS:
+        if m.name == name or m.name.split("(")[0] == name:
+            return m.build(max_len)
+    raise ValueError(f"unknown approximation {name!r}; choose one of {[m.name for m in METHODS]}")
+
+
+# -- peak memory --------------------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status (Linux only)")
+
+
+def peak_rss_tracker() -> Callable[[], int] | None:
+    """Reset the process's peak resident set (Linux ``clear_refs``) and return ``extra()`` -> bytes the
+    peak grew above the current resident set since the reset; None where the platform cannot."""
+    try:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        base = _status_kib("VmRSS")
+    except OSError:
+        return None
+    return lambda: max(0, _status_kib("VmHWM") - base) * 1024
+
+
+# -- cost ---------------------------------------------------------------------------------------------
+def cost(approx: Approximation | None, n: int, *, seed: int = 0) -> dict[str, Any]:
+    """Seconds and extra peak bytes of one attention call (1, 8, n, 64) fp32 under no_grad.
+
+    Exact attention runs on the ``tiled`` backend (O(N) memory). The peak is None off Linux.
+    """
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, generator=g) for _ in range(3))  # (1, H, N, D)
+    with torch.no_grad():
+        extra = peak_rss_tracker()
+        start = time.perf_counter()
+        out = attention(q, k, v, backend="tiled") if approx is None else approx(q, k, v)
+        seconds = time.perf_counter() - start
+        peak = None if extra is None else extra()
+    assert isinstance(out, Tensor)
+    return {"n": n, "seconds": seconds, "peak_bytes": peak, "finite": bool(torch.isfinite(out).all())}
+
+
+# -- fidelity -----------------------------------------------------------------------------------------
+def fidelity(
+    encoder: Any, approx: Approximation, texts: list[str], exact: Tensor, batch_size: int = 32
+) -> dict:
+    """Mean and worst cosine of the approximated encoder's embeddings against ``exact`` (n, d) unit rows.
+
+    Both run padded batches (key padding masks; the packed form's document mask is not an approximation's
+    to honour).
+    """
+    approx_encoder: Any = apply(encoder, approx)
+    emb = approx_encoder.encode(texts, batch_size=batch_size, packed=False)
+    cos = (emb * exact).sum(-1)  # (n,): both are L2-normalised
+    return {"mean_cos": float(cos.mean()), "worst_cos": float(cos.min())}
+
+
+# -- the Pareto plot ----------------------------------------------------------------------------------
+def mqar_layout_bound(row: dict) -> bool:
+    """True for a row whose MQAR score may rest on the pairs' fixed positions, not on recall: a Linformer
+    (learned (k, max_len) projections are tied to absolute positions; ``benchmarks/mqar_shift.py``)."""
+    return row["name"].startswith("Linformer") and row.get("mqar_acc") is not None
+
+
+def pareto_png(rows: list[dict], path: str | Path, n: int) -> str | None:
+    """Plot quality (MiniLM mean cosine; MQAR accuracy) against time at length ``n``, one point per
+    method, and write a PNG; returns the path, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = [("mean_cos", "MiniLM embedding cosine vs exact (mean)"), ("mqar_acc", "MQAR accuracy")]
+    panels = [p for p in panels if any(r.get(p[0]) is not None for r in rows)]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for r in rows:
+            t = r.get("cost", {}).get(n, {}).get("seconds")
+            if t is None or r.get(key) is None:
+                continue
+            layout = key == "mqar_acc" and mqar_layout_bound(r)
+            color = "black" if r["name"].startswith("exact") else "tab:gray" if layout else "tab:blue"
+            ax.scatter(t, r[key], s=40, color=color, marker="x" if layout else "o")
+            name = r["name"] + (" (keeps the fixed pair positions)" if layout else "")
+            ax.annotate(name, (t, r[key]), fontsize=8, xytext=(4, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"seconds per attention call, N={n} (B=1, H={HEADS}, D={HEAD_DIM}, fp32)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{label}: up and to the left is better", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

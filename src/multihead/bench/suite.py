@@ -1,0 +1,376 @@
+"""``multihead bench``: a fixed attention speed suite, every method against its peers in the same run.
+
+Each case is one problem (shape, dtype, mask, bias, forward or forward+backward); each method runs it:
+ours (``auto`` and the backend auto should pick) and the peers - SDPA with the equivalent dense mask or
+bias (built before timing), SDPA called per 256-row query block over the keys it needs, compiled
+FlexAttention (``--flex``; it compiles once per shape), and the eager matmul-softmax-matmul path of
+Hugging Face's ``eager_attention_forward`` (only where its N x N scores fit in memory).
+
+Repeats are interleaved (method A, B, C, A, B, C, ...) and the median is reported, so a machine shared
+with other work slows every method alike; the goals of the kernels issue are ratios for that reason.
+Useful FLOPs follow FlashAttention's convention: 4 * B * Hq * D per allowed (query, key) pair forward,
+3.5x that forward+backward. The machine's matmul rate (a square matmul in the case's dtype) and memory
+bandwidth (a sum over 512 MiB) are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..cost import machine
+from . import methods as bm
+from .methods import Case
+
+__all__ = ["GOALS", "Case", "Result", "cases", "check_goals", "run"]
+
+
+@dataclass
+class Result:
+    case: str
+    family: str
+    n: int
+    method: str
+    ms: float | None
+    gflops: float | None = None
+    matmul_frac: float | None = None
+    peak_mib: float | None = None
+    gbps: float | None = None
+    bw_frac: float | None = None
+    vs: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+
+def cases(kind: str = "quick") -> list[Case]:
+    """The fixed suite: ``"full"`` (the issue's sizes), ``"quick"`` (1-2 minutes) or ``"tiny"`` (smoke)."""
+    if kind not in ("full", "quick", "tiny"):
+        raise ValueError(f"suite kind must be 'full', 'quick' or 'tiny', got {kind!r}")
+    full, tiny = kind == "full", kind == "tiny"
+    ns = [1024, 2048, 4096, 8192, 16384] if full else [128] if tiny else [1024, 2048, 4096]
+    big = 16384 if full else 256 if tiny else 4096
+    out = [Case("dense", "dense", n, mask="none") for n in ns]
+    out += [Case("causal", "causal", n, mask="causal") for n in ns]
+    out += [Case("window 512", "window", n, mask="window:512") for n in ([16384, 32768] if full else [big])]
+    out += [Case("8 causal documents", "documents", big, mask="docs:8")]
+    out += [Case("causal + ALiBi", "alibi", 8192 if full else big // 2, mask="causal", bias="alibi")]
+    out += [Case("prefix-LM 1/4", "prefix", 8192 if full else big, mask="prefix:4")]
+    dec = [4096, 8192, 16384, 32768] if full else [512] if tiny else [4096, 16384]
+    out += [Case("GQA decode", "decode", n, mask="causal", nq=1, hq=32, hkv=8, d=128) for n in dec]
+    fb = 4096 if full else 256 if tiny else 1024
+    out += [Case("fwd+bwd causal", "train-causal", fb, mask="causal", grad=True)]
+    out += [Case("fwd+bwd window 256", "train-window", fb, mask="window:256", grad=True)]
+    if full:
+        out += [Case("memory: causal", "memory", 32768, mask="causal", methods=("auto", "tiled"))]
+        out += [Case("memory: window 512", "memory", 32768, mask="window:512", methods=("auto", "tiled"))]
+    if tiny:
+        out = [c for i, c in enumerate(out) if c.family not in ("dense",) or i == 0]
+    return out
+
+
+# (case family, N, ours, peer, at most this ratio) - or peer "matmul"/"bandwidth": at least this fraction.
+GOALS = [
+    ("dense", 4096, "auto", "sdpa", 1.05),
+    ("causal", 4096, "auto", "sdpa", 1.05),
+    ("window", 16384, "auto", "sdpa", 0.2),
+    ("window", 16384, "auto", "sdpa/block", 0.8),
+    ("window", 16384, "auto", "matmul", 0.6),
+    ("documents", 16384, "auto", "sdpa", 0.25),
+    ("decode", 16384, "auto", "sdpa", 0.5),
+    ("decode", 16384, "auto", "bandwidth", 0.5),
+    ("train-causal", 4096, "auto", "sdpa", 1.2),
+    ("train-window", 4096, "auto", "sdpa", 0.3),
+]
+
+
+FAST_CALL, FAST_REPEATS = 0.05, 15
+
+
+def selected(case: Case, only: str | None) -> bool:
+    """Whether ``--only`` picks ``case``: a comma-separated part equal to its family ("causal" is the
+    plain causal family only), or a part that names no family and is in its name ("ALiBi")."""
+    if only is None:
+        return True
+    families = {c.family for c in cases("full")}
+    parts = [s.strip() for s in only.split(",") if s.strip()]
+    return any(s == case.family or (s not in families and s in case.name) for s in parts)
+
+
+def _warm(fn: Callable[[], object], budget: float = 0.2, calls: int = 20) -> None:
+    """Call ``fn`` until ``budget`` seconds or ``calls`` calls have passed (fast methods only)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+        if time.perf_counter() - t0 > budget:
+            return
+
+
+def _time(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_case(case: Case, repeats: int, rates: dict[str, float], flex: bool) -> list[Result]:
+    """Time every method of ``case`` (interleaved repeats, median) and derive the ratios."""
+    torch.manual_seed(0)
+    inputs = bm.make_inputs(case)
+    flops = bm.useful_flops(case, inputs)
+    methods, skipped, chosen = bm.methods(case, inputs, flex=flex)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    peaks: dict[str, float] = {}
+    for name, fn in methods.items():  # warm-up, and the peak memory of one call
+        peaks[name] = bm.peak_extra_bytes(fn) / 2**20
+    for fn in methods.values():  # the threads and caches settle: whoever runs first is not penalised
+        _warm(fn)
+    for name, fn in methods.items():
+        times[name].append(_time(fn))
+    slow = {name for name in methods if times[name][0] > 5.0}  # one timed run is enough for those
+    # calls under FAST_CALL seconds (decode steps) are noisy: at least FAST_REPEATS interleaved rounds
+    fast = all(times[name][0] < FAST_CALL for name in methods if name not in slow and name != "eager")
+    for _ in range((max(repeats, FAST_REPEATS) if fast else repeats) - 1):
+        for name, fn in methods.items():
+            if name not in slow:
+                times[name].append(_time(fn))
+    rows = []
+    for name in methods:
+        sec = statistics.median(times[name])
+        gf = flops / sec / 1e9
+        r = Result(case.name, case.family, case.n, name, sec * 1e3, gf, gf / rates[str(case.dtype)])
+        r.peak_mib = peaks[name]
+        if case.family == "decode":
+            r.gbps = bm.kv_bytes(inputs) / sec / 1e9
+        r.note = f"auto -> {chosen}" if name == "auto" else ""
+        rows.append(r)
+    for r in rows:
+        r.vs = {o.method: r.ms / o.ms for o in rows if o.method != r.method and o.ms and r.ms}
+    rows += [Result(case.name, case.family, case.n, name, None, note=why) for name, why in skipped.items()]
+    return rows
+
+
+def run(kind: str = "quick", *, repeats: int = 3, flex: bool = False, only: str | None = None,
+        progress: Callable[[str], None] | None = None, suite: list[Case] | None = None) -> dict:  # fmt: skip
+    """Run the suite; returns ``{"machine": ..., "results": [...], "goals": [...]}`` (JSON-ready).
+
+    ``suite`` replaces :func:`cases` (``kind`` is then only a label), e.g. the study's short selection.
+
+    Raises:
+        ValueError: on an unknown suite kind, ``repeats < 1`` or an ``only`` filter that matches nothing.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    todo = [c for c in (cases(kind) if suite is None else suite) if selected(c, only)]
+    if not todo:
+        raise ValueError(f"no case matches {only!r}; cases are: {sorted({c.name for c in cases(kind)})}")
+    rates = machine.machine_rates({str(c.dtype) for c in todo})
+    results: list[Result] = []
+    for c in todo:
+        if progress is not None:
+            progress(f"{c.name} N={c.n}")
+        results += run_case(c, repeats, rates, flex)
+        bm.add_bandwidth_ratio(results, rates["bandwidth"])
+    rows = [asdict(r) for r in results]
+    doc = {"machine": machine.machine(rates), "kind": kind, "results": rows, "goals": check_goals(rows)}
+    return doc
+
+
+def check_goals(results: list[dict]) -> list[dict]:
+    """Each goal of :data:`GOALS` whose case ran: the measured ratio and whether it is met."""
+    out = []
+    for family, n, ours, peer, bound in GOALS:
+        row = next(
+            (r for r in results if r["family"] == family and r["n"] == n and r["method"] == ours), None
+        )
+        if row is None or row["ms"] is None:
+            continue
+        if peer == "matmul":
+            value, met = row["matmul_frac"], row["matmul_frac"] >= bound
+        elif peer == "bandwidth":
+            value = row.get("bw_frac")
+            met = value is not None and value >= bound
+        else:
+            value = row["vs"].get(peer)
+            met = value is not None and value <= bound
+        goal = f"{ours} {'>=' if peer in ('matmul', 'bandwidth') else '<='} {bound}x {peer}"
+        out.append({"case": row["case"], "n": n, "goal": goal, "value": value, "met": bool(met)})
+    return out
+
+
+def to_json(doc: dict) -> str:
+    return json.dumps(doc, indent=1)
+
+
+# -- the command line: `multihead bench` ---------------------------------------------------------------
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(doc: dict):
+    """The results as a rich Table: one row per (case, N, method)."""
+    from rich.table import Table
+
+    m = doc["machine"]
+    t = Table(
+        title=f"multihead bench ({doc['kind']}): {m['cpu']}, {m['threads']} threads, torch {m['torch']}; "
+        f"matmul {m['matmul_gflops']} GFLOP/s, bandwidth {m['bandwidth_gbps']} GB/s"
+    )
+    for col in (
+        "case",
+        "N",
+        "method",
+        "ms",
+        "GFLOP/s",
+        "% matmul",
+        "GB/s",
+        "peak MiB",
+        "vs peers (time ratio)",
+    ):
+        t.add_column(col, justify="left" if col in ("case", "method", "vs peers (time ratio)") else "right")
+    for r in doc["results"]:
+        if r["ms"] is None:
+            t.add_row(r["case"], str(r["n"]), r["method"], "skipped", "", "", "", "", r["note"])
+            continue
+        vs = (
+            ", ".join(f"{k} {v:.2f}x" for k, v in r["vs"].items())
+            if r["method"] in ("auto", "tiled", "decode")
+            else ""
+        )
+        note = f" ({r['note']})" if r["note"] else ""
+        t.add_row(
+            r["case"], str(r["n"]), r["method"] + note, _fmt(r["ms"], ".1f"), _fmt(r["gflops"], ".1f"),
+            _fmt(100 * r["matmul_frac"], ".0f"), _fmt(r["gbps"], ".2f"), _fmt(r["peak_mib"], ".0f"), vs,
+        )  # fmt: skip
+    return t
+
+
+def goals_table(doc: dict):
+    from rich.table import Table
+
+    t = Table(title="goals of the kernels issue (ratios measured in this run)")
+    for col in ("case", "N", "goal", "measured", "met"):
+        t.add_column(col)
+    for g in doc["goals"]:
+        t.add_row(g["case"], str(g["n"]), g["goal"], _fmt(g["value"], ".3f"), "yes" if g["met"] else "NO")
+    return t
+
+
+def plot(doc: dict, path: str) -> None:
+    """Time vs N per method, one panel per case family that has several N, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(doc, plt)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def plot_figure(doc: dict, plt: Any) -> Any:
+    """The matplotlib figure of :func:`plot`."""
+    res = [r for r in doc["results"] if r["ms"] is not None]
+    fams = [
+        f
+        for f in dict.fromkeys(r["family"] for r in res)
+        if len({r["n"] for r in res if r["family"] == f}) > 1
+    ]
+    fams = fams or list(dict.fromkeys(r["family"] for r in res))[:1]
+    fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4), squeeze=False)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {m: palette[i % len(palette)] for i, m in enumerate(dict.fromkeys(r["method"] for r in res))}
+    for ax, fam in zip(axes[0], fams):
+        rows = [r for r in res if r["family"] == fam]
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["n"], r["ms"]) for r in rows if r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method, color=colour[method])
+        ax.set(xscale="log", yscale="log", xlabel="N", ylabel="ms", title=fam)
+        ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def add_parser(sub) -> None:
+    """Register ``multihead bench`` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "bench",
+        help="attention speed suite: ours against SDPA, SDPA per block, eager (and flex), as ratios",
+        description=__doc__,
+        formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--full",
+        dest="kind",
+        action="store_const",
+        const="full",
+        help="the whole fixed suite (tens of minutes)",
+    )
+    size.add_argument(
+        "--tiny", dest="kind", action="store_const", const="tiny", help="a seconds-long smoke run"
+    )
+    p.set_defaults(kind="quick", func=_cmd_bench)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per method, interleaved (default 3)")
+    p.add_argument(
+        "--only", metavar="NAME", default=None,
+        help="run only this case family or the cases whose name contains NAME (NAME,NAME,... for several)",
+    )  # fmt: skip
+    p.add_argument("--flex", action="store_true", help="also compiled FlexAttention (compiles per shape)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    p.add_argument("--plot", metavar="PATH", default=None, help="save time vs N per method as a PNG")
+    p.add_argument(
+        "--distributed",
+        metavar="N",
+        type=int,
+        default=None,
+        help="instead: ring attention on 1, 2, 4, ... N local gloo processes (per-rank memory, time, bytes)",
+    )
+    p.add_argument("--seq", type=int, default=8192, help="with --distributed: global sequence length")
+
+
+def _cmd_bench(args) -> int:
+    """Run the suite with a progress bar; print the tables (or JSON); save the plot."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(highlight=False, stderr=args.json)
+    if not console.is_terminal:
+        console.width = 180
+    if args.distributed is not None:
+        return _cmd_distributed(args, console)
+    n = len([c for c in cases(args.kind) if selected(c, args.only)])
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("bench", total=n)
+
+        def step(what: str) -> None:
+            bar.update(task, advance=0 if bar.tasks[0].description == "bench" else 1, description=what)
+
+        doc = run(args.kind, repeats=args.repeats, flex=args.flex, only=args.only, progress=step)
+    if args.plot:
+        plot(doc, args.plot)
+    if args.json:
+        print(to_json(doc))
+        return 0
+    console.print(table(doc))
+    console.print(goals_table(doc))
+    if args.plot:
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_distributed(args, console) -> int:
+    """``multihead bench --distributed N``: ring attention scaling over local gloo process groups."""
+    from .distributed import render_distributed_bench, run_distributed_bench, world_sizes_up_to
+
+    sizes = world_sizes_up_to(args.distributed)
+    with console.status("ring attention on local gloo processes") as status:
+        doc = run_distributed_bench(sizes, args.seq, progress=lambda what: status.update(what))
+    if args.json:
+        print(to_json(doc))
+        return 0
+    console.print(render_distributed_bench(doc))
+    return 0

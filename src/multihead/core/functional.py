@@ -1,0 +1,106 @@
+"""The functional core: ``attention`` (one entry, many backends) and ``explain`` (why auto chose).
+
+Layout (PyTorch SDPA order): q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) -> (B, Hq, Nq, Dv).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ..backends import registry
+from ..backends.auto import explain, first_fit
+from .biases import Bias
+from .masks import Mask
+from .problem import AttentionOutput, make_problem
+
+__all__ = ["AttentionOutput", "attention", "backends", "explain"]
+
+
+def backends() -> list[str]:
+    """Names of the registered backends (``"auto"`` is a policy, not a backend)."""
+    return registry.names()
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    bias: Bias | Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    return_weights: bool = False,
+    return_lse: bool = False,
+    approx: Any = None,
+) -> Tensor | AttentionOutput:
+    """Multi-head scaled dot-product attention, ``softmax(mask(q k^T * scale + bias)) v`` (eq. 9.32).
+
+    Args:
+        q: (B, Hq, Nq, D) queries.
+        k: (B, Hkv, Nk, D) keys; ``Hq % Hkv == 0`` and query head i reads kv head ``i // (Hq // Hkv)``.
+        v: (B, Hkv, Nk, Dv) values.
+        mask: a :class:`Mask` (``mh.causal()``, ...) or a bool tensor broadcastable to (B, Hq, Nq, Nk);
+            True = may attend. Causal alignment is bottom-right.
+        bias: a :class:`Bias` (``mh.alibi(Hq)``, ``mh.softcap(c)``, ...) or a float tensor broadcastable
+            to (B, Hq, Nq, Nk), added to the scaled scores.
+        scale: score scale, default ``1/sqrt(D)``.
+        dropout_p: dropout on the attention weights, in [0, 1). Applied whenever it is > 0 (the modules
+            pass 0 in eval mode).
+        backend: ``"auto"`` or one of :func:`backends`.
+        return_weights: also return the (B, Hq, Nq, Nk) weights (``matrix`` / ``reference`` only).
+        return_lse: also return the (B, Hq, Nq) log-sum-exp of the scores (fp32; float64 for float64).
+        approx: an approximation from :mod:`multihead.approx` (``TopK(k)``, ``Nystrom(m)``, ...) computed
+            instead of exact attention; None (the default) is exact. It returns the output only, so it
+            goes with ``backend="auto"`` and neither ``return_weights`` nor ``return_lse``.
+
+    Returns:
+        out (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, weights, lse)`` when
+        ``return_weights`` or ``return_lse`` is set. A row with no allowed key gives zeros (lse = -inf).
+
+    Raises:
+        ValueError: bad shapes, dtypes, head counts, masks/biases that do not broadcast, an unknown
+            backend, a backend that cannot serve the request, ``dropout_p`` outside [0, 1), an
+            ``approx`` that is not an approximation or is combined with a backend or returned extras,
+            and what the approximation raises for masks or biases it cannot apply.
+    """
+    if approx is not None:
+        return _approximate(
+            q, k, v, mask, bias, scale, dropout_p, backend, return_weights, return_lse, approx
+        )
+    p = make_problem(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        return_lse=return_lse,
+    )
+    name = first_fit(p) if backend == "auto" else registry.get(backend).name
+    res = registry.get(name).run(p)
+    if return_weights or return_lse:
+        return res
+    return res.out
+
+
+def _approximate(
+    q, k, v, mask, bias, scale, dropout_p, backend, return_weights, return_lse, approx
+) -> Tensor:
+    """``attention(..., approx=a)``: check the combination, then ``a(q, k, v, ...)``."""
+    from ..approx.base import check_approx
+
+    check_approx(approx)
+    extras = [n for n, on in (("return_weights", return_weights), ("return_lse", return_lse)) if on]
+    if backend != "auto" or extras:
+        asked = ([f"backend={backend!r}"] if backend != "auto" else []) + [f"{n}=True" for n in extras]
+        raise ValueError(
+            f"approx={approx!r} computes its own attention and returns only the output, but this call also "
+            f"asks for {', '.join(asked)}; drop those or drop approx"
+        )
+    return approx(q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p)

@@ -1,0 +1,577 @@
+"""Attention masks as small composable predicates (True = may attend), materialised late.
+
+A mask is a predicate ``allowed(b, h, q_idx, kv_idx)`` over index tensors, the idea of PyTorch's
+flex_attention ``mask_mod``. It is evaluated only when a backend needs it: densely for the matrix and
+SDPA paths, one tile at a time for the tiled kernel (which also skips tiles the mask empties).
+
+Shape legend: B batch, H query heads, Nq queries, Nk keys.
+
+Causal alignment is **bottom-right**: with ``Nq != Nk`` query row ``i`` sits at absolute position
+``i + (Nk - Nq)``, so the last query row sees every key. Prefill, chunked prefill and one-token decode
+against a KV cache all use the same ``causal()``::
+
+    Nq = 2, Nk = 5 (decode of 2 tokens after 3 cached)      Nq = 5, Nk = 5
+        k: 0 1 2 3 4                                          # . . . .
+    q0     # # # # .                                          # # . . .
+    q1     # # # # #                                          # # # . .
+                                                              # # # # .
+                                                              # # # # #
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "Mask",
+    "MaskContext",
+    "as_mask",
+    "causal",
+    "custom",
+    "document",
+    "key_padding",
+    "padding",
+    "prefix_lm",
+    "sliding_window",
+]
+
+
+@dataclass(frozen=True)
+class MaskContext:
+    """The full problem size a predicate is evaluated against (needed for bottom-right alignment)."""
+
+    B: int
+    H: int
+    Nq: int
+    Nk: int
+
+    @property
+    def offset(self) -> int:
+        """Absolute position of query row 0: ``Nk - Nq`` (bottom-right alignment)."""
+        return self.Nk - self.Nq
+
+
+def index_grid(
+    ctx: MaskContext,
+    q_range: tuple[int, int] | None = None,
+    k_range: tuple[int, int] | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Broadcastable index tensors b (B,1,1,1), h (1,H,1,1), q (1,1,nq,1), k (1,1,1,nk)."""
+    q0, q1 = q_range if q_range is not None else (0, ctx.Nq)
+    k0, k1 = k_range if k_range is not None else (0, ctx.Nk)
+    b = torch.arange(ctx.B, device=device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    h = torch.arange(ctx.H, device=device).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    q = torch.arange(q0, q1, device=device).view(1, 1, -1, 1)  # (1, 1, nq, 1)
+    k = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)  # (1, 1, 1, nk)
+    return b, h, q, k
+
+
+# Block kinds returned by :meth:`Mask.block_kinds` (int8 codes).
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def kinds_from(full: Tensor, empty: Tensor) -> Tensor:
+    """Encode two broadcastable bool tensors as block kinds (full wins; neither means partial)."""
+    full, empty = torch.broadcast_tensors(full, empty)
+    out = torch.full(full.shape, PARTIAL, dtype=torch.int8)
+    return out.masked_fill_(empty, EMPTY).masked_fill_(full, FULL)
+
+
+class Mask:
+    """Base class: a predicate over ``(b, h, q_idx, kv_idx)``; True = may attend.
+
+    Subclasses implement :meth:`evaluate`, which receives broadcastable index tensors (see
+    :func:`index_grid`) and returns a bool tensor broadcastable to ``(b, h, q, k)``. Combine masks with
+    ``a & b``, ``a | b`` and ``~a``.
+    """
+
+    #: True only for the plain causal mask (lets SDPA use its own causal kernel when Nq == Nk).
+    is_causal: bool = False
+    #: True when ``allowed`` depends only on ``q + offset - k`` (causal, sliding window and their
+    #: combinations): every tile on one diagonal is the same, so a kernel evaluates it once.
+    shift_invariant: bool = False
+
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, ctx: MaskContext) -> Tensor:
+        raise NotImplementedError
+
+    def validate(self, ctx: MaskContext) -> None:
+        """Raise ValueError when the mask cannot apply to a problem of this size."""
+
+    def block_kinds(self, ctx: MaskContext, ql: Tensor, qh: Tensor, kl: Tensor, kh: Tensor) -> Tensor | None:
+        """Classify tiles analytically, without evaluating the mask element by element.
+
+        Tile ``(i, j)`` covers query rows ``ql[i]:qh[i]`` and keys ``kl[j]:kh[j]``; ``ql, qh`` have shape
+        (nqb, 1) and ``kl, kh`` shape (1, nkb) (int64, non-empty tiles). Returns an int8 (nqb, nkb) tensor
+        of :data:`EMPTY` (no (b, h, q, k) may attend: the tile is skipped), :data:`FULL` (every one may:
+        no per-element mask) or :data:`PARTIAL` - or None when this mask has no analytic form (the
+        kernel then evaluates it). ``PARTIAL`` is always a correct answer.
+        """
+        return None
+
+    def block(
+        self, ctx: MaskContext, q_range: tuple[int, int], k_range: tuple[int, int], device=None
+    ) -> Tensor:
+        """The mask over one tile, broadcastable to ``(B, H, q1 - q0, k1 - k0)``."""
+        b, h, q, k = index_grid(ctx, q_range, k_range, device)
+        return torch.as_tensor(self.evaluate(b, h, q, k, ctx), dtype=torch.bool, device=device)
+
+    def natural(self, ctx: MaskContext, device=None) -> Tensor:
+        """The whole mask at its natural (un-expanded) broadcast shape, e.g. ``(1, 1, Nq, Nk)``."""
+        return self.block(ctx, (0, ctx.Nq), (0, ctx.Nk), device)
+
+    def dense(self, B: int, H: int, Nq: int, Nk: int, device=None) -> Tensor:
+        """Materialise the mask as a bool tensor of shape ``(B, H, Nq, Nk)``."""
+        ctx = MaskContext(B, H, Nq, Nk)
+        self.validate(ctx)
+        return self.natural(ctx, device).expand(B, H, Nq, Nk)
+
+    # -- composition ---------------------------------------------------------------------------
+    def __and__(self, other: Mask) -> Mask:
+        return AndMask(self, as_mask(other))
+
+    def __or__(self, other: Mask) -> Mask:
+        return OrMask(self, as_mask(other))
+
+    def __invert__(self) -> Mask:
+        return NotMask(self)
+
+    # -- printing ------------------------------------------------------------------------------
+    def default_size(self) -> tuple[int, int, int, int] | None:
+        """(B, H, Nq, Nk) used when printing; None when any size fits (drawn at 8 x 8).
+
+        Masks that know their size (padding, key_padding, document, tensors) override this.
+        """
+        return None
+
+    def picture(self, Nq: int | None = None, Nk: int | None = None, *, batch: int = 0, head: int = 0) -> str:
+        """ASCII picture of the mask for one (batch, head): ``#`` may attend, ``.`` masked."""
+        B, H, dq, dk = self.default_size() or (1, 1, 8, 8)
+        Nq = dq if Nq is None else Nq
+        Nk = dk if Nk is None else Nk
+        grid = self.dense(max(B, batch + 1), max(H, head + 1), Nq, Nk)[batch, head]
+        rows = [" ".join("#" if x else "." for x in row.tolist()) for row in grid]
+        return f"{self!r}  (Nq={Nq}, Nk={Nk})\n" + "\n".join(rows)
+
+    def __str__(self) -> str:
+        *_, nq, nk = self.default_size() or (1, 1, 8, 8)
+        if max(nq, nk) > 48:
+            return f"{self!r}  (Nq={nq}, Nk={nk}: too large to draw; use .picture(Nq, Nk))"
+        return self.picture()
+
+
+def as_mask(m: Mask | Tensor) -> Mask:
+    """Accept a :class:`Mask` or a bool tensor broadcastable to (B, H, Nq, Nk)."""
+    if isinstance(m, Mask):
+        return m
+    if isinstance(m, Tensor):
+        return TensorMask(m)
+    raise ValueError(
+        f"mask must be a multihead Mask or a bool tensor, got {type(m).__name__}; "
+        "build one with mh.causal(), mh.padding(lengths), ... or pass a bool tensor (True = may attend)"
+    )
+
+
+class AndMask(Mask):
+    def __init__(self, a: Mask, b: Mask):
+        self.a, self.b = a, b
+
+    def evaluate(self, b, h, q, k, ctx):
+        return self.a.evaluate(b, h, q, k, ctx) & self.b.evaluate(b, h, q, k, ctx)
+
+    @property
+    def shift_invariant(self):  # type: ignore[override]
+        return self.a.shift_invariant and self.b.shift_invariant
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        ka, kb = self.a.block_kinds(ctx, ql, qh, kl, kh), self.b.block_kinds(ctx, ql, qh, kl, kh)
+        if ka is None or kb is None:
+            return None
+        return torch.minimum(ka, kb)  # empty if either is empty, full if both are full
+
+    def validate(self, ctx):
+        self.a.validate(ctx)
+        self.b.validate(ctx)
+
+    def default_size(self):
+        # Largest B and H; the largest (Nq, Nk) of a part that the whole mask accepts: padding only
+        # bounds Nk from below, key_padding / document fix it, a size-1 tensor dim fits anything.
+        sizes = [s for s in (self.a.default_size(), self.b.default_size()) if s is not None]
+        if not sizes:
+            return None
+        B, H = max(s[0] for s in sizes), max(s[1] for s in sizes)
+        for nq, nk in sorted({s[2:] for s in sizes}, reverse=True):
+            try:
+                self.validate(MaskContext(B, H, nq, nk))
+            except ValueError:
+                continue
+            return (B, H, nq, nk)
+        return sizes[0]  # parts that fit no common size: printing reports the validation error
+
+    def __repr__(self):
+        return f"({self.a!r} & {self.b!r})"
+
+
+class OrMask(AndMask):
+    def evaluate(self, b, h, q, k, ctx):
+        return self.a.evaluate(b, h, q, k, ctx) | self.b.evaluate(b, h, q, k, ctx)
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        ka, kb = self.a.block_kinds(ctx, ql, qh, kl, kh), self.b.block_kinds(ctx, ql, qh, kl, kh)
+        if ka is None or kb is None:
+            return None
+        return torch.maximum(ka, kb)  # full if either is full, empty if both are empty
+
+    def __repr__(self):
+        return f"({self.a!r} | {self.b!r})"
+
+
+class NotMask(Mask):
+    def __init__(self, a: Mask):
+        self.a = a
+
+    def evaluate(self, b, h, q, k, ctx):
+        return ~self.a.evaluate(b, h, q, k, ctx)
+
+    @property
+    def shift_invariant(self):  # type: ignore[override]
+        return self.a.shift_invariant
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        ka = self.a.block_kinds(ctx, ql, qh, kl, kh)
+        return None if ka is None else FULL - ka  # empty <-> full
+
+    def validate(self, ctx):
+        self.a.validate(ctx)
+
+    def default_size(self):
+        return self.a.default_size()
+
+    def __repr__(self):
+        return f"~{self.a!r}"
+
+
+class Causal(Mask):
+    """Key j is visible from query i iff ``j <= i + (Nk - Nq)`` (bottom-right aligned)."""
+
+    is_causal = True
+    shift_invariant = True
+
+    def evaluate(self, b, h, q, k, ctx):
+        return k <= q + ctx.offset
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        o = ctx.offset
+        return kinds_from(kh - 1 <= ql + o, kl > qh - 1 + o)
+
+    def __repr__(self):
+        return "causal()"
+
+
+class SlidingWindow(Mask):
+    """Causal, and query i sees itself and the ``size - 1`` keys before it (Mistral)."""
+
+    def __init__(self, size: int):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(
+                f"sliding_window size must be an int >= 1, got {size!r}; "
+                "size=1 lets each query see only itself"
+            )
+        self.size = size
+
+    shift_invariant = True
+
+    def evaluate(self, b, h, q, k, ctx):
+        qa = q + ctx.offset
+        return (k <= qa) & (qa - k < self.size)
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        lo, hi = ql + ctx.offset, qh - 1 + ctx.offset  # absolute positions of the tile's first/last row
+        full = (kh - 1 <= lo) & (hi - kl < self.size)
+        return kinds_from(full, (kl > hi) | (lo - (kh - 1) >= self.size))
+
+    def __repr__(self):
+        return f"sliding_window({self.size})"
+
+
+class Padding(Mask):
+    """Right padding: key j of batch row b is real iff ``j < lengths[b]``."""
+
+    def __init__(self, lengths: Tensor | list[int]):
+        t = torch.as_tensor(lengths)
+        if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(
+                f"padding lengths must be a 1-D integer tensor of shape (B,), got dtype {t.dtype} and "
+                f"shape {tuple(t.shape)}"
+            )
+        if t.numel() and int(t.min()) < 0:
+            raise ValueError(f"padding lengths must be >= 0, got {t.tolist()}")
+        self.lengths = t.long()
+
+    def validate(self, ctx):
+        if self.lengths.numel() != ctx.B:
+            raise ValueError(
+                f"padding lengths has {self.lengths.numel()} entries but the batch size is {ctx.B}; "
+                "give one length per batch row"
+            )
+        if self.lengths.numel() and int(self.lengths.max()) > ctx.Nk:
+            raise ValueError(f"padding lengths {self.lengths.tolist()} exceed the key length Nk={ctx.Nk}")
+
+    def evaluate(self, b, h, q, k, ctx):
+        return k < self.lengths.to(k.device)[b]
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        lo, hi = int(self.lengths.min()), int(self.lengths.max())  # every batch row / some batch row
+        return kinds_from((kh <= lo) & (ql >= 0), (kl >= hi) & (ql >= 0))
+
+    def default_size(self):
+        n = int(self.lengths.max()) + 1 if self.lengths.numel() else 1
+        return (self.lengths.numel(), 1, n, n)
+
+    def __repr__(self):
+        return f"padding({self.lengths.tolist()})"
+
+
+class KeyPadding(Mask):
+    """A (B, Nk) bool tensor, True = real token; padded keys are hidden from every query."""
+
+    def __init__(self, mask: Tensor):
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+            shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            dtype = mask.dtype if isinstance(mask, Tensor) else None
+            raise ValueError(
+                f"key_padding expects a bool tensor of shape (B, Nk) with True = real token, got {shape} "
+                f"of dtype {dtype}; convert with `mask.bool()`"
+            )
+        self.mask = mask
+
+    def validate(self, ctx):
+        if tuple(self.mask.shape) != (ctx.B, ctx.Nk):
+            raise ValueError(
+                f"key_padding mask has shape {tuple(self.mask.shape)} but (B, Nk) = ({ctx.B}, {ctx.Nk})"
+            )
+
+    def evaluate(self, b, h, q, k, ctx):
+        return self.mask.to(k.device)[b, k]
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        zero = torch.zeros(1, dtype=torch.long)
+        n_all = torch.cat([zero, self.mask.cpu().all(0).long().cumsum(0)])  # (Nk + 1,) keys real in every row
+        n_any = torch.cat([zero, self.mask.cpu().any(0).long().cumsum(0)])  # (Nk + 1,) keys real in some row
+        full = (n_all[kh] - n_all[kl] == kh - kl) & (ql >= 0)
+        return kinds_from(full, (n_any[kh] - n_any[kl] == 0) & (ql >= 0))
+
+    def default_size(self):
+        B, N = self.mask.shape
+        return (B, 1, N, N)
+
+    def __repr__(self):
+        return f"key_padding({tuple(self.mask.shape)})"
+
+
+class Document(Mask):
+    """Packed sequences: query i and key j interact only when they carry the same document id.
+
+    ``ids`` has shape (Nk,) or (B, Nk); queries take the ids of the last Nq positions (bottom-right).
+    Combine with ``causal()`` for packed decoder training.
+    """
+
+    def __init__(self, ids: Tensor | list[int]):
+        t = torch.as_tensor(ids)
+        if t.dim() not in (1, 2) or t.is_floating_point():
+            raise ValueError(
+                f"document ids must be an integer tensor of shape (N,) or (B, N), got dtype {t.dtype} "
+                f"and shape {tuple(t.shape)}"
+            )
+        self.ids = t.long() if t.dim() == 2 else t.long().unsqueeze(0)  # (B or 1, N)
+
+    def validate(self, ctx):
+        Bi, N = self.ids.shape
+        if N != ctx.Nk or Bi not in (1, ctx.B):
+            raise ValueError(
+                f"document ids have shape {tuple(self.ids.shape)} but need (Nk,) or (B, Nk) with "
+                f"B={ctx.B}, Nk={ctx.Nk}"
+            )
+
+    def evaluate(self, b, h, q, k, ctx):
+        ids = self.ids.to(k.device)
+        bi = b if ids.shape[0] > 1 else torch.zeros_like(b)
+        qa = q + ctx.offset  # rows above the key range (Nq > Nk) have no document: they see nothing
+        return (ids[bi, qa.clamp(min=0)] == ids[bi, k]) & (qa >= 0)
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        ids = self.ids.cpu()
+        lo, hi = (ql + ctx.offset).clamp(min=0), (qh + ctx.offset).clamp(min=0)  # query tiles in key space
+        qmin, qmax = _tile_min_max(ids, lo.view(-1).tolist(), hi.view(-1).tolist())  # (Bi, nqb) each
+        kmin, kmax = _tile_min_max(ids, kl.view(-1).tolist(), kh.view(-1).tolist())  # (Bi, nkb) each
+        qmin, qmax, kmin, kmax = qmin[:, :, None], qmax[:, :, None], kmin[:, None], kmax[:, None]
+        one_doc = ((qmin == qmax) & (kmin == kmax) & (qmin == kmin)).all(0)  # (nqb, nkb)
+        disjoint = ((qmax < kmin) | (kmax < qmin)).all(0)  # (nqb, nkb): id ranges never meet
+        no_rows = hi <= lo  # tiles of rows above the key range (Nq > Nk) see nothing
+        return kinds_from(one_doc & (ql + ctx.offset >= 0), disjoint | no_rows)
+
+    def default_size(self):
+        B, N = self.ids.shape
+        return (B, 1, N, N)
+
+    def __repr__(self):
+        return f"document(shape={tuple(self.ids.shape)})"
+
+
+class PrefixLM(Mask):
+    """Bidirectional over the first ``n`` keys, causal after (T5 / UniLM prefix LM)."""
+
+    def __init__(self, n: int):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"prefix_lm length must be an int >= 0, got {n!r}")
+        self.n = n
+
+    def evaluate(self, b, h, q, k, ctx):
+        return (k < self.n) | (k <= q + ctx.offset)
+
+    def block_kinds(self, ctx, ql, qh, kl, kh):
+        o = ctx.offset
+        return kinds_from((kh <= self.n) | (kh - 1 <= ql + o), (kl >= self.n) & (kl > qh - 1 + o))
+
+    def __repr__(self):
+        return f"prefix_lm({self.n})"
+
+
+class Custom(Mask):
+    """User predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on raw (un-aligned) indices."""
+
+    def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]):
+        if not callable(fn):
+            raise ValueError(f"custom mask needs a callable fn(b, h, q_idx, kv_idx), got {type(fn).__name__}")
+        self.fn = fn
+
+    def evaluate(self, b, h, q, k, ctx):
+        out = self.fn(b, h, q, k)
+        if not isinstance(out, Tensor) or out.dtype != torch.bool:
+            raise ValueError(
+                f"custom mask fn {getattr(self.fn, '__name__', self.fn)!r} must return a bool tensor, "
+                f"got {getattr(out, 'dtype', type(out).__name__)}"
+            )
+        return out
+
+    def __repr__(self):
+        return f"custom({getattr(self.fn, '__name__', 'fn')})"
+
+
+def _tile_min_max(ids: Tensor, lo: list[int], hi: list[int]) -> tuple[Tensor, Tensor]:
+    """Min and max of ``ids`` (Bi, N) over each position range ``lo[t]:hi[t]``; empty ranges give
+    (max + 1, min - 1) so they match nothing."""
+    big = int(ids.max()) + 1 if ids.numel() else 1
+    if len(lo) <= 4:  # a few ranges: slicing beats the vectorised gather below
+        full = ids.new_full((ids.shape[0],), big)
+        lows = [ids[:, a:b].amin(1) if b > a else full for a, b in zip(lo, hi, strict=True)]
+        highs = [ids[:, a:b].amax(1) if b > a else -full for a, b in zip(lo, hi, strict=True)]
+        return torch.stack(lows, 1), torch.stack(highs, 1)  # (Bi, ntiles) each
+    lo_t, hi_t = torch.tensor(lo, dtype=torch.long), torch.tensor(hi, dtype=torch.long)
+    n = (hi_t - lo_t).clamp(min=0)  # (T,) positions per range
+    seg = torch.repeat_interleave(torch.arange(len(lo)), n)  # (P,) the range of each position
+    pos = lo_t[seg] + torch.arange(seg.numel()) - torch.repeat_interleave(n.cumsum(0) - n, n)  # (P,)
+    vals = ids[:, pos]  # (Bi, P)
+    seg2 = seg.expand(ids.shape[0], -1)  # (Bi, P)
+    mins = ids.new_full((ids.shape[0], len(lo)), big).scatter_reduce(1, seg2, vals, "amin")
+    maxs = ids.new_full((ids.shape[0], len(lo)), -big).scatter_reduce(1, seg2, vals, "amax")
+    return mins, maxs  # (Bi, ntiles) each
+
+
+def check_broadcast(t: Tensor, ctx: MaskContext, what: str) -> Tensor:
+    """Right-align ``t`` to 4 dims and check it broadcasts to (B, H, Nq, Nk) without truncation."""
+    want = (ctx.B, ctx.H, ctx.Nq, ctx.Nk)
+    if t.dim() > 4:
+        raise ValueError(
+            f"{what} has {t.dim()} dims {tuple(t.shape)}; it must broadcast to (B, Hq, Nq, Nk)={want}"
+        )
+    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (.., .., .., ..)
+    for size, full in zip(t4.shape, want):
+        if size not in (1, full):
+            raise ValueError(
+                f"{what} of shape {tuple(t.shape)} does not broadcast to (B, Hq, Nq, Nk)={want}; "
+                "each dim must equal the target or be 1"
+            )
+    return t4
+
+
+def gather4(t4: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """Index a 4-D tensor whose dims are full or 1 with broadcastable index tensors."""
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=b.device)
+    idx = [i if size > 1 else zero for size, i in zip(t4.shape, (b, h, q, k))]
+    return t4[idx[0], idx[1], idx[2], idx[3]]  # natural shape: 1 where t4 broadcasts
+
+
+class TensorMask(Mask):
+    """A user bool tensor broadcastable to (B, Hq, Nq, Nk); True = may attend."""
+
+    def __init__(self, t: Tensor):
+        if t.dtype != torch.bool:
+            raise ValueError(
+                f"a tensor passed as mask must be bool (True = may attend), got {t.dtype}; "
+                "pass float scores to add as `bias=` instead"
+            )
+        self.t = t
+
+    def validate(self, ctx):
+        check_broadcast(self.t, ctx, "mask")
+
+    def evaluate(self, b, h, q, k, ctx):
+        t4 = check_broadcast(self.t, ctx, "mask").to(k.device)
+        return gather4(t4, b, h, q, k)
+
+    def natural(self, ctx, device=None):
+        return check_broadcast(self.t, ctx, "mask").to(device)
+
+    def default_size(self):
+        return tuple((1,) * max(0, 4 - self.t.dim()) + tuple(self.t.shape))  # right-aligned (broadcast)
+
+    def __repr__(self):
+        return f"tensor_mask({tuple(self.t.shape)})"
+
+
+# -- public constructors --------------------------------------------------------------------------
+def causal() -> Mask:
+    """Causal mask, bottom-right aligned: query i sees keys ``j <= i + Nk - Nq``."""
+    return Causal()
+
+
+def sliding_window(size: int) -> Mask:
+    """Causal window: query i sees itself and the ``size - 1`` keys before it.
+
+    Raises:
+        ValueError: if ``size < 1``.
+    """
+    return SlidingWindow(size)
+
+
+def padding(lengths: Tensor | list[int]) -> Mask:
+    """Right padding: key j of batch row b is real iff ``j < lengths[b]``; lengths shape (B,)."""
+    return Padding(lengths)
+
+
+def key_padding(mask: Tensor) -> Mask:
+    """Key padding from a (B, Nk) bool tensor with True = real token."""
+    return KeyPadding(mask)
+
+
+def document(ids: Tensor | list[int]) -> Mask:
+    """Packed-sequence mask from document ids of shape (N,) or (B, N)."""
+    return Document(ids)
+
+
+def prefix_lm(prefix_len: int) -> Mask:
+    """Bidirectional over the first ``prefix_len`` keys, causal after."""
+    return PrefixLM(prefix_len)
+
+
+def custom(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Mask:
+    """A mask from a predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend)."""
+    return Custom(fn)

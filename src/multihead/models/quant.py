@@ -1,0 +1,281 @@
+"""Quantization (seed 003 §3.1.3, §3.2.2): int8 weights per output channel, int8 keys and values.
+
+``quantize(model, weights="int8", kv="int8")`` returns a copy of a model where
+
+- every ``nn.Linear`` is an :class:`Int8Linear`: ``W ~ scale[o] * W8[o, :]`` with ``W8`` int8 and one fp32
+  scale per output channel (``absmax / 127``: linear, symmetric quantization), and every ``nn.Embedding``
+  an :class:`Int8Embedding` (one scale per row; a tied output head shares the embedding's int8 storage);
+- every attention quantizes its keys and values to int8 per token (:class:`KVInt8`, the int8 format of
+  the core's KV cache) while scores, softmax and weights stay in fp16/fp32: the seed's mixed precision.
+  A :class:`~multihead.TransformerLM` also generates with the ``"int8"`` KV cache by default.
+
+Kernels, all library ones (nothing hand-written but the per-channel rounding and the embedding gather):
+
+- ``"fbgemm"``: torch's dynamic quantized linear (``torch.ops.quantized.linear_dynamic``; fbgemm / x86
+  engine): activations quantized to int8 per tensor on the fly, int8 x int8 -> int32 products. The fast
+  path for fp32 activations on x86 CPUs (about 3-4x fp32 on the 155M model, BENCHMARKS.md), at the price
+  of rounding the activations too: about twice the logit error of weight-only int8. The weights are
+  packed once, at the first call.
+- ``"int8pack"``: ``torch._weight_int8pack_mm``, weight-only int8 (gpt-fast's CPU kernel): activations
+  stay bf16/fp16/fp32; fast for bf16/fp16 decode, slow for fp32 on CPU.
+- ``"dequant"``: ``F.linear`` on the weight dequantized per call: any device and dtype, no speed gain.
+
+``"auto"`` takes fbgemm for fp32 on a CPU with that engine, int8pack for bf16/fp16, else dequant.
+Quantized models are for inference: the int8 weights are buffers and take no gradient.
+
+Shape legend: I input features, O output features, V vocabulary, d embedding width, ... leading dims.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..approx.apply import apply
+from ..approx.base import Approximation
+from ..core.functional import attention
+from ..core.problem import Problem
+from ..nn.kv_cache import KVCache, dequantize_int8, quantize_int8
+from .lm import TransformerLM
+
+__all__ = ["KERNELS", "Int8Embedding", "Int8Linear", "KVInt8", "model_bytes", "quantize"]
+
+KERNELS = ("auto", "fbgemm", "int8pack", "dequant")
+
+
+def _has_vnni() -> bool:
+    """x86 VNNI (AVX512-VNNI / AVX-VNNI) adds int8 products in int32 without fbgemm's int16 saturation."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+#: fbgemm's 7-bit activations (``reduce_range``) avoid int16 overflow on CPUs without VNNI; with VNNI the
+#: full 8 bits are safe and cut the activation rounding error in half
+REDUCE_RANGE = not _has_vnni()
+
+
+def _per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w (O, I) -> int8 (O, I) and fp32 scale (O,), ``scale = absmax(row) / 127`` (kv_cache's format)."""
+    q, scale = quantize_int8(w, torch.float32)  # (O, I), (O, 1)
+    return q, scale[:, 0]
+
+
+def _fbgemm_ready() -> bool:
+    return any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` with W stored as int8 per output channel (fp32 scales); see the module doc.
+
+    Args:
+        linear: the float layer to quantize (its weight is rounded once, at construction).
+        kernel: "auto" | "fbgemm" | "int8pack" | "dequant".
+
+    Raises:
+        ValueError: an unknown kernel; at call time, "fbgemm" with non-fp32 input or without the engine.
+    """
+
+    weight_int8: Tensor
+    scale: Tensor
+    bias: Tensor | None
+
+    def __init__(self, linear: nn.Linear, kernel: str = "auto"):
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"Int8Linear kernel must be one of {list(KERNELS)}, got {kernel!r}")
+        self.in_features, self.out_features, self.kernel = linear.in_features, linear.out_features, kernel
+        w8, scale = _per_channel(linear.weight.detach())
+        self.register_buffer("weight_int8", w8)  # (O, I) int8
+        self.register_buffer("scale", scale)  # (O,) fp32
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self._packed: Any = None  # fbgemm's packed weight, built at the first fbgemm call
+
+    def choose(self, x: Tensor) -> str:
+        """The kernel a call with ``x`` runs (resolves "auto")."""
+        if self.kernel != "auto":
+            return self.kernel
+        if x.device.type == "cpu" and x.dtype == torch.float32 and _fbgemm_ready():
+            return "fbgemm"
+        if x.dtype in (torch.bfloat16, torch.float16):
+            return "int8pack"
+        return "dequant"
+
+    def forward(self, x: Tensor) -> Tensor:
+        kernel = self.choose(x)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (M, I)
+        if kernel == "fbgemm":
+            if x.dtype != torch.float32 or not _fbgemm_ready():
+                raise ValueError(
+                    f"Int8Linear kernel 'fbgemm' needs fp32 CPU input, got {x.dtype} on {x.device}"
+                )
+            y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._fbgemm_weight(), REDUCE_RANGE)
+        elif kernel == "int8pack":
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self.scale.to(x.dtype))  # (M, O)
+        else:
+            y = F.linear(x2, self.weight_int8.to(x.dtype) * self.scale.to(x.dtype)[:, None])  # (M, O)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)  # (..., O)
+
+    def _fbgemm_weight(self) -> Any:
+        if self._packed is None:
+            zero = torch.zeros(self.out_features, dtype=torch.long)
+            with (
+                warnings.catch_warnings()
+            ):  # torch marks its quantized tensors deprecated; the kernel is current
+                warnings.simplefilter("ignore")
+                qw = torch._make_per_channel_quantized_tensor(self.weight_int8, self.scale.double(), zero, 0)
+                self._packed = torch.ops.quantized.linear_prepack(qw, None)
+        return self._packed
+
+    def _apply(self, fn, recurse: bool = True):
+        self._packed = None  # moved or cast: repack lazily
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel!r}"
+
+
+class Int8Embedding(nn.Module):
+    """Embedding rows stored as int8 with one fp32 scale per row; lookup dequantizes the rows it reads.
+
+    Built from an ``nn.Embedding``, or from an :class:`Int8Linear` whose weight it is tied to (a tied
+    output head: the per-output-channel scales of the head are the per-row scales of the embedding).
+    """
+
+    weight_int8: Tensor
+    scale: Tensor
+
+    def __init__(self, source: nn.Embedding | Int8Linear, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if isinstance(source, Int8Linear):
+            w8, scale = source.weight_int8, source.scale  # shared storage, not a copy
+        else:
+            w8, scale = _per_channel(source.weight.detach())
+        self.register_buffer("weight_int8", w8)  # (V, d) int8
+        self.register_buffer("scale", scale)  # (V,) fp32
+        self.dtype = dtype
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = F.embedding(ids, self.weight_int8)  # (..., d) int8
+        return dequantize_int8(rows, self.scale[ids].unsqueeze(-1), self.dtype)  # (..., d)
+
+
+class KVInt8(Approximation):
+    """Exact attention on keys and values rounded to int8 per token (the core's int8 KV-cache format).
+
+    ``k, v -> int8 (per (batch, head, position), scale = absmax / 127) -> dequantized``; the scores,
+    softmax and weights are computed by :func:`multihead.attention` in the input precision (fp32
+    accumulation for half inputs). Any mask, bias and dropout apply.
+    """
+
+    supports_causal = True
+    supports_any_mask = True
+    supports_dropout = True
+
+    def attend(self, p: Problem) -> Tensor:
+        k = dequantize_int8(*quantize_int8(p.k, p.k.dtype), p.k.dtype)  # (B, Hkv, Nk, D)
+        v = dequantize_int8(*quantize_int8(p.v, p.v.dtype), p.v.dtype)  # (B, Hkv, Nk, Dv)
+        out = attention(p.q, k, v, mask=p.mask, bias=p.bias, scale=p.scale, dropout_p=p.dropout_p)
+        assert isinstance(out, Tensor)
+        return out
+
+
+class _QuantizedLM(TransformerLM):
+    """A quantized TransformerLM: caches of ``cache_kind`` ("int8" when K/V are quantized), in the float
+    dtype the model had (its embedding no longer holds a float weight to read it from)."""
+
+    cache_kind: str
+    cache_dtype: torch.dtype
+
+    def make_cache(self, batch_size: int, max_len: int, kind: str | None = None) -> list[KVCache]:
+        kind = self.cache_kind if kind is None else kind
+        if kind == "sliding" and self.sliding_window is None:
+            raise ValueError("a 'sliding' cache needs a model built with sliding_window=...; use 'dense'")
+        window = self.sliding_window if kind == "sliding" else None
+        device = next(self.buffers()).device
+        return [
+            KVCache(
+                batch_size,
+                self.n_kv_heads,
+                self.head_dim,
+                max_len,
+                kind=kind,
+                window=window,
+                dtype=self.cache_dtype,
+                device=device,
+            )
+            for _ in self.layers
+        ]
+
+    def generate(self, ids: Tensor, max_new_tokens: int, *, cache: str | None = None, **sampling) -> Tensor:
+        """As :meth:`TransformerLM.generate`; ``cache`` defaults to the model's ``cache_kind``."""
+        return super().generate(
+            ids, max_new_tokens, cache=self.cache_kind if cache is None else cache, **sampling
+        )
+
+
+def _quantize_weights(model: nn.Module, kernel: str) -> None:
+    """Swap every Linear / Embedding of ``model`` (in place) for its int8 form; tied pairs share storage."""
+    linears: dict[int, Int8Linear] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                q = linears.setdefault(id(child.weight), Int8Linear(child, kernel))
+                setattr(parent, name, q)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Embedding):
+                tied = linears.get(id(child.weight))
+                setattr(parent, name, Int8Embedding(tied if tied is not None else child, child.weight.dtype))
+
+
+def quantize(
+    model: nn.Module, weights: str | None = "int8", kv: str | None = "int8", *, kernel: str = "auto"
+) -> nn.Module:
+    """A quantized copy of ``model``: int8 linear and embedding weights, int8 keys and values.
+
+    Args:
+        model: any module (TransformerLM, Encoder, pretrained MiniLM, ...); it is not changed.
+        weights: "int8" or None (keep float weights).
+        kv: "int8" (attention on int8-rounded K/V; int8 KV cache for TransformerLM.generate) or None.
+        kernel: the Int8Linear kernel, see the module docstring.
+
+    Raises:
+        ValueError: an unknown ``weights``, ``kv`` or ``kernel``; ``kv="int8"`` on a model without
+            MultiHeadAttention.
+    """
+    if weights not in ("int8", None):
+        raise ValueError(f"quantize weights must be 'int8' or None, got {weights!r}")
+    if kv not in ("int8", None):
+        raise ValueError(f"quantize kv must be 'int8' or None, got {kv!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"quantize kernel must be one of {list(KERNELS)}, got {kernel!r}")
+    float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    out = apply(model, KVInt8()) if kv == "int8" else copy.deepcopy(model)
+    if weights == "int8":
+        _quantize_weights(out, kernel)
+    if type(out) is TransformerLM:
+        out.__class__ = _QuantizedLM
+        assert isinstance(out, _QuantizedLM)
+        out.cache_kind, out.cache_dtype = ("int8" if kv == "int8" else "dense"), float_dtype
+    return out
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers, each storage counted once (tied weights share one)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -1,0 +1,120 @@
+"""What every study section shares: the run's context, the table and section types, formatting helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table as RichTable
+
+from .. import cost
+from .figures import Figure, draw, render_markdown_figures
+
+__all__ = ["Section", "StudyContext", "Table", "dtype_name", "human", "one_thread", "walk_table"]
+
+
+@dataclass(frozen=True)
+class StudyContext:
+    """What every section receives: the run's options and a hook to report progress within it."""
+
+    quick: bool = True
+    #: ``step(what, done)``: "now doing <what>, fraction ``done`` of this section finished" (progress bar)
+    step: Callable[[str, float], None] = lambda what, done: None
+    #: the report directory, where :meth:`figure` writes PNGs; None draws nothing
+    out_dir: Path | None = None
+
+    def figure(self, name: str, caption: str, plot: Callable[[Any], None], **kw: Any) -> list[Figure]:
+        """``[Figure]`` of ``plot(ax)`` saved as ``out_dir/name.png``; ``[]`` without a report directory."""
+        fig = draw(self.out_dir, name, caption, plot, **kw)
+        return [] if fig is None else [fig]
+
+
+# -- rendering ---------------------------------------------------------------------------------------
+@dataclass
+class Table:
+    """A table of already-formatted cells; ``align`` has one letter per column, ``l`` or ``r``."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    align: str = ""
+
+    def _align(self, i: int) -> str:
+        return self.align[i] if i < len(self.align) else "l"
+
+    def markdown(self) -> str:
+        rule = ["---:" if self._align(i) == "r" else "---" for i in range(len(self.columns))]
+        lines = [f"**{self.title}**", "", "| " + " | ".join(self.columns) + " |", "|" + "|".join(rule) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        return "\n".join(lines)
+
+    def rich(self) -> RichTable:
+        t = RichTable(title=self.title, title_justify="left")
+        for i, c in enumerate(self.columns):
+            t.add_column(c, justify="right" if self._align(i) == "r" else "left")
+        for r in self.rows:
+            t.add_row(*r)
+        return t
+
+
+@dataclass
+class Section:
+    """One section's result: ``data`` goes to ``--json``; ``tables`` and ``notes`` to the report."""
+
+    key: str
+    title: str
+    data: dict
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        figs = render_markdown_figures(self.figures)
+        parts = [f"## {self.title}", *(t.markdown() for t in self.tables), *figs, *self.notes]
+        return "\n\n".join(parts) + "\n"
+
+    def print(self, console: Console) -> None:
+        console.rule(self.title)
+        for t in self.tables:
+            console.print(t.rich())
+        for n in self.notes:
+            console.print(n, highlight=False)
+
+
+def human(x: float) -> str:
+    """``1234567 -> '1.23 M'`` (SI prefixes)."""
+    for unit, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= unit:
+            return f"{x / unit:.2f} {prefix}"
+    return f"{x:.0f}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def walk_table(ops: list[cost.Op], title: str) -> Table:
+    """The rows of :func:`multihead.cost.layer_walk` plus a total, as a :class:`Table`."""
+    rows = [
+        [o.eq, o.name, o.in_shape, o.out_shape, human(o.flops), human(o.bytes), f"{o.intensity:.2f}"]
+        for o in [*ops, cost.total(ops)]
+    ]
+    cols = ["eq", "step", "input", "output", "FLOPs", "bytes", "FLOP/B"]
+    return Table(title, cols, rows, align="llllrrr")
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run small problems on one intra-op thread: a second one only adds synchronisation, and on a busy
+    machine OpenMP's spin-waiting makes the float64 reference several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,154 @@
+"""The study: the whole report on the embedded default workload (``multihead study``).
+
+A study is the list :data:`SECTIONS` of functions ``section(ctx: StudyContext) -> Section``. Each returns
+its data as a JSON-ready dict plus the tables and notes that render it, as markdown (``report.md``) or as
+rich tables on a terminal. Later issues add a section by appending a function to the list.
+
+Sections today:
+    exactness  every backend against the float64 ``reference`` (gold), forward and gradient
+    walk       the layer of seed 000 eq. 9.31-9.43 step by step: shapes, FLOPs, bytes, intensity
+    kv_cache   KV-cache size of MHA vs GQA vs MQA
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from .context import Section, StudyContext, Table, human, walk_table
+from .render import render_html
+from .sections.approximations import approximations
+from .sections.designs import designs
+from .sections.distributed import distributed
+from .sections.exactness import exactness
+from .sections.heads import heads
+from .sections.kv_cache import kv_cache
+from .sections.minilm import minilm
+from .sections.performance import performance
+from .sections.walk import walk
+
+__all__ = ["SECTIONS", "Section", "StudyContext", "Table", "human", "run_study", "walk_table"]
+
+
+SECTIONS: list[Callable[[StudyContext], Section]] = [
+    exactness,
+    walk,
+    kv_cache,
+    performance,
+    minilm,
+    approximations,
+    heads,
+    designs,
+    distributed,
+]
+
+
+# -- the study ---------------------------------------------------------------------------------------
+def select_sections(only: str | list[str] | None) -> list[Callable[[StudyContext], Section]]:
+    """The sections named in ``only`` (comma-separated names or a list), in :data:`SECTIONS` order;
+    all of them for None.
+
+    Raises:
+        ValueError: a name that is not a section's.
+    """
+    if only is None:
+        return list(SECTIONS)
+    names = [n.strip() for n in (only.split(",") if isinstance(only, str) else only) if n.strip()]
+    known = [f.__name__ for f in SECTIONS]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown study section(s) {unknown or names!r}; choose from {','.join(known)}")
+    return [f for f in SECTIONS if f.__name__ in names]
+
+
+def run_sections(
+    quick: bool = True,
+    progress: bool = True,
+    out_dir: Path | None = None,
+    only: str | list[str] | None = None,
+) -> list[Section]:
+    """Run the sections of :data:`SECTIONS` (or those in ``only``) in order, with a progress bar on
+    stderr; figures go to ``out_dir`` (none are drawn without it).
+
+    Raises:
+        ValueError: an unknown name in ``only``.
+    """
+    chosen = select_sections(only)
+    results = []
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())  # no ETA: sections differ
+    with Progress(*columns, console=Console(stderr=True), transient=True, disable=not progress) as bar:
+        task = bar.add_task("study", total=len(chosen))
+        for i, section in enumerate(chosen):
+            name = section.__name__
+            bar.update(task, description=f"study: {name}", completed=i)
+            step = partial(_describe, bar, task, name, i)
+            results.append(section(StudyContext(quick, step, out_dir)))
+        bar.update(task, completed=len(chosen))
+    return results
+
+
+def _describe(bar: Progress, task: TaskID, section: str, index: int, what: str, done: float) -> None:
+    bar.update(task, description=f"study: {section}: {what}", completed=index + done)
+
+
+def render_markdown(sections: list[Section], quick: bool) -> str:
+    """The whole report as markdown."""
+    from .. import __version__
+
+    head = (
+        f"# multihead study ({'quick' if quick else 'full'})\n\nmultihead {__version__}, "
+        f"torch {torch.__version__}\n"
+    )
+    return "\n".join([head, *(s.markdown() for s in sections)])
+
+
+def run_study(
+    quick: bool = True,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    console: Console | None = None,
+    only: str | list[str] | None = None,
+) -> dict:
+    """Run the study and return its data: ``{"quick", "versions", "sections": {key: data}}``.
+
+    Args:
+        quick: the default workload only (seconds); False adds the bf16 exactness run.
+        out_dir: when given, write ``out_dir/report.md``, ``out_dir/report.html`` and the figures' PNGs
+            (the directory is created if missing).
+        progress: show a progress bar on stderr.
+        console: when given, print each section's tables to it.
+        only: run only these sections (names as in :data:`SECTIONS`, comma-separated or a list).
+
+    Raises:
+        OSError: if ``out_dir`` cannot be created or written.
+        ValueError: an unknown section name in ``only``.
+    """
+    from .. import __version__
+
+    select_sections(only)  # fail on a bad name before any work
+    out = None if out_dir is None else Path(out_dir)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)  # fail before the work, not after
+    sections = run_sections(quick, progress, out, only)
+    report: dict = {
+        "quick": quick,
+        "versions": {"multihead": __version__, "torch": torch.__version__},
+        "sections": {s.key: s.data for s in sections},
+    }
+    if out is not None:
+        (out / "report.md").write_text(render_markdown(sections, quick))
+        title = f"multihead study ({'quick' if quick else 'full'})"
+        sub = f"multihead {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        (out / "report.html").write_text(render_html(sections, title, sub))
+        report["report"] = str(out / "report.md")
+        report["html"] = str(out / "report.html")
+        report["figures"] = [str(out / f.file) for s in sections for f in s.figures]
+    if console is not None:
+        for s in sections:
+            s.print(console)
+    return report

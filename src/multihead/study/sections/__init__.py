@@ -1,0 +1,1 @@
+"""The study's sections, one per file: ``section(ctx: StudyContext) -> Section``."""

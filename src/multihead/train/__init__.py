@@ -1,0 +1,1 @@
+"""Application: the MQAR trainer behind ``multihead train`` and the study's design comparisons."""

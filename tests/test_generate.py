@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multihead.models.lm import TransformerLM, left_pad
+from multihead.models.lm import TransformerLM
+from multihead.models.padding import left_pad
 from tests.numerics import TOL, max_err
 
 F64 = torch.float64

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.models.lm import left_pad
+from multihead.models.padding import left_pad
 from tests.numerics import max_err
 
 tf = pytest.importorskip(

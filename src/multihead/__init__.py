@@ -14,6 +14,7 @@ from .core.functional import AttentionOutput, attention, backends, explain
 from .core.masks import Mask, causal, custom, document, key_padding, padding, prefix_lm, sliding_window
 from .models import quant
 from .models.lm import TransformerLM
+from .models.padding import left_pad
 from .nn import compat
 from .nn.attention import MultiHeadAttention
 from .nn.feed_forward import FeedForward
@@ -54,6 +55,7 @@ __all__ = [
     "explain",
     "heads",
     "key_padding",
+    "left_pad",
     "padding",
     "parallel",
     "prefix_lm",

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..core.checks import check_int
+
 __all__ = [
     "ACTIVATION_FLOPS",
     "NORM_FLOPS",
@@ -62,11 +64,6 @@ class Op:
         return {**asdict(self), "intensity": self.intensity}
 
 
-def check_int(name: str, val: object, low: int, fix: str) -> None:
-    if isinstance(val, bool) or not isinstance(val, int) or val < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {val!r}; {fix}")
-
-
 def norm_params(norm: str, d: int) -> int:
     """Weights of one norm over d features: LayerNorm gamma and beta, RMSNorm gamma only."""
     return 2 * d if norm == "layernorm" else d
@@ -102,8 +99,8 @@ class Call:
             ValueError: ``seq_len`` or ``batch`` < 1, an unknown phase, ``cached < 0``, a dtype that is
                 not a ``torch.dtype``.
         """
-        check_int("seq_len", seq_len, 1, "pass the number of tokens in the sequence, e.g. 1024")
-        check_int("batch", batch, 1, "pass the number of sequences, e.g. 1")
+        check_int("seq_len", seq_len, 1, fix="pass the number of tokens in the sequence, e.g. 1024")
+        check_int("batch", batch, 1, fix="pass the number of sequences, e.g. 1")
         if phase not in ("prefill", "decode"):
             raise ValueError(
                 f"phase must be 'prefill' or 'decode', got {phase!r}; prefill processes the prompt, "

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.checks import check_int
 from .ops import (
     ACTIVATION_FLOPS,
     NORM_FLOPS,
@@ -33,7 +34,6 @@ from .ops import (
     Call,
     Op,
     add,
-    check_int,
     linear,
     norm,
     norm_params,
@@ -86,7 +86,7 @@ class LayerSpec:
         """
         sizes = (("d_model", d_model), ("n_heads", n_heads)) + ((("d_ff", d_ff),) if ffn else ())
         for name, val in sizes:
-            check_int(name, val, 1, "pass the model's size")
+            check_int(name, val, 1, fix="pass the model's size")
         kv = n_heads if n_kv_heads is None else n_kv_heads
         if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or n_heads % kv:
             raise ValueError(
@@ -98,7 +98,7 @@ class LayerSpec:
                 f"d_model ({d_model}) must be divisible by n_heads ({n_heads}), or pass head_dim"
             )
         D = d_model // n_heads if head_dim is None else head_dim
-        check_int("head_dim", D, 1, "pass head_dim >= 1")
+        check_int("head_dim", D, 1, fix="pass head_dim >= 1")
         if activation not in ACTIVATION_FLOPS:
             raise ValueError(f"activation must be one of {list(ACTIVATION_FLOPS)}, got {activation!r}")
         if norm not in NORM_FLOPS:

@@ -1,4 +1,4 @@
-"""``TransformerLM``: a decoder-only language model (GPT-2 / LLaMA / Mistral shape) and its generation loop.
+"""``TransformerLM``: a decoder-only language model (GPT-2 / LLaMA / Mistral shape).
 
     ids (B, N) -> embed (+ learned / sinusoidal positions) -> n_layers x TransformerLayer (causal,
     rotary in the attention) -> final norm (pre-LN) -> lm_head (tied to the embedding) -> logits (B, N, V)
@@ -8,6 +8,7 @@ key padding of ``attention_mask``. Both are bottom-right aligned, so the same ma
 forward, a prefill into a KV cache and one-token decode steps. Positions count the real tokens of each
 row (``attention_mask.cumsum(-1) - 1``, as Hugging Face does), so a left-padded row gets the positions of
 the unpadded sequence; without a mask they are ``arange`` continuing from ``cache[0].position``.
+The generation loop is :mod:`multihead.models.generation`; real-token masks are :mod:`.padding`.
 
 Shape legend: B batch, N new tokens, P tokens seen before (cache position), T = P + N, L keys a layer
 attends (T, or fewer with a sliding cache), d = d_model, V = vocab size.
@@ -18,64 +19,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.masks import Mask, MaskContext, causal, sliding_window
+from ..core.checks import check_int
+from ..core.masks import Mask, causal, sliding_window
 from ..nn.kv_cache import KVCache
 from ..nn.layers import TransformerLayer
 from ..nn.norms import make_norm
 from ..nn.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
+from .generation import generate
+from .padding import TrailingKeyPadding, as_real
 
-__all__ = ["POSITION_KINDS", "TransformerLM", "left_pad"]
+__all__ = ["POSITION_KINDS", "TransformerLM"]
 
 POSITION_KINDS = ("rotary", "learned", "sinusoidal", "none")
-
-
-class _TrailingKeyPadding(Mask):
-    """Key padding from a (B, T) real-token mask over all T tokens seen, read at the last Nk keys.
-
-    The keys an attention call sees are the last ``Nk`` of those T positions (a dense cache holds all of
-    them, a sliding cache the most recent ones), so key j is real iff ``real[b, j + T - Nk]``.
-    """
-
-    def __init__(self, real: Tensor):
-        self.real = real
-
-    def validate(self, ctx: MaskContext) -> None:
-        B, T = self.real.shape
-        if B != ctx.B or ctx.Nk > T:
-            raise ValueError(
-                f"attention_mask of shape {(B, T)} cannot cover B={ctx.B} rows and Nk={ctx.Nk} keys"
-            )
-
-    def evaluate(self, b, h, q, k, ctx):
-        return self.real.to(k.device)[b, k + (self.real.shape[1] - ctx.Nk)]
-
-    def default_size(self):
-        B, T = self.real.shape
-        return (B, T, T)
-
-    def __repr__(self):
-        return f"attention_mask({tuple(self.real.shape)})"
-
-
-def _check_int(name: str, val: Any, low: int) -> None:
-    if isinstance(val, bool) or not isinstance(val, int) or val < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
-
-
-def _as_real(attention_mask: Any, B: int, T: int, what: str) -> Tensor:
-    """A (B, T) bool or 0/1 attention mask as bool (True = real token)."""
-    am = attention_mask
-    if not isinstance(am, Tensor) or tuple(am.shape) != (B, T):
-        shape = tuple(am.shape) if isinstance(am, Tensor) else type(am).__name__
-        raise ValueError(f"attention_mask must have shape (B, T) = ({B}, {T}) ({what}), got {shape}")
-    if am.dtype != torch.bool:
-        if not bool(((am == 0) | (am == 1)).all()):
-            raise ValueError("attention_mask must be bool or hold only 0 and 1 (1 = real token)")
-        am = am != 0
-    return am
 
 
 class TransformerLM(nn.Module):
@@ -119,12 +76,12 @@ class TransformerLM(nn.Module):
     ):
         super().__init__()
         for name, val in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_len", max_len)):
-            _check_int(name, val, 1)
+            check_int(name, val, 1)
         if positions not in POSITION_KINDS:
             raise ValueError(f"positions must be one of {list(POSITION_KINDS)}, got {positions!r}")
         if sliding_window is not None:
-            _check_int("sliding_window", sliding_window, 1)
-        _check_int("n_heads", n_heads, 1)
+            check_int("sliding_window", sliding_window, 1)
+        check_int("n_heads", n_heads, 1)
         if d_model % n_heads != 0:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}); change either")
         self.vocab_size, self.max_len, self.positions = vocab_size, max_len, positions
@@ -201,12 +158,12 @@ class TransformerLM(nn.Module):
         Raises:
             ValueError: as :meth:`forward`.
         """
-        self._check_ids(ids)
+        self.check_ids(ids)
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} entries but the model has {len(self.layers)} layers")
         B, N = ids.shape
         past = 0 if cache is None else int(cache[0].position)
-        real = None if attention_mask is None else _as_real(attention_mask, B, past + N, "T = cached + new")
+        real = None if attention_mask is None else as_real(attention_mask, B, past + N, "T = cached + new")
         positions = None if real is None else (real.long().cumsum(-1) - 1).clamp_(min=0)[:, past:]  # (B, N)
         x = self.embed(ids)  # (B, N, d)
         if self.pos_embed is not None:
@@ -227,7 +184,8 @@ class TransformerLM(nn.Module):
             )  # (B, N, d)
         return self.final_norm(x)  # (B, N, d)
 
-    def _check_ids(self, ids: Any) -> None:
+    def check_ids(self, ids: Any) -> None:
+        """Raise ValueError unless ``ids`` is an integer (B, N) tensor, N >= 1, of ids in [0, vocab_size)."""
         integer = isinstance(ids, Tensor) and not ids.is_floating_point() and ids.dtype != torch.bool
         if not integer or ids.dim() != 2:
             shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
@@ -241,7 +199,7 @@ class TransformerLM(nn.Module):
     def _mask(self, real: Tensor | None) -> Mask:
         """causal (or sliding window) & key padding of the (B, T) real-token mask, bottom-right aligned."""
         base = causal() if self.sliding_window is None else sliding_window(self.sliding_window)
-        return base if real is None else base & _TrailingKeyPadding(real)
+        return base if real is None else base & TrailingKeyPadding(real)
 
     # -- caching and generation -----------------------------------------------------------------
     def make_cache(self, batch_size: int, max_len: int, kind: str = "dense") -> list[KVCache]:
@@ -268,7 +226,6 @@ class TransformerLM(nn.Module):
             for _ in self.layers
         ]
 
-    @torch.no_grad()
     def generate(
         self,
         ids: Tensor,
@@ -293,115 +250,21 @@ class TransformerLM(nn.Module):
 
         Prompts of different lengths go in one batch left-padded: ``attention_mask`` (B, N), 0 on the pad
         tokens before each prompt (any pad id), 1 on the prompt; each row then generates exactly what its
-        unpadded prompt alone would (see :func:`left_pad`).
+        unpadded prompt alone would (see :func:`multihead.left_pad`).
 
         Raises:
             ValueError: bad ids, a negative max_new_tokens, sampling options without ``do_sample`` or
                 out of range, an attention_mask that is not left padding or leaves a row empty.
         """
-        self._check_ids(ids)
-        _check_int("max_new_tokens", max_new_tokens, 0)
-        self._check_sampling(do_sample, temperature, top_k, top_p)
-        real = None if attention_mask is None else _check_left_padding(attention_mask, *ids.shape)
-        was_training = self.training
-        self.eval()
-        try:
-            sampling = (do_sample, temperature, top_k, top_p)
-            return self._generate(ids, max_new_tokens, sampling, eos_token_id, cache, real)
-        finally:
-            self.train(was_training)
-
-    def _generate(self, ids, max_new_tokens, sampling, eos_token_id, cache, real) -> Tensor:
-        B, N = ids.shape
-        total = N + max_new_tokens
-        out = ids.new_empty(B, total)  # (B, N + new), preallocated and written by index
-        out[:, :N] = ids
-        if max_new_tokens == 0:
-            return out
-        am = None
-        if real is not None:
-            am = torch.ones(B, total, dtype=torch.bool, device=ids.device)  # (B, N + new)
-            am[:, :N] = real
-        caches = None if cache is None else self.make_cache(B, total, kind=cache)
-        finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
-        h = self.hidden_states(ids, attention_mask=None if am is None else am[:, :N], cache=caches)  # prefill
-        for t in range(N, total):
-            nxt = self._pick(self.lm_head(h[:, -1]), *sampling)  # (B,) from the last position's logits
-            if eos_token_id is not None:
-                nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
-                finished |= nxt == eos_token_id
-            out[:, t] = nxt
-            if t == total - 1 or (eos_token_id is not None and bool(finished.all())):
-                return out[:, : t + 1]
-            seen = None if am is None else am[:, : t + 1]  # (B, t + 1)
-            if caches is None:  # a full recompute of the sequence so far
-                h = self.hidden_states(out[:, : t + 1], attention_mask=seen)  # (B, t + 1, d)
-            else:  # one-token decode step on the cache
-                h = self.hidden_states(out[:, t : t + 1], attention_mask=seen, cache=caches)  # (B, 1, d)
-        return out
-
-    @staticmethod
-    def _check_sampling(do_sample, temperature, top_k, top_p) -> None:
-        if not do_sample and (temperature != 1.0 or top_k is not None or top_p is not None):
-            raise ValueError(
-                f"temperature={temperature}, top_k={top_k}, top_p={top_p} only apply when sampling; "
-                "pass do_sample=True or drop them for greedy decoding"
-            )
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature!r}; use do_sample=False for greedy")
-        if top_k is not None:
-            _check_int("top_k", top_k, 1)
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-
-    @staticmethod
-    def _pick(logits: Tensor, do_sample: bool, temperature: float, top_k, top_p) -> Tensor:
-        """Next token per row (B,) from last-position logits (B, V)."""
-        if not do_sample:
-            return logits.argmax(dim=-1)
-        logits = logits.float() / temperature  # (B, V)
-        if top_k is not None:
-            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if top_p is not None and top_p < 1.0:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-            probs = sorted_logits.softmax(dim=-1)
-            drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)  # (B, V)
-        return torch.multinomial(F.softmax(logits, dim=-1), 1).squeeze(-1)  # (B,)
-
-
-def _check_left_padding(attention_mask: Any, B: int, N: int) -> Tensor | None:
-    """Validate a generate() prompt mask: (B, N), every row 0s then at least one 1. None if all real."""
-    real = _as_real(attention_mask, B, N, "the prompt's shape")
-    if bool(real.all()):
-        return None
-    if not bool(real[:, -1].all()) or bool((real[:, :-1] & ~real[:, 1:]).any()):
-        bad = [r for r in range(B) if not bool(real[r, -1]) or bool((real[r, :-1] & ~real[r, 1:]).any())]
-        raise ValueError(
-            f"attention_mask rows {bad} are not left-padded: generate() needs each row to be pad tokens "
-            "(0) followed by at least one prompt token (1); pad prompts on the left (see left_pad())"
+        return generate(
+            self,
+            ids,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            cache=cache,
+            attention_mask=attention_mask,
         )
-    return real
-
-
-def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[Tensor, Tensor]:
-    """Batch prompts of different lengths for :meth:`TransformerLM.generate`: left padding.
-
-    Returns ``ids`` (B, N) and ``attention_mask`` (B, N) bool, N the longest prompt, each row
-    ``[pad_id] * (N - len) + prompt`` with mask False on the pads.
-
-    Raises:
-        ValueError: no prompts, or an empty prompt.
-    """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        lengths = [len(p) for p in prompts]
-        raise ValueError(f"left_pad needs at least one prompt and no empty prompt, got lengths {lengths}")
-    N = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), N), pad_id, dtype=torch.long)  # (B, N)
-    mask = torch.zeros(len(prompts), N, dtype=torch.bool)  # (B, N)
-    for r, p in enumerate(prompts):
-        ids[r, N - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-        mask[r, N - len(p) :] = True
-    return ids, mask

@@ -1,0 +1,139 @@
+"""Generation: prefill the prompt once, then one token per step on a preallocated KV cache.
+
+The loop knows a model only through :class:`CausalLM` (its hidden states, its output head, its caches),
+so the model does not know how it is sampled. Greedy by default; sampling from
+``softmax(logits / temperature)`` restricted to the ``top_k`` best tokens and to the smallest set of
+probability >= ``top_p`` (nucleus sampling, Holtzman et al., 2020).
+
+Shape legend: B batch, N prompt tokens, T = N + new tokens, V vocabulary, d model width.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..core.checks import check_int
+from ..nn.kv_cache import KVCache
+from .padding import check_left_padding
+
+__all__ = ["CausalLM", "check_sampling", "generate", "pick_next"]
+
+
+class CausalLM(Protocol):
+    """What :func:`generate` needs of a model (``TransformerLM`` has it)."""
+
+    training: bool
+
+    @property
+    def lm_head(self) -> nn.Module: ...
+
+    def hidden_states(
+        self, ids: Tensor, *, attention_mask: Tensor | None = None, cache: list[KVCache] | None = None
+    ) -> Tensor: ...
+
+    def make_cache(self, batch_size: int, max_len: int, kind: str = "dense") -> list[KVCache]: ...
+
+    def check_ids(self, ids: Any) -> None: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+
+@torch.no_grad()
+def generate(
+    model: CausalLM,
+    ids: Tensor,
+    max_new_tokens: int,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    cache: str | None = "dense",
+    attention_mask: Tensor | None = None,
+) -> Tensor:
+    """Extend ids (B, N) by up to ``max_new_tokens`` tokens -> (B, N + new); see
+    :meth:`multihead.TransformerLM.generate` for the options. Runs in eval mode and restores the mode.
+
+    Raises:
+        ValueError: bad ids, a negative max_new_tokens, sampling options without ``do_sample`` or out of
+            range, an attention_mask that is not left padding or leaves a row empty.
+    """
+    model.check_ids(ids)
+    check_int("max_new_tokens", max_new_tokens, 0)
+    check_sampling(do_sample, temperature, top_k, top_p)
+    real = None if attention_mask is None else check_left_padding(attention_mask, *ids.shape)
+    was_training = model.training
+    model.train(False)
+    try:
+        sampling = (do_sample, temperature, top_k, top_p)
+        return _loop(model, ids, max_new_tokens, sampling, eos_token_id, cache, real)
+    finally:
+        model.train(was_training)
+
+
+def _loop(model: CausalLM, ids, max_new_tokens, sampling, eos_token_id, cache, real) -> Tensor:
+    """Prefill, then one decode step per new token; stops early once every row emitted ``eos_token_id``."""
+    B, N = ids.shape
+    total = N + max_new_tokens
+    out = ids.new_empty(B, total)  # (B, T), preallocated and written by index
+    out[:, :N] = ids
+    if max_new_tokens == 0:
+        return out
+    am = None
+    if real is not None:
+        am = torch.ones(B, total, dtype=torch.bool, device=ids.device)  # (B, T)
+        am[:, :N] = real
+    caches = None if cache is None else model.make_cache(B, total, kind=cache)
+    finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    h = model.hidden_states(ids, attention_mask=None if am is None else am[:, :N], cache=caches)  # prefill
+    for t in range(N, total):
+        nxt = pick_next(model.lm_head(h[:, -1]), *sampling)  # (B,) from the last position's logits
+        if eos_token_id is not None:
+            nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
+            finished |= nxt == eos_token_id
+        out[:, t] = nxt
+        if t == total - 1 or (eos_token_id is not None and bool(finished.all())):
+            return out[:, : t + 1]
+        seen = None if am is None else am[:, : t + 1]  # (B, t + 1)
+        if caches is None:  # a full recompute of the sequence so far
+            h = model.hidden_states(out[:, : t + 1], attention_mask=seen)  # (B, t + 1, d)
+        else:  # one-token decode step on the cache
+            h = model.hidden_states(out[:, t : t + 1], attention_mask=seen, cache=caches)  # (B, 1, d)
+    return out
+
+
+def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ValueError for sampling options given without ``do_sample`` or out of range."""
+    if not do_sample and (temperature != 1.0 or top_k is not None or top_p is not None):
+        raise ValueError(
+            f"temperature={temperature}, top_k={top_k}, top_p={top_p} only apply when sampling; "
+            "pass do_sample=True or drop them for greedy decoding"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}; use do_sample=False for greedy")
+    if top_k is not None:
+        check_int("top_k", top_k, 1)
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def pick_next(logits: Tensor, do_sample: bool, temperature: float, top_k, top_p) -> Tensor:
+    """Next token per row (B,) from last-position logits (B, V): argmax, or a sample."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)  # (B, V)
+    return torch.multinomial(F.softmax(logits, dim=-1), 1).squeeze(-1)  # (B,)

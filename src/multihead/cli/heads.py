@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["DEFAULT_TEXT", "add_parser", "run"]
+__all__ = ["DEFAULT_TEXT", "register", "run"]
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs away."
 
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``heads`` subcommand to the ``multihead`` parser."""
     p = sub.add_parser(
         "heads",

@@ -1,0 +1,92 @@
+"""``multihead bench``: the attention speed suite (ours against SDPA, SDPA per block and eager, as ratios
+in one run), or ``--distributed N`` for ring attention on local processes."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..bench import suite
+
+__all__ = ["register"]
+
+
+def register(sub) -> None:
+    """Register ``multihead bench`` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "bench",
+        help="attention speed suite: ours against SDPA, SDPA per block, eager (and flex), as ratios",
+        description=suite.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--full",
+        dest="kind",
+        action="store_const",
+        const="full",
+        help="the whole fixed suite (tens of minutes)",
+    )
+    size.add_argument(
+        "--tiny", dest="kind", action="store_const", const="tiny", help="a seconds-long smoke run"
+    )
+    p.set_defaults(kind="quick", func=_cmd_bench)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per method, interleaved (default 3)")
+    p.add_argument(
+        "--only", metavar="NAME", default=None,
+        help="run only this case family or the cases whose name contains NAME (NAME,NAME,... for several)",
+    )  # fmt: skip
+    p.add_argument("--flex", action="store_true", help="also compiled FlexAttention (compiles per shape)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    p.add_argument("--plot", metavar="PATH", default=None, help="save time vs N per method as a PNG")
+    p.add_argument(
+        "--distributed",
+        metavar="N",
+        type=int,
+        default=None,
+        help="instead: ring attention on 1, 2, 4, ... N local gloo processes (per-rank memory, time, bytes)",
+    )
+    p.add_argument("--seq", type=int, default=8192, help="with --distributed: global sequence length")
+
+
+def _cmd_bench(args) -> int:
+    """Run the suite with a progress bar; print the tables (or JSON); save the plot."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(highlight=False, stderr=args.json)
+    if not console.is_terminal:
+        console.width = 180
+    if args.distributed is not None:
+        return _cmd_distributed(args, console)
+    n = len([c for c in suite.cases(args.kind) if suite.selected(c, args.only)])
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("bench", total=n)
+
+        def step(what: str) -> None:
+            bar.update(task, advance=0 if bar.tasks[0].description == "bench" else 1, description=what)
+
+        doc = suite.run(args.kind, repeats=args.repeats, flex=args.flex, only=args.only, progress=step)
+    if args.plot:
+        suite.plot(doc, args.plot)
+    if args.json:
+        print(suite.to_json(doc))
+        return 0
+    console.print(suite.table(doc))
+    console.print(suite.goals_table(doc))
+    if args.plot:
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_distributed(args, console) -> int:
+    """``multihead bench --distributed N``: ring attention scaling over local gloo process groups."""
+    from ..bench.distributed import render_distributed_bench, run_distributed_bench, world_sizes_up_to
+
+    sizes = world_sizes_up_to(args.distributed)
+    with console.status("ring attention on local gloo processes") as status:
+        doc = run_distributed_bench(sizes, args.seq, progress=lambda what: status.update(what))
+    if args.json:
+        print(suite.to_json(doc))
+        return 0
+    console.print(render_distributed_bench(doc))
+    return 0

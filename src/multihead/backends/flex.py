@@ -1,6 +1,6 @@
 """``flex``: PyTorch's ``flex_attention`` compiled with ``torch.compile`` - optional, never required.
 
-Shape legend: B, Hq, Hkv, Nq, Nk, D as in :mod:`multihead.problem`.
+Shape legend: B, Hq, Hkv, Nq, Nk, D as in :mod:`multihead.core.problem`.
 
 Our masks are already flex ``mask_mod`` predicates and our additive biases and soft-cap are ``score_mod``
 functions, so the adapter is thin::

@@ -5,7 +5,7 @@ Used by ``multihead approx``, the study section :func:`section` and ``benchmarks
 - fidelity: the bundled all-MiniLM-L6-v2 with every attention approximated, against the exact model, on
   real text (standard-library docstrings): mean and worst cosine of the sentence embeddings;
 - recall: held-out MQAR accuracy after training the same small model with the approximation
-  (:func:`multihead.train.train_mqar`);
+  (:func:`multihead.train.trainer.train_mqar`);
 - cost: seconds and extra peak memory (growth of the process's peak resident set over the inputs) of one
   attention call, B=1, H=8, D=64, fp32, no mask, against exact attention on the ``tiled`` kernel.
 

@@ -1,6 +1,6 @@
 """What MixtureOfHeads saves at inference by skipping the heads a token did not choose.
 
-``python -m multihead.variants.bench [--seq-len N] [--top-k K] ...`` times one eval forward of
+``python -m multihead.bench.moh [--seq-len N] [--top-k K] ...`` times one eval forward of
 :class:`~multihead.variants.MixtureOfHeads` with ``skip="eval"`` (routed heads on the chosen tokens only)
 against ``skip="never"`` (every head on every token, then zero gates: the paper's reference code) on the
 same weights and input (median of interleaved repeats), counts both calls' FLOPs with

@@ -1,5 +1,5 @@
 """The tables of ``multihead explain --preset``: a :class:`multihead.cost.Cost` as the shape walk, the
-cost table (optionally on a roofline), and its memory - :class:`multihead.study.Table` objects, so the
+cost table (optionally on a roofline), and its memory - :class:`multihead.study.context.Table` objects, so the
 study's report can print them as markdown too.
 """
 

@@ -6,7 +6,7 @@ Commands::
     multihead explain [--seq N] [--batch B] [--heads H] [--kv-heads H] [--head-dim D]
                       [--mask causal|none|sliding:W|prefix:N] [--dtype T] [--phase prefill|decode] [--json]
     multihead explain --preset NAME | --hf DIR [--seq N] [--batch B] [--phase P] [--roof measure]
-                      a whole model's shape walk, cost table, memory and roofline (explain_cli.py)
+                      a whole model's shape walk, cost table, memory and roofline (cli/explain.py)
 
 Every command has ``--help``, runs with no arguments, and prints a machine-readable result with
 ``--json``. :func:`main` returns the exit code: 0 on success, 2 on bad arguments or an error the library

@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train a 2-layer TransformerLM on MQAR (associative recall) with exact or approximate attention",
-        description="Train the small model of multihead.train on fresh MQAR batches (Zoology's generator) "
+        description="Train a small TransformerLM on fresh MQAR batches (Zoology's generator) "
         "and report held-out accuracy. --attention takes 'exact', a head design of multihead.variants "
         "(mha, gqa, mqa, moh, dcmha, mohsa, collab, talking, gated) or a method of `multihead approx` "
         "(TopK, Threshold, local, local_global, Linformer, Nystrom, LowRank, LinearAttention, Performer).",

@@ -1,7 +1,7 @@
 """Score modifiers: additive biases (ALiBi, user functions, tensors) and soft-capping.
 
 A bias changes the scaled scores ``s = q k^T * scale`` before masking and softmax. Like masks they are
-evaluated late, over index tensors (see :mod:`multihead.masks`), so the tiled kernel can build one tile
+evaluated late, over index tensors (see :mod:`multihead.core.masks`), so the tiled kernel can build one tile
 at a time. Additive biases can also be materialised densely (what SDPA needs as a float ``attn_mask``).
 
 Chain modifiers with ``+``: ``mh.alibi(8) + mh.softcap(30.0)`` applies ALiBi, then the cap, left to right.

@@ -87,7 +87,7 @@ def capture_attention(model: nn.Module) -> Iterator[list[list[Tensor]]]:
 
     While the context is open, every call of the model's self-attentions is recorded (the hooks sit on
     the modules, whichever thread calls them); the module-level ``attention`` of
-    ``multihead.attention_module`` is swapped for one that records only inside those calls and passes
+    ``multihead.nn.attention`` is swapped for one that records only inside those calls and passes
     every other call through unchanged.
 
     Raises:

@@ -5,7 +5,7 @@ positions, L positions returned, D key head dim, Dv value head dim, W sliding wi
 
 ``update`` appends the n new keys/values and returns the keys/values to attend over, in position order and
 ending with the n new ones. The queries are the n new positions, so the bottom-right aligned masks of
-:mod:`multihead.masks` apply unchanged::
+:mod:`multihead.core.masks` apply unchanged::
 
     3 cached, update adds 2 -> k_all holds positions 0..4, the query rows are positions 3 and 4
                     k: 0 1 2 3 4

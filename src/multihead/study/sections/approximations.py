@@ -1,8 +1,8 @@
 """The comparison of every approximation in one table (``multihead approx``, the study section).
 
-:func:`compare` measures each method of :data:`~multihead.approx.measure.METHODS` (fidelity on MiniLM,
+:func:`compare` measures each method of :data:`~multihead.bench.approx.METHODS` (fidelity on MiniLM,
 MQAR accuracy, time and peak memory per length); :func:`table` renders the rows with the study's
-:class:`~multihead.study.Table`; :func:`approximations` is the study section (listed in
+:class:`~multihead.study.context.Table`; :func:`approximations` is the study section (listed in
 ``study.SECTIONS``; this module imports study lazily, so there is no import cycle).
 """
 
@@ -46,7 +46,7 @@ def compare(
         names: method names (default: all of ``measure.METHODS``).
         ns: sequence lengths of the cost benchmark.
         n_texts: docstrings for the MiniLM fidelity (0 skips it).
-        mqar: a :class:`~multihead.train.TrainConfig` to train each method on MQAR, or None to skip.
+        mqar: a :class:`~multihead.train.trainer.TrainConfig` to train each method on MQAR, or None to skip.
         step: progress hook ``step(what, fraction_done)``.
 
     Raises:

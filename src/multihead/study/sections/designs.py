@@ -1,10 +1,11 @@
 """The study's designs section: every head design of :mod:`multihead.variants` trained on MQAR, side by side.
 
 Each name of :data:`~multihead.variants.NAMES` replaces the self-attention of the same 2-layer
-:class:`~multihead.TransformerLM` (:func:`multihead.train.build_model`), which is then trained on fresh MQAR
-batches by :func:`multihead.train.train_mqar` with one config for all: the same data, steps, seed and
-optimizer, so the designs differ only in their attention. The row of each design: held-out accuracy, the
-final training loss, parameters, forward FLOPs of one sequence and the training time.
+:class:`~multihead.TransformerLM` (:func:`multihead.train.trainer.build_model`), which is then trained
+on fresh MQAR batches by :func:`multihead.train.trainer.train_mqar` with one config for all: the same
+data, steps, seed and optimizer, so the designs differ only in their attention. The row of each design:
+held-out accuracy, the final training loss, parameters, forward FLOPs of one sequence and the training
+time.
 
 Two tasks, both with 4 query heads (so that "gqa", 2 kv heads, differs from "mqa", 1):
 

@@ -3,10 +3,10 @@
 Both return a modified deep copy; the original model is untouched, so exact and approximate outputs of
 the same weights can be compared side by side (pretrained MiniLM, ``from_hf`` models, a TransformerLM).
 
-:func:`apply` sets ``approx`` on every :class:`~multihead.MultiHeadAttention` of the copy (the
-module's own ``approx=`` argument): the same parameters and state-dict keys (plus the approximation's own,
-e.g. a learned Linformer's ``approx.proj_k``), the same forward (projections, rotary, KV cache, head
-mask), with the approximation in place of the exact core call of eq. 9.34.
+:func:`apply` sets the approximation as the ``backend`` of every :class:`~multihead.MultiHeadAttention`
+of the copy (what ``MultiHeadAttention(backend=approx)`` does): the same parameters and state-dict keys
+(plus the approximation's own, e.g. a learned Linformer's ``approx.proj_k``), the same forward
+(projections, rotary, KV cache, head mask), with the approximation serving the core call of eq. 9.34.
 
 Shape legend: B batch, N query tokens, L keys attended, d = d_model, Hq / Hkv heads, D head dim,
 r rank, I / O a linear layer's input / output width.
@@ -27,10 +27,11 @@ __all__ = ["LowRankLinear", "apply", "low_rank_ffn"]
 
 
 def apply(model: nn.Module, approx: Approximation) -> nn.Module:
-    """A deep copy of ``model`` with every MultiHeadAttention computing ``approx`` instead of exact attention.
+    """A deep copy of ``model`` with ``approx`` as the backend of every MultiHeadAttention.
 
     An approximation with parameters (a learned Linformer) is copied per layer, so each layer learns its
-    own; one without is shared.
+    own; one without is shared. Whatever backend a layer had (a name, another approximation) is
+    replaced.
 
     Args:
         model: any module containing :class:`~multihead.MultiHeadAttention` (TransformerLM, Encoder,
@@ -54,12 +55,7 @@ def apply(model: nn.Module, approx: Approximation) -> nn.Module:
         raise ValueError(f"{type(model).__name__} contains no multihead.MultiHeadAttention to approximate")
     owns_params = any(True for _ in approx.parameters())
     for m in found:
-        if m.backend != "auto":
-            raise ValueError(
-                f"{type(model).__name__} has a MultiHeadAttention with backend={m.backend!r}; an "
-                "approximation replaces the backend, so build the model with backend='auto'"
-            )
-        m.approx = copy.deepcopy(approx) if owns_params else approx
+        m.backend = copy.deepcopy(approx) if owns_params else approx
     return out
 
 
@@ -93,7 +89,7 @@ class LowRankLinear(nn.Module):
 
 
 def low_rank_ffn(model: nn.Module, rank: int) -> nn.Module:
-    """A deep copy of ``model`` with every FFN weight matrix replaced by its rank-r SVD (seed 003 §3.2.1).
+    """A deep copy of ``model`` with every FFN weight matrix replaced by its rank-r SVD.
 
     Every ``nn.Linear`` inside each :class:`~multihead.FeedForward` (``linear1``/``linear2``, or SwiGLU's
     ``w1``/``w2``/``w3``) becomes a :class:`LowRankLinear`.

@@ -1,9 +1,9 @@
-"""Sparse attention (seed 003 §3.1.1, §4.2): keep a few weights per query, or a fixed pattern.
+"""Sparse attention: keep a few weights per query, or a fixed pattern.
 
-    TopK(k):        each query keeps its k largest scores; softmax over those k      (§3.1.1 item 2)
-    Threshold(tau): A = softmax(s); drop A_ij < tau; renormalise each row             (§4.2)
-    SparseMask(m):  exact attention restricted to a pattern m (local windows, global tokens; §3.1.1
-                    item 3), computed by the core, whose tiled kernel skips the tiles the pattern empties
+    TopK(k):        each query keeps its k largest scores; softmax over those k
+    Threshold(tau): A = softmax(s); drop A_ij < tau; renormalise each row
+    SparseMask(m):  exact attention restricted to a pattern m (local windows, global tokens), computed
+                    by the core, whose tiled kernel skips the tiles the pattern empties
 
 plus the patterns themselves as masks: :func:`local` (a band |i - j| < w) and :func:`local_global` (the
 band, plus g global tokens that see and are seen by every position; Longformer / BigBird).
@@ -94,6 +94,8 @@ class TopK(_RowSparse):
         ValueError: ``k`` not an int >= 1.
     """
 
+    summary = "each query keeps its k largest scores, softmax over those (exact scores, O(N^2) time)"
+
     def __init__(self, k: int):
         super().__init__()
         self.k = check_int("TopK", "k", k, 1)
@@ -104,12 +106,15 @@ class TopK(_RowSparse):
         top, idx = s.topk(self.k, dim=-1)  # (B, Hq, nq, k)
         return torch.zeros_like(s).scatter(-1, idx, safe_softmax(top))  # (B, Hq, nq, Nk)
 
+    def arguments(self) -> list[str]:
+        return [str(self.k)]
+
     def extra_repr(self) -> str:
         return f"k={self.k}"
 
 
 class Threshold(_RowSparse):
-    """Drop the attention weights below ``tau`` and renormalise each row (seed 003 eq. §4.2).
+    """Drop the attention weights below ``tau`` and renormalise each row.
 
     ``A = softmax(s)``; ``A_ij`` is kept when ``A_ij >= tau``; kept weights are divided by their row sum.
     The largest weight of a row is always kept, so no row empties (for ``tau > 1/Nk`` it could).
@@ -121,6 +126,8 @@ class Threshold(_RowSparse):
     Raises:
         ValueError: ``tau`` outside [0, 1).
     """
+
+    summary = "weights below tau dropped, each row renormalised (exact scores, O(N^2) time)"
 
     def __init__(self, tau: float):
         super().__init__()
@@ -138,6 +145,9 @@ class Threshold(_RowSparse):
         a = a * keep
         total = a.sum(dim=-1, keepdim=True)
         return a / torch.where(total > 0, total, torch.ones_like(total))
+
+    def arguments(self) -> list[str]:
+        return [repr(self.tau)]
 
     def extra_repr(self) -> str:
         return f"tau={self.tau}"
@@ -162,6 +172,8 @@ class SparseMask(Approximation):
     supports_any_mask = True
     supports_dropout = True
 
+    summary = "exact attention restricted to a sparse pattern; the tiled kernel skips the empty tiles"
+
     def __init__(self, pattern: Mask | Tensor, backend: str = "tiled"):
         super().__init__()
         self.pattern = as_mask(pattern)
@@ -174,6 +186,9 @@ class SparseMask(Approximation):
         )
         assert isinstance(out, Tensor)
         return out
+
+    def arguments(self) -> list[str]:
+        return [repr(self.pattern)] + ([] if self.backend == "tiled" else [f"backend={self.backend!r}"])
 
     def extra_repr(self) -> str:
         return f"pattern={self.pattern!r}, backend={self.backend!r}"
@@ -233,5 +248,6 @@ def local_global(window: int, n_global: int) -> Mask:
         ValueError: ``window`` not an int >= 1, ``n_global`` not an int >= 0.
     """
     return _Local(
-        check_int("local_global", "window", window, 1), check_int("local_global", "n_global", n_global, 0)
+        check_int("local_global", "window", window, 1),
+        check_int("local_global", "n_global", n_global, 0),
     )

@@ -19,9 +19,10 @@ import copy
 import torch
 from torch import Tensor, nn
 
+from ..core.checks import check_int
 from ..nn.attention import MultiHeadAttention
 from ..nn.feed_forward import FeedForward
-from .base import Approximation, check_int
+from .base import Approximation
 
 __all__ = ["LowRankLinear", "apply", "low_rank_ffn"]
 
@@ -98,7 +99,7 @@ def low_rank_ffn(model: nn.Module, rank: int) -> nn.Module:
         ValueError: ``rank`` not an int >= 1 or larger than a layer's min(in, out) (then the "low-rank"
             factors would be bigger than the matrix), or no FeedForward in the model.
     """
-    check_int("low_rank_ffn", "rank", rank, 1)
+    check_int("rank", rank, 1, owner="low_rank_ffn")
     out = copy.deepcopy(model)
     ffns = [m for m in out.modules() if isinstance(m, FeedForward)]
     if not ffns:

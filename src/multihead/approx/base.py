@@ -30,37 +30,10 @@ from torch import Tensor, nn
 from ..core.biases import Bias
 from ..core.functional import attention
 from ..core.masks import AndMask, Mask, MaskContext
+from ..core.numerics import acc_dtype
 from ..core.problem import AttentionOutput, Problem
 
-__all__ = [
-    "Approximation",
-    "MaskSplit",
-    "acc_dtype",
-    "check_int",
-    "safe_softmax",
-    "split_mask",
-]
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The working dtype: float64 stays float64, everything else runs in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def check_int(owner: str, name: str, value: object, low: int) -> int:
-    """Return ``value`` after checking it is an int >= low (bool excluded)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner} {name} must be an int >= {low}, got {value!r}")
-    return value
-
-
-def safe_softmax(s: Tensor, dim: int = -1) -> Tensor:
-    """Softmax along ``dim`` where a row of only -inf gives zeros (not NaN), with zero gradient."""
-    m = s.amax(dim=dim, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()
-    e = torch.exp(s - m)
-    total = e.sum(dim=dim, keepdim=True)
-    return e / torch.where(total > 0, total, torch.ones_like(total))
+__all__ = ["Approximation", "MaskSplit", "split_mask"]
 
 
 @dataclass

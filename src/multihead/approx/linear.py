@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.checks import check_int
 from ..core.problem import Problem
-from .base import Approximation, check_int
+from .base import Approximation
 
 __all__ = ["LinearAttention", "Performer", "linear_attention"]
 
@@ -194,7 +195,7 @@ class Performer(_FeatureAttention):
 
     def __init__(self, features: int = 256, *, orthogonal: bool = True, seed: int = 0):
         super().__init__()
-        self.n_features = check_int("Performer", "features", features, 1)
+        self.n_features = check_int("features", features, 1, owner="Performer")
         self.orthogonal, self.seed = bool(orthogonal), seed
         self._proj: dict[int, Tensor] = {}
 

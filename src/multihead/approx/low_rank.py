@@ -23,9 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from ..backends import registry
+from ..backends.dense import safe_softmax
+from ..core.checks import check_int
 from ..core.functional import attention
 from ..core.problem import Problem
-from .base import Approximation, check_int, safe_softmax
+from .base import Approximation
 
 __all__ = ["Linformer", "LowRank", "Nystrom"]
 
@@ -54,8 +56,8 @@ class Linformer(Approximation):
 
     def __init__(self, k: int, max_len: int, *, learned: bool = False, seed: int = 0):
         super().__init__()
-        self.k = check_int("Linformer", "k", k, 1)
-        self.max_len = check_int("Linformer", "max_len", max_len, 1)
+        self.k = check_int("k", k, 1, owner="Linformer")
+        self.max_len = check_int("max_len", max_len, 1, owner="Linformer")
         self.learned, self.seed = bool(learned), seed
         g = torch.Generator().manual_seed(seed)
         e, f = (torch.randn(k, max_len, generator=g) / k**0.5 for _ in range(2))  # (k, max_len) each
@@ -152,9 +154,9 @@ class Nystrom(Approximation):
 
     def __init__(self, landmarks: int, *, pinv_iterations: int | None = 6):
         super().__init__()
-        self.landmarks = check_int("Nystrom", "landmarks", landmarks, 1)
+        self.landmarks = check_int("landmarks", landmarks, 1, owner="Nystrom")
         if pinv_iterations is not None:
-            check_int("Nystrom", "pinv_iterations", pinv_iterations, 1)
+            check_int("pinv_iterations", pinv_iterations, 1, owner="Nystrom")
         self.pinv_iterations = pinv_iterations
 
     def arguments(self) -> list[str]:
@@ -173,12 +175,12 @@ class Nystrom(Approximation):
         kl5, k5, v5 = kl[:, :, None], p.k[:, :, None], p.v[:, :, None]  # (B, Hkv, 1, ., .)
         no_kl = ~k_present[:, :, None, None]  # (B|1, 1, 1, 1, m): absent key landmarks get no weight
         neg_inf = float("-inf")
-        f1 = safe_softmax((q5 @ kl5.transpose(-1, -2) * s).masked_fill(no_kl, neg_inf))  # (.., Nq, m)
-        a2 = safe_softmax((ql5 @ kl5.transpose(-1, -2) * s).masked_fill(no_kl, neg_inf))  # (.., m, m)
+        f1, _ = safe_softmax((q5 @ kl5.transpose(-1, -2) * s).masked_fill(no_kl, neg_inf))  # (.., Nq, m)
+        a2, _ = safe_softmax((ql5 @ kl5.transpose(-1, -2) * s).masked_fill(no_kl, neg_inf))  # (.., m, m)
         s3 = ql5 @ k5.transpose(-1, -2) * s  # (B, Hkv, G, m, Nk)
         if real_k is not None:
             s3 = s3.masked_fill(~real_k[:, None, None, None, :], neg_inf)
-        b3 = safe_softmax(s3)
+        b3, _ = safe_softmax(s3)
         q_absent = ~q_present[:, :, None, :, None]  # (B|1, 1, 1, m, 1): absent query landmarks: zero rows
         a2, b3 = a2.masked_fill(q_absent, 0.0), b3.masked_fill(q_absent, 0.0)
         if self.pinv_iterations is None:
@@ -219,7 +221,7 @@ class LowRank(Approximation):
 
     def __init__(self, rank: int, method: str = "svd", *, seed: int = 0, clamp: bool = False):
         super().__init__()
-        self.rank = check_int("LowRank", "rank", rank, 1)
+        self.rank = check_int("rank", rank, 1, owner="LowRank")
         if method not in ("svd", "random"):
             raise ValueError(f"LowRank method must be 'svd' or 'random', got {method!r}")
         self.method, self.seed, self.clamp = method, seed, bool(clamp)

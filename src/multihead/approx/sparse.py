@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..backends.dense import modify_scores, safe_softmax
+from ..core.checks import check_int
 from ..core.functional import attention
 from ..core.masks import Mask, MaskContext, as_mask, kinds_from
 from ..core.problem import Problem
-from .base import Approximation, check_int, safe_softmax
+from .base import Approximation
 
 __all__ = ["SparseMask", "Threshold", "TopK", "local", "local_global"]
 
@@ -45,12 +47,7 @@ def _scores(p: Problem, q0: int, q1: int) -> Tensor:
     nq = q1 - q0
     qb = p.q[:, :, q0:q1].reshape(p.B, p.Hkv, p.G * nq, p.D)  # (B, Hkv, G*nq, D): heads (Hkv, G) adjacent
     s = torch.matmul(qb, p.k.transpose(-1, -2)) * p.scale  # (B, Hkv, G*nq, Nk)
-    s = s.view(p.B, p.Hq, nq, p.Nk)  # (B, Hq, nq, Nk)
-    if p.bias is not None:
-        s = p.bias.apply_block(s, p.ctx, (q0, q1), (0, p.Nk))
-    if p.mask is not None:
-        s = s.masked_fill(~p.mask.block(p.ctx, (q0, q1), (0, p.Nk), s.device), float("-inf"))
-    return s
+    return modify_scores(s.view(p.B, p.Hq, nq, p.Nk), p, rows=(q0, q1))  # (B, Hq, nq, Nk)
 
 
 def _weighted_values(p: Problem, w: Tensor) -> Tensor:
@@ -98,13 +95,13 @@ class TopK(_RowSparse):
 
     def __init__(self, k: int):
         super().__init__()
-        self.k = check_int("TopK", "k", k, 1)
+        self.k = check_int("k", k, 1, owner="TopK")
 
     def weights(self, s: Tensor) -> Tensor:
         if self.k >= s.shape[-1]:
-            return safe_softmax(s)
+            return safe_softmax(s)[0]
         top, idx = s.topk(self.k, dim=-1)  # (B, Hq, nq, k)
-        return torch.zeros_like(s).scatter(-1, idx, safe_softmax(top))  # (B, Hq, nq, Nk)
+        return torch.zeros_like(s).scatter(-1, idx, safe_softmax(top)[0])  # (B, Hq, nq, Nk)
 
     def arguments(self) -> list[str]:
         return [str(self.k)]
@@ -138,7 +135,7 @@ class Threshold(_RowSparse):
         self.tau = float(tau)
 
     def weights(self, s: Tensor) -> Tensor:
-        a = safe_softmax(s)  # (B, Hq, nq, Nk)
+        a = safe_softmax(s)[0]  # (B, Hq, nq, Nk)
         if self.tau == 0.0:
             return a
         keep = (a >= self.tau) | (a == a.amax(dim=-1, keepdim=True))
@@ -237,7 +234,7 @@ def local(window: int) -> Mask:
     Raises:
         ValueError: ``window`` not an int >= 1.
     """
-    return _Local(check_int("local", "window", window, 1), 0)
+    return _Local(check_int("window", window, 1, owner="local"), 0)
 
 
 def local_global(window: int, n_global: int) -> Mask:
@@ -248,6 +245,6 @@ def local_global(window: int, n_global: int) -> Mask:
         ValueError: ``window`` not an int >= 1, ``n_global`` not an int >= 0.
     """
     return _Local(
-        check_int("local_global", "window", window, 1),
-        check_int("local_global", "n_global", n_global, 0),
+        check_int("window", window, 1, owner="local_global"),
+        check_int("n_global", n_global, 0, owner="local_global"),
     )

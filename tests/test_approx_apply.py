@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import multihead as mh
 from multihead import approx as A
+from multihead.core.problem import make_problem
 from tests.numerics import TOL, max_err
 
 F64 = torch.float64
@@ -149,7 +152,7 @@ def test_bad_parameters(make, match):
         (A.Performer(8), {"mask": mh.sliding_window(3)}, r"cannot apply mask sliding_window\(3\)"),
         (A.Nystrom(4), {"bias": mh.alibi(2)}, r"Nystrom cannot add a bias"),
         (A.LinearAttention(), {"dropout_p": 0.1}, r"no attention weights to drop \(dropout_p=0.1\)"),
-        (A.LinearAttention(), {"scale": 0.5}, r"has no temperature, got scale=0.5"),
+        (A.LinearAttention(), {"scale": 0.3}, r"has no temperature, got scale=0.3"),
         (A.TopK(2), {"dropout_p": 1.0}, r"dropout_p must be in \[0, 1\)"),
     ],
 )
@@ -167,42 +170,110 @@ def test_bad_tensors_raise_like_the_core():
         A.Performer(4)(q, k.expand(1, 3, 9, 4), v.expand(1, 3, 9, 4))
 
 
-# -- the approx= hook of mh.attention and MultiHeadAttention ----------------------------------------------
-def test_attention_approx_argument_calls_the_approximation():
+# -- an approximation is a backend: mh.attention, explain, MultiHeadAttention --------------------------------
+def test_attention_takes_an_approximation_as_its_backend():
     q, k, v = _qkv()
     ap = A.Nystrom(3)
-    got = mh.attention(q, k, v, approx=ap, scale=0.3)
+    got = mh.attention(q, k, v, backend=ap, scale=0.3)
     assert torch.equal(got, ap(q, k, v, scale=0.3))
-    exact = mh.attention(q, k, v, approx=A.TopK(9), mask=mh.causal())  # k >= N: exact
+    exact = mh.attention(q, k, v, backend=A.TopK(9), mask=mh.causal())  # k >= N: exact
     assert max_err(exact, mh.attention(q, k, v, mask=mh.causal(), backend="reference")) <= TOL[F64]
 
 
-@pytest.mark.parametrize(
-    ("kw", "match"),
-    [
-        ({"approx": "topk"}, "approx must be None"),
-        ({"approx": A.TopK(2), "backend": "matrix"}, "backend='matrix'"),
-        ({"approx": A.TopK(2), "return_weights": True}, "return_weights=True"),
-        ({"approx": A.TopK(2), "return_lse": True}, "return_lse=True"),
-    ],
-)
-def test_attention_approx_argument_errors(kw, match):
+def test_an_approximation_is_a_backend_object_that_is_never_registered_nor_picked_by_auto():
+    ap = A.TopK(64)
+    assert (ap.name, A.Linformer(4, 32, learned=True).name, A.SparseMask(A.local(3)).name) == (
+        "TopK(64)",
+        "Linformer(4, 32, learned=True)",
+        "SparseMask(local(3))",
+    )
+    assert isinstance(ap.summary, str) and ap.summary
+    assert ap.name not in mh.backends()
+    from multihead.backends import auto
+
+    assert not any(name.startswith("TopK") for name in auto.AUTO_ORDER)
+    p = make_problem(*_qkv(), mask=mh.causal())
+    assert ap.why_not(p) is None and A.Nystrom(3).why_not(p) is not None
+    out = ap.run(p)
+    assert out.weights is None and out.lse is None and out.out.shape == (1, 2, 9, 4)
+
+
+def test_the_call_is_validated_once(monkeypatch):
+    import multihead.core.functional as functional
+
+    calls = []
+    real = functional.make_problem
+    monkeypatch.setattr(functional, "make_problem", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=match):
-        mh.attention(q, k, v, **kw)
+    mh.attention(q, k, v, mask=mh.causal(), backend=A.TopK(3))
+    A.Threshold(0.1)(q, k, v, mask=mh.causal())
+    assert len(calls) == 2
 
 
-def test_module_approx_argument_is_a_registered_submodule():
+@pytest.mark.parametrize("extra", ["return_weights", "return_lse"])
+def test_an_approximation_refuses_weights_and_lse(extra):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=rf"TopK\(2\) approximates the output only .*{extra}=True"):
+        mh.attention(q, k, v, backend=A.TopK(2), **{extra: True})
+
+
+@pytest.mark.parametrize("bad", ["topk", torch.nn.Linear(2, 2), 3, None])
+def test_a_bad_backend_names_backend_the_value_and_the_choices(bad):
+    q, k, v = _qkv()
+    choices = r"valid backends are: auto, reference.*or a backend object"
+    for call in (mh.attention, mh.explain):
+        with pytest.raises(ValueError, match=rf"unknown backend .*{choices}"):
+            call(q, k, v, backend=bad)
+    with pytest.raises(ValueError, match=rf"unknown backend {re.escape(repr(bad))}"):
+        mh.MultiHeadAttention(16, 4, backend=bad)
+
+
+def test_approx_is_no_longer_an_argument():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="approx"):
+        mh.attention(q, k, v, approx=A.TopK(2))
+    with pytest.raises(TypeError, match="approx"):
+        mh.explain(q, k, v, approx=A.TopK(2))
+    with pytest.raises(TypeError, match="approx"):
+        mh.MultiHeadAttention(16, 4, approx=A.TopK(2))
+
+
+def test_explain_describes_an_approximation_instead_of_the_exact_backends():
+    q, k, v = _qkv()
+    text = mh.explain(q, k, v, backend=A.TopK(4))
+    assert "approximation TopK(4): each query keeps its k largest scores" in text
+    assert "serves this call" in text
+    assert "not tiled" not in text and "auto ->" not in text
+    text = mh.explain(q, k, v, mask=mh.causal(), backend=A.Nystrom(3))
+    assert "cannot serve this call: Nystrom mixes every position" in text
+    assert "return_weights=True" in mh.explain(q, k, v, return_weights=True, backend=A.TopK(4))
+
+
+def test_module_backend_object_is_a_registered_submodule_that_trains():
     torch.manual_seed(0)
-    m = mh.MultiHeadAttention(16, 4, approx=A.Linformer(4, 32, learned=True))
-    assert "approx.proj_k" in dict(m.named_parameters()) and "approximated" in repr(m)
+    m = mh.MultiHeadAttention(16, 4, backend=A.Linformer(4, 32, learned=True))
+    assert isinstance(m.backend, A.Linformer) and m.backend is m.approx
+    assert "approx.proj_k" in dict(m.named_parameters()) and "approx.proj_k" in m.state_dict()
+    assert "backend=Linformer(4, 32, learned=True)" in repr(m)
     x = torch.randn(2, 32, 16)
+    m(x).sum().backward()
+    assert m.approx.proj_k.grad is not None and float(m.approx.proj_k.grad.abs().sum()) > 0
     ref = mh.MultiHeadAttention(16, 4)
     ref.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("approx.")})
     assert not torch.allclose(m(x), ref(x))  # the approximation is used
-    m.approx = None
+    m2 = mh.MultiHeadAttention(16, 4, backend=A.Linformer(4, 32, learned=True))
+    m2.load_state_dict(m.state_dict())  # saved and loaded with the module
+    assert torch.equal(m2.approx.proj_k, m.approx.proj_k)
+    m.backend = "auto"  # back to exact: the approximation and its parameters leave the module
+    assert m.approx is None and "approx.proj_k" not in m.state_dict()
     assert torch.equal(m(x), ref(x))
-    with pytest.raises(ValueError, match="approx must be None"):
-        mh.MultiHeadAttention(16, 4, approx=torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="backend must stay 'auto'"):
-        mh.MultiHeadAttention(16, 4, backend="matrix", approx=A.TopK(2))
+
+
+def test_module_backend_assignment_goes_through_validation():
+    m = mh.MultiHeadAttention(16, 4)
+    m.backend = A.TopK(2)  # an nn.Module: kept as the submodule approx, not as a child named backend
+    assert m.backend is m.approx and "backend" not in dict(m.named_children())
+    m.backend = "matrix"
+    assert m.backend == "matrix" and m.approx is None
+    with pytest.raises(ValueError, match="unknown backend 'flash9'"):
+        m.backend = "flash9"

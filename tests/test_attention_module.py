@@ -303,7 +303,7 @@ def test_bad_constructor_arguments_raise():
         MultiHeadAttention(32, 4, dropout=1.0)
     with pytest.raises(ValueError, match=r"dropout must be a probability in \[0, 1\), got -0.1"):
         MultiHeadAttention(32, 4, dropout=-0.1)
-    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+    with pytest.raises(ValueError, match="unknown backend 'flash9'; valid backends are: auto, reference"):
         MultiHeadAttention(32, 4, backend="flash9")
     with pytest.raises(ValueError, match="head_dim must be an int >= 1"):
         MultiHeadAttention(32, 4, head_dim=0)

@@ -1,12 +1,16 @@
-"""Efficient approximations of attention (seeds 002 §4.3 and 003 §3.1, §4.2-4.3), each a callable module.
+"""Efficient approximations of attention, each a backend of the functional core and an ``nn.Module``.
 
-Every approximation is called like the functional core and returns the same layout::
+An approximation is passed where a backend name goes, and returns the core's layout (output only)::
 
     import multihead as mh
     from multihead import approx
-    out = approx.Nystrom(32)(q, k, v)                         # q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
-    out = approx.Performer(256)(q, k, v, mask=mh.causal())    # -> (B, Hq, Nq, Dv)
-    lm2 = approx.apply(lm, approx.TopK(32))                   # a copy of a model, every attention replaced
+    out = mh.attention(q, k, v, backend=approx.Nystrom(32))  # q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
+    out = approx.Performer(256)(q, k, v, mask=mh.causal())    # the same call -> (B, Hq, Nq, Dv)
+    m = mh.MultiHeadAttention(64, 4, backend=approx.Linformer(16, 512, learned=True))  # trains with m
+    lm2 = approx.apply(lm, approx.TopK(32))                   # a copy of a model, TopK in every attention
+    print(mh.explain(q, k, v, mask=mh.causal(), backend=approx.Nystrom(32)))  # why it cannot serve this
+
+They are not registered by name (they have parameters) and ``backend="auto"`` never picks one.
 
 ====================  =====================================  ========  ===============  ==========
 approximation         idea                                   causal    masks / bias     cost

@@ -3,10 +3,10 @@
 Both return a modified deep copy; the original model is untouched, so exact and approximate outputs of
 the same weights can be compared side by side (pretrained MiniLM, ``from_hf`` models, a TransformerLM).
 
-:func:`apply` sets ``approx`` on every :class:`~multihead.MultiHeadAttention` of the copy (the
-module's own ``approx=`` argument): the same parameters and state-dict keys (plus the approximation's own,
-e.g. a learned Linformer's ``approx.proj_k``), the same forward (projections, rotary, KV cache, head
-mask), with the approximation in place of the exact core call of eq. 9.34.
+:func:`apply` sets the approximation as the ``backend`` of every :class:`~multihead.MultiHeadAttention`
+of the copy (what ``MultiHeadAttention(backend=approx)`` does): the same parameters and state-dict keys
+(plus the approximation's own, e.g. a learned Linformer's ``approx.proj_k``), the same forward
+(projections, rotary, KV cache, head mask), with the approximation serving the core call of eq. 9.34.
 
 Shape legend: B batch, N query tokens, L keys attended, d = d_model, Hq / Hkv heads, D head dim,
 r rank, I / O a linear layer's input / output width.
@@ -19,18 +19,20 @@ import copy
 import torch
 from torch import Tensor, nn
 
+from ..core.checks import check_int
 from ..nn.attention import MultiHeadAttention
 from ..nn.feed_forward import FeedForward
-from .base import Approximation, check_int
+from .base import Approximation
 
 __all__ = ["LowRankLinear", "apply", "low_rank_ffn"]
 
 
 def apply(model: nn.Module, approx: Approximation) -> nn.Module:
-    """A deep copy of ``model`` with every MultiHeadAttention computing ``approx`` instead of exact attention.
+    """A deep copy of ``model`` with ``approx`` as the backend of every MultiHeadAttention.
 
     An approximation with parameters (a learned Linformer) is copied per layer, so each layer learns its
-    own; one without is shared.
+    own; one without is shared. Whatever backend a layer had (a name, another approximation) is
+    replaced.
 
     Args:
         model: any module containing :class:`~multihead.MultiHeadAttention` (TransformerLM, Encoder,
@@ -54,12 +56,7 @@ def apply(model: nn.Module, approx: Approximation) -> nn.Module:
         raise ValueError(f"{type(model).__name__} contains no multihead.MultiHeadAttention to approximate")
     owns_params = any(True for _ in approx.parameters())
     for m in found:
-        if m.backend != "auto":
-            raise ValueError(
-                f"{type(model).__name__} has a MultiHeadAttention with backend={m.backend!r}; an "
-                "approximation replaces the backend, so build the model with backend='auto'"
-            )
-        m.approx = copy.deepcopy(approx) if owns_params else approx
+        m.backend = copy.deepcopy(approx) if owns_params else approx
     return out
 
 
@@ -93,7 +90,7 @@ class LowRankLinear(nn.Module):
 
 
 def low_rank_ffn(model: nn.Module, rank: int) -> nn.Module:
-    """A deep copy of ``model`` with every FFN weight matrix replaced by its rank-r SVD (seed 003 §3.2.1).
+    """A deep copy of ``model`` with every FFN weight matrix replaced by its rank-r SVD.
 
     Every ``nn.Linear`` inside each :class:`~multihead.FeedForward` (``linear1``/``linear2``, or SwiGLU's
     ``w1``/``w2``/``w3``) becomes a :class:`LowRankLinear`.
@@ -102,7 +99,7 @@ def low_rank_ffn(model: nn.Module, rank: int) -> nn.Module:
         ValueError: ``rank`` not an int >= 1 or larger than a layer's min(in, out) (then the "low-rank"
             factors would be bigger than the matrix), or no FeedForward in the model.
     """
-    check_int("low_rank_ffn", "rank", rank, 1)
+    check_int("rank", rank, 1, owner="low_rank_ffn")
     out = copy.deepcopy(model)
     ffns = [m for m in out.modules() if isinstance(m, FeedForward)]
     if not ffns:

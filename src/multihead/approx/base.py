@@ -1,14 +1,19 @@
-"""What every approximation shares: the calling convention, validation, and the mask split.
+"""What every approximation shares: the backend protocol, its refusals, and the mask split.
 
-Every approximation is an ``nn.Module`` called like the functional core::
+An approximation is a backend of the functional core that is also an ``nn.Module``::
 
-    out = approx(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0)   # (B, Hq, Nq, Dv)
+    out = mh.attention(q, k, v, mask=mh.causal(), backend=approx.TopK(64))   # (B, Hq, Nq, Dv)
+    out = approx.TopK(64)(q, k, v, mask=mh.causal())                        # the same call
+    m = mh.MultiHeadAttention(512, 8, backend=approx.Linformer(64, 1024, learned=True))  # trains with m
 
-with q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), ``Hq % Hkv == 0`` and query head i reading kv
-head ``i // G``, masks True = may attend with bottom-right causal alignment, and a query row with no
-allowed key giving zeros. Arguments are validated by the core's :func:`~multihead.problem.make_problem`;
-what an approximation cannot honour (a mask it has no form for, a bias, dropout) raises ValueError
-naming the argument and what to use instead. Work is done in float32 for half inputs (float64 stays
+It has a ``name`` (its constructor call, ``TopK(64)``), a one-line ``summary``, ``why_not(problem)`` (what
+it cannot serve: weights or lse, a mask, bias or dropout it has no form for) and ``run(problem)``, which
+receives the :class:`~multihead.core.problem.Problem` that :func:`multihead.attention` validated once.
+Approximations are not registered by name (they have parameters) and ``auto`` never picks one.
+
+Conventions are the core's: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), ``Hq % Hkv == 0``
+and query head i reading kv head ``i // G``, masks True = may attend with bottom-right causal alignment,
+and a query row with no allowed key giving zeros. Work is done in float32 for half inputs (float64 stays
 float64) and the result is cast back to the input dtype.
 
 Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, Nq queries, Nk keys, D head dim,
@@ -17,45 +22,18 @@ Dv value head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
 from ..core.biases import Bias
+from ..core.functional import attention
 from ..core.masks import AndMask, Mask, MaskContext
-from ..core.problem import Problem, make_problem
+from ..core.numerics import acc_dtype
+from ..core.problem import AttentionOutput, Problem
 
-__all__ = [
-    "Approximation",
-    "MaskSplit",
-    "acc_dtype",
-    "check_approx",
-    "check_int",
-    "safe_softmax",
-    "split_mask",
-]
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The working dtype: float64 stays float64, everything else runs in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def check_int(owner: str, name: str, value: object, low: int) -> int:
-    """Return ``value`` after checking it is an int >= low (bool excluded)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner} {name} must be an int >= {low}, got {value!r}")
-    return value
-
-
-def safe_softmax(s: Tensor, dim: int = -1) -> Tensor:
-    """Softmax along ``dim`` where a row of only -inf gives zeros (not NaN), with zero gradient."""
-    m = s.amax(dim=dim, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()
-    e = torch.exp(s - m)
-    total = e.sum(dim=dim, keepdim=True)
-    return e / torch.where(total > 0, total, torch.ones_like(total))
+__all__ = ["Approximation", "MaskSplit", "split_mask"]
 
 
 @dataclass
@@ -105,10 +83,11 @@ def split_mask(mask: Mask | None, ctx: MaskContext, device: torch.device) -> Mas
 
 
 class Approximation(nn.Module):
-    """Base class of the approximations: ``forward(q, k, v, *, mask, bias, scale, dropout_p)``.
+    """Base class of the approximations: a backend of :func:`multihead.attention` that is a module.
 
-    Subclasses implement :meth:`attend` on a validated :class:`~multihead.problem.Problem` whose tensors
-    are already in the working dtype, and set the class flags below.
+    Subclasses implement :meth:`attend` on a validated :class:`~multihead.core.problem.Problem` whose
+    tensors are already in the working dtype, set the class flags and ``summary`` below, list their
+    constructor arguments in :meth:`arguments`, and add their own refusals to :meth:`why_not`.
     """
 
     #: has a causal form (``mask=mh.causal()``); methods that mix the whole sequence (Linformer,
@@ -118,6 +97,19 @@ class Approximation(nn.Module):
     supports_any_mask: bool = False
     #: applies ``dropout_p`` to explicit attention weights.
     supports_dropout: bool = False
+    #: not exact attention (what :func:`multihead.explain` calls it).
+    exact: bool = False
+    #: one line for :func:`multihead.explain`.
+    summary: str = "an approximation of attention"
+
+    @property
+    def name(self) -> str:
+        """The constructor call, e.g. ``TopK(64)``: the backend's name in messages and ``explain``."""
+        return f"{type(self).__name__}({', '.join(self.arguments())})"
+
+    def arguments(self) -> list[str]:
+        """The constructor arguments, as written in a call (keywords only where not the default)."""
+        return []
 
     def forward(
         self,
@@ -130,65 +122,73 @@ class Approximation(nn.Module):
         scale: float | None = None,
         dropout_p: float = 0.0,
     ) -> Tensor:
-        """Approximate ``softmax(mask(q k^T * scale + bias)) v`` -> (B, Hq, Nq, Dv) in q's dtype.
+        """``mh.attention(q, k, v, ..., backend=self)``: the approximation -> (B, Hq, Nq, Dv) in q's dtype.
 
         Raises:
-            ValueError: what :func:`multihead.attention` raises for bad tensors, masks and biases, plus a
-                mask, bias or dropout this approximation cannot apply.
+            ValueError: what :func:`multihead.attention` raises for bad tensors, masks and biases, plus
+                the reason of :meth:`why_not` (a mask, bias or dropout this approximation cannot apply).
         """
-        p = make_problem(q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p)
+        out = attention(q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, backend=self)
+        assert isinstance(out, Tensor)
+        return out
+
+    def why_not(self, p: Problem) -> str | None:
+        """Why this approximation cannot serve ``p`` (a message naming the argument and what to use
+        instead), or None. Subclasses add their own limits after these."""
+        asked = [n for n, on in (("return_weights", p.return_weights), ("return_lse", p.return_lse)) if on]
+        if asked:
+            return (
+                f"{self.name} approximates the output only and has no attention weights or log-sum-exp to "
+                f"return ({', '.join(f'{n}=True' for n in asked)}); drop {' and '.join(asked)}, or use an "
+                "exact backend ('matrix' returns weights, 'tiled' the lse)"
+            )
         name = type(self).__name__
         if p.bias is not None and not self.supports_any_mask:
-            raise ValueError(
+            return (
                 f"{name} cannot add a bias ({p.bias!r}) to scores it never forms; "
                 "use TopK, Threshold or LowRank, or exact attention, for biased attention"
             )
         if p.dropout_p > 0 and not self.supports_dropout:
-            raise ValueError(
+            return (
                 f"{name} has no attention weights to drop (dropout_p={p.dropout_p}); pass dropout_p=0.0 "
                 "(build the model with dropout=0.0)"
             )
+        if p.mask is not None and not self.supports_any_mask:
+            parts = self.split(p)
+            if parts.causal and not self.supports_causal:
+                return (
+                    f"{name} mixes every position of the sequence and has no causal form; use "
+                    "LinearAttention or Performer (causal by prefix sums), TopK or Threshold, or exact "
+                    "attention for causal()"
+                )
+            if parts.rest:
+                allowed = "causal() and key padding" if self.supports_causal else "key padding"
+                return (
+                    f"{name} cannot apply mask {parts.rest[0]!r}: it supports only {allowed} "
+                    "(mh.padding / mh.key_padding); use TopK, Threshold or SparseMask, or exact attention"
+                )
+        return None
+
+    def run(self, p: Problem) -> AttentionOutput:
+        """:meth:`attend` on ``p`` in the working dtype -> ``AttentionOutput(out, None, None)``, out
+        (B, Hq, Nq, Dv) in ``p``'s dtype.
+
+        Raises:
+            ValueError: the reason :meth:`why_not` gives, when it gives one.
+        """
+        reason = self.why_not(p)
+        if reason is not None:
+            raise ValueError(reason)
         acc = acc_dtype(p.dtype)
-        if acc != p.dtype:
-            p.q, p.k, p.v = p.q.to(acc), p.k.to(acc), p.v.to(acc)
-        return self.attend(p).to(q.dtype)
+        work = p if acc == p.dtype else replace(p, q=p.q.to(acc), k=p.k.to(acc), v=p.v.to(acc))
+        return AttentionOutput(self.attend(work).to(p.dtype), None, None)
 
     def attend(self, p: Problem) -> Tensor:
+        """The approximation of ``p`` (tensors in the working dtype, :meth:`why_not` passed) ->
+        (B, Hq, Nq, Dv)."""
         raise NotImplementedError
 
-    def split(self, p: Problem, *, causal_ok: bool) -> MaskSplit:
-        """:func:`split_mask` of ``p.mask``, refusing the factors this approximation has no form for."""
-        parts = split_mask(p.mask, p.ctx, p.q.device)
-        name = type(self).__name__
-        if parts.causal and not causal_ok:
-            raise ValueError(
-                f"{name} mixes every position of the sequence and has no causal form; use LinearAttention "
-                "or Performer (causal by prefix sums), TopK or Threshold, or exact attention for causal()"
-            )
-        if parts.rest:
-            allowed = "causal() and key padding" if causal_ok else "key padding"
-            raise ValueError(
-                f"{name} cannot apply mask {parts.rest[0]!r}: it supports only {allowed} "
-                "(mh.padding / mh.key_padding); use TopK, Threshold or SparseMask, or exact attention"
-            )
-        return parts
-
-
-def check_approx(approx: object, backend: str = "auto") -> Approximation | None:
-    """Return ``approx`` if it is None or a :mod:`multihead.approx` approximation usable with ``backend``.
-
-    Raises:
-        ValueError: anything else, or an approximation together with a backend other than "auto".
-    """
-    if approx is None:
-        return None
-    if not isinstance(approx, Approximation):
-        raise ValueError(
-            "approx must be None (exact) or a multihead.approx approximation (TopK(k), Nystrom(m), "
-            f"Performer(f), ...), got {type(approx).__name__}"
-        )
-    if backend != "auto":
-        raise ValueError(
-            f"approx={approx!r} replaces the attention backend, so backend must stay 'auto', got {backend!r}"
-        )
-    return approx
+    def split(self, p: Problem) -> MaskSplit:
+        """:func:`split_mask` of ``p.mask`` (:meth:`why_not` refuses the factors this approximation has
+        no form for)."""
+        return split_mask(p.mask, p.ctx, p.q.device)

@@ -1,4 +1,4 @@
-"""Linear attention (seed 002 §4.3): replace exp(q.k) by a feature-map product, O(N) time and memory.
+"""Linear attention: replace exp(q.k) by a feature-map product, O(N) time and memory.
 
 With a positive feature map phi, ``sim(q, k) = phi(q) . phi(k)`` and the attention sums regroup:
 
@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.checks import check_int
 from ..core.problem import Problem
-from .base import Approximation, check_int
+from .base import Approximation
 
 __all__ = ["LinearAttention", "Performer", "linear_attention"]
 
@@ -109,7 +110,7 @@ class _FeatureAttention(Approximation):
         raise NotImplementedError
 
     def attend(self, p: Problem) -> Tensor:
-        parts = self.split(p, causal_ok=True)
+        parts = self.split(p)
         fq = self.features(p.q, p, True)  # (B, Hq, Nq, F)
         fk = self.features(p.k, p, False)  # (B, Hkv, Nk, F)
         if parts.keys is not None:
@@ -124,11 +125,14 @@ class LinearAttention(_FeatureAttention):
         feature_map: ``"elu"`` (phi(x) = elu(x) + 1, the paper's) or ``"relu"`` (phi(x) = relu(x); a row
             whose features are all zero attends to nothing and returns zeros).
 
-    ``scale`` must be left None: these kernels have no temperature (scale the inputs instead).
+    ``scale`` must be left None (or be the default ``1/sqrt(D)``, which is ignored): these kernels have no
+    temperature (scale the inputs instead).
 
     Raises:
-        ValueError: an unknown feature map; at call time an explicit ``scale``.
+        ValueError: an unknown feature map; at call time a ``scale`` other than the default.
     """
+
+    summary = "softmax replaced by a feature-map kernel phi(q).phi(k), regrouped to O(N) time and memory"
 
     def __init__(self, feature_map: str = "elu"):
         super().__init__()
@@ -136,13 +140,18 @@ class LinearAttention(_FeatureAttention):
             raise ValueError(f"LinearAttention feature_map must be 'elu' or 'relu', got {feature_map!r}")
         self.feature_map = feature_map
 
-    def forward(self, q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0):
-        if scale is not None:
-            raise ValueError(
+    def arguments(self) -> list[str]:
+        return [] if self.feature_map == "elu" else [repr(self.feature_map)]
+
+    def why_not(self, p: Problem) -> str | None:
+        reason = super().why_not(p)
+        if reason is None and p.scale != 1.0 / math.sqrt(p.D):  # the default scale is what make_problem set
+            reason = (
                 f"LinearAttention's kernel {self.feature_map}(q).{self.feature_map}(k) has no temperature, "
-                f"got scale={scale!r}; pass scale=None (or use Performer, which approximates exp(q.k*scale))"
+                f"got scale={p.scale!r}; pass scale=None (or use Performer, which approximates "
+                "exp(q.k*scale))"
             )
-        return super().forward(q, k, v, mask=mask, bias=bias, scale=None, dropout_p=dropout_p)
+        return reason
 
     def features(self, x: Tensor, p: Problem, is_query: bool) -> Tensor:
         return F.elu(x) + 1 if self.feature_map == "elu" else F.relu(x)
@@ -182,9 +191,11 @@ class Performer(_FeatureAttention):
         ValueError: ``features`` not an int >= 1.
     """
 
+    summary = "FAVOR+ positive random features for the softmax kernel (O(N F) time and memory)"
+
     def __init__(self, features: int = 256, *, orthogonal: bool = True, seed: int = 0):
         super().__init__()
-        self.n_features = check_int("Performer", "features", features, 1)
+        self.n_features = check_int("features", features, 1, owner="Performer")
         self.orthogonal, self.seed = bool(orthogonal), seed
         self._proj: dict[int, Tensor] = {}
 
@@ -203,6 +214,10 @@ class Performer(_FeatureAttention):
         # the stabiliser: per query row (cancels in that row's num / den), per (batch, head) for keys
         c = wx.amax(dim=-1, keepdim=True) if is_query else wx.amax(dim=(-2, -1), keepdim=True)
         return torch.exp(wx - sq - c.detach()) / math.sqrt(self.n_features)
+
+    def arguments(self) -> list[str]:
+        extra = [] if self.orthogonal else ["orthogonal=False"]
+        return [str(self.n_features), *extra, *([f"seed={self.seed}"] if self.seed else [])]
 
     def extra_repr(self) -> str:
         return f"features={self.n_features}, orthogonal={self.orthogonal}, seed={self.seed}"

@@ -1,4 +1,4 @@
-"""Low-rank attention (seed 003 §3.1.2, §4.3): ``A ~ U V^T`` with rank r << N.
+"""Low-rank attention: ``A ~ U V^T`` with rank r << N.
 
     Linformer(k, max_len):  K' = E K, V' = F V with E, F (k x N) projections along the sequence;
                             out = softmax(Q K'^T * scale) V'                  O(N k) time and memory
@@ -17,12 +17,17 @@ Dv value head dim, m landmarks, r rank.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor, nn
 
+from ..backends import registry
+from ..backends.dense import safe_softmax
+from ..core.checks import check_int
 from ..core.functional import attention
-from ..core.problem import AttentionOutput, Problem
-from .base import Approximation, check_int, safe_softmax
+from ..core.problem import Problem
+from .base import Approximation
 
 __all__ = ["Linformer", "LowRank", "Nystrom"]
 
@@ -47,12 +52,13 @@ class Linformer(Approximation):
     """
 
     supports_causal = False
+    summary = "keys and values projected along the sequence to k rows (O(N k) time and memory)"
 
     def __init__(self, k: int, max_len: int, *, learned: bool = False, seed: int = 0):
         super().__init__()
-        self.k = check_int("Linformer", "k", k, 1)
-        self.max_len = check_int("Linformer", "max_len", max_len, 1)
-        self.learned = bool(learned)
+        self.k = check_int("k", k, 1, owner="Linformer")
+        self.max_len = check_int("max_len", max_len, 1, owner="Linformer")
+        self.learned, self.seed = bool(learned), seed
         g = torch.Generator().manual_seed(seed)
         e, f = (torch.randn(k, max_len, generator=g) / k**0.5 for _ in range(2))  # (k, max_len) each
         if self.learned:
@@ -61,12 +67,18 @@ class Linformer(Approximation):
             self.register_buffer("proj_k", e)
             self.register_buffer("proj_v", f)
 
+    def arguments(self) -> list[str]:
+        extra = (["learned=True"] if self.learned else []) + ([f"seed={self.seed}"] if self.seed else [])
+        return [str(self.k), str(self.max_len), *extra]
+
+    def why_not(self, p: Problem) -> str | None:
+        reason = super().why_not(p)
+        if reason is None and p.Nk > self.max_len:
+            reason = f"Linformer(max_len={self.max_len}) got Nk={p.Nk} keys; build it with max_len >= {p.Nk}"
+        return reason
+
     def attend(self, p: Problem) -> Tensor:
-        keys = self.split(p, causal_ok=False).keys  # (B|1, 1, 1, Nk) or None
-        if p.Nk > self.max_len:
-            raise ValueError(
-                f"Linformer(max_len={self.max_len}) got Nk={p.Nk} keys; build it with max_len >= {p.Nk}"
-            )
+        keys = self.split(p).keys  # (B|1, 1, 1, Nk) or None
         k, v = p.k, p.v
         if keys is not None:
             real = keys.to(k.dtype).transpose(-1, -2)  # (B|1, 1, Nk, 1)
@@ -138,16 +150,21 @@ class Nystrom(Approximation):
     """
 
     supports_causal = False
+    summary = "attention through m segment-mean landmarks and a pseudo-inverse (O(N m) time and memory)"
 
     def __init__(self, landmarks: int, *, pinv_iterations: int | None = 6):
         super().__init__()
-        self.landmarks = check_int("Nystrom", "landmarks", landmarks, 1)
+        self.landmarks = check_int("landmarks", landmarks, 1, owner="Nystrom")
         if pinv_iterations is not None:
-            check_int("Nystrom", "pinv_iterations", pinv_iterations, 1)
+            check_int("pinv_iterations", pinv_iterations, 1, owner="Nystrom")
         self.pinv_iterations = pinv_iterations
 
+    def arguments(self) -> list[str]:
+        extra = [] if self.pinv_iterations == 6 else [f"pinv_iterations={self.pinv_iterations}"]
+        return [str(self.landmarks), *extra]
+
     def attend(self, p: Problem) -> Tensor:
-        keys = self.split(p, causal_ok=False).keys
+        keys = self.split(p).keys
         real_k = None if keys is None else keys[:, 0, 0]  # (B|1, Nk)
         real_q = real_k if p.Nq == p.Nk else None
         m, s = self.landmarks, p.scale
@@ -157,12 +174,13 @@ class Nystrom(Approximation):
         ql5 = ql.view(p.B, p.Hkv, p.G, m, p.D)  # (B, Hkv, G, m, D)
         kl5, k5, v5 = kl[:, :, None], p.k[:, :, None], p.v[:, :, None]  # (B, Hkv, 1, ., .)
         no_kl = ~k_present[:, :, None, None]  # (B|1, 1, 1, 1, m): absent key landmarks get no weight
-        f1 = safe_softmax((q5 @ kl5.transpose(-1, -2) * s).masked_fill(no_kl, float("-inf")))  # (.., Nq, m)
-        a2 = safe_softmax((ql5 @ kl5.transpose(-1, -2) * s).masked_fill(no_kl, float("-inf")))  # (.., m, m)
+        neg_inf = float("-inf")
+        f1, _ = safe_softmax((q5 @ kl5.transpose(-1, -2) * s).masked_fill(no_kl, neg_inf))  # (.., Nq, m)
+        a2, _ = safe_softmax((ql5 @ kl5.transpose(-1, -2) * s).masked_fill(no_kl, neg_inf))  # (.., m, m)
         s3 = ql5 @ k5.transpose(-1, -2) * s  # (B, Hkv, G, m, Nk)
         if real_k is not None:
-            s3 = s3.masked_fill(~real_k[:, None, None, None, :], float("-inf"))
-        b3 = safe_softmax(s3)
+            s3 = s3.masked_fill(~real_k[:, None, None, None, :], neg_inf)
+        b3, _ = safe_softmax(s3)
         q_absent = ~q_present[:, :, None, :, None]  # (B|1, 1, 1, m, 1): absent query landmarks: zero rows
         a2, b3 = a2.masked_fill(q_absent, 0.0), b3.masked_fill(q_absent, 0.0)
         if self.pinv_iterations is None:
@@ -179,7 +197,7 @@ class Nystrom(Approximation):
 
 
 class LowRank(Approximation):
-    """Exact attention weights A replaced by a rank-r approximation ``U V^T`` (seed 003 §4.3).
+    """Exact attention weights A replaced by a rank-r approximation ``U V^T``.
 
     ``method="svd"``: the truncated SVD, the best rank-r approximation (Eckart-Young); ``"random"``: a
     randomized range finder (Halko et al. 2011: r + 8 Gaussian probes, 2 power iterations, seeded).
@@ -199,25 +217,35 @@ class LowRank(Approximation):
 
     supports_causal = True
     supports_any_mask = True
+    summary = "the exact weights replaced by their rank-r approximation (an analysis tool, O(N^2))"
 
     def __init__(self, rank: int, method: str = "svd", *, seed: int = 0, clamp: bool = False):
         super().__init__()
-        self.rank = check_int("LowRank", "rank", rank, 1)
+        self.rank = check_int("rank", rank, 1, owner="LowRank")
         if method not in ("svd", "random"):
             raise ValueError(f"LowRank method must be 'svd' or 'random', got {method!r}")
         self.method, self.seed, self.clamp = method, seed, bool(clamp)
 
-    def attend(self, p: Problem) -> Tensor:
+    def arguments(self) -> list[str]:
+        extra = [] if self.method == "svd" else [repr(self.method)]
+        extra += ([f"seed={self.seed}"] if self.seed else []) + (["clamp=True"] if self.clamp else [])
+        return [str(self.rank), *extra]
+
+    def why_not(self, p: Problem) -> str | None:
+        reason = super().why_not(p)
         n = min(p.Nq, p.Nk)
-        if self.rank > n and not self.clamp:
-            raise ValueError(
+        if reason is None and self.rank > n and not self.clamp:
+            reason = (
                 f"LowRank rank={self.rank} exceeds min(Nq, Nk)={n}: a {p.Nq} x {p.Nk} matrix has rank "
                 f"<= {n}; use rank <= {n}"
             )
-        res = attention(
-            p.q, p.k, p.v, mask=p.mask, bias=p.bias, scale=p.scale, backend="matrix", return_weights=True
-        )
-        assert isinstance(res, AttentionOutput) and res.weights is not None
+        return reason
+
+    def attend(self, p: Problem) -> Tensor:
+        n = min(p.Nq, p.Nk)
+        # the exact weights of the already validated problem, from the backend that forms them
+        res = registry.get("matrix").run(replace(p, return_weights=True, return_lse=False))
+        assert res.weights is not None
         a = res.weights.view(p.B, p.Hkv, p.G, p.Nq, p.Nk)  # (B, Hkv, G, Nq, Nk)
         u, v = self._factors(a, min(self.rank, n))  # (.., Nq, r), (.., r, Nk)
         out = u @ (v @ p.v[:, :, None])  # (B, Hkv, G, Nq, Dv)

@@ -1,9 +1,9 @@
-"""Sparse attention (seed 003 §3.1.1, §4.2): keep a few weights per query, or a fixed pattern.
+"""Sparse attention: keep a few weights per query, or a fixed pattern.
 
-    TopK(k):        each query keeps its k largest scores; softmax over those k      (§3.1.1 item 2)
-    Threshold(tau): A = softmax(s); drop A_ij < tau; renormalise each row             (§4.2)
-    SparseMask(m):  exact attention restricted to a pattern m (local windows, global tokens; §3.1.1
-                    item 3), computed by the core, whose tiled kernel skips the tiles the pattern empties
+    TopK(k):        each query keeps its k largest scores; softmax over those k
+    Threshold(tau): A = softmax(s); drop A_ij < tau; renormalise each row
+    SparseMask(m):  exact attention restricted to a pattern m (local windows, global tokens), computed
+                    by the core, whose tiled kernel skips the tiles the pattern empties
 
 plus the patterns themselves as masks: :func:`local` (a band |i - j| < w) and :func:`local_global` (the
 band, plus g global tokens that see and are seen by every position; Longformer / BigBird).
@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..backends.dense import modify_scores, safe_softmax
+from ..core.checks import check_int
 from ..core.functional import attention
 from ..core.masks import Mask, MaskContext, as_mask, kinds_from
 from ..core.problem import Problem
-from .base import Approximation, check_int, safe_softmax
+from .base import Approximation
 
 __all__ = ["SparseMask", "Threshold", "TopK", "local", "local_global"]
 
@@ -45,12 +47,7 @@ def _scores(p: Problem, q0: int, q1: int) -> Tensor:
     nq = q1 - q0
     qb = p.q[:, :, q0:q1].reshape(p.B, p.Hkv, p.G * nq, p.D)  # (B, Hkv, G*nq, D): heads (Hkv, G) adjacent
     s = torch.matmul(qb, p.k.transpose(-1, -2)) * p.scale  # (B, Hkv, G*nq, Nk)
-    s = s.view(p.B, p.Hq, nq, p.Nk)  # (B, Hq, nq, Nk)
-    if p.bias is not None:
-        s = p.bias.apply_block(s, p.ctx, (q0, q1), (0, p.Nk))
-    if p.mask is not None:
-        s = s.masked_fill(~p.mask.block(p.ctx, (q0, q1), (0, p.Nk), s.device), float("-inf"))
-    return s
+    return modify_scores(s.view(p.B, p.Hq, nq, p.Nk), p, rows=(q0, q1))  # (B, Hq, nq, Nk)
 
 
 def _weighted_values(p: Problem, w: Tensor) -> Tensor:
@@ -94,22 +91,27 @@ class TopK(_RowSparse):
         ValueError: ``k`` not an int >= 1.
     """
 
+    summary = "each query keeps its k largest scores, softmax over those (exact scores, O(N^2) time)"
+
     def __init__(self, k: int):
         super().__init__()
-        self.k = check_int("TopK", "k", k, 1)
+        self.k = check_int("k", k, 1, owner="TopK")
 
     def weights(self, s: Tensor) -> Tensor:
         if self.k >= s.shape[-1]:
-            return safe_softmax(s)
+            return safe_softmax(s)[0]
         top, idx = s.topk(self.k, dim=-1)  # (B, Hq, nq, k)
-        return torch.zeros_like(s).scatter(-1, idx, safe_softmax(top))  # (B, Hq, nq, Nk)
+        return torch.zeros_like(s).scatter(-1, idx, safe_softmax(top)[0])  # (B, Hq, nq, Nk)
+
+    def arguments(self) -> list[str]:
+        return [str(self.k)]
 
     def extra_repr(self) -> str:
         return f"k={self.k}"
 
 
 class Threshold(_RowSparse):
-    """Drop the attention weights below ``tau`` and renormalise each row (seed 003 eq. §4.2).
+    """Drop the attention weights below ``tau`` and renormalise each row.
 
     ``A = softmax(s)``; ``A_ij`` is kept when ``A_ij >= tau``; kept weights are divided by their row sum.
     The largest weight of a row is always kept, so no row empties (for ``tau > 1/Nk`` it could).
@@ -122,6 +124,8 @@ class Threshold(_RowSparse):
         ValueError: ``tau`` outside [0, 1).
     """
 
+    summary = "weights below tau dropped, each row renormalised (exact scores, O(N^2) time)"
+
     def __init__(self, tau: float):
         super().__init__()
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau < 1.0:
@@ -131,13 +135,16 @@ class Threshold(_RowSparse):
         self.tau = float(tau)
 
     def weights(self, s: Tensor) -> Tensor:
-        a = safe_softmax(s)  # (B, Hq, nq, Nk)
+        a = safe_softmax(s)[0]  # (B, Hq, nq, Nk)
         if self.tau == 0.0:
             return a
         keep = (a >= self.tau) | (a == a.amax(dim=-1, keepdim=True))
         a = a * keep
         total = a.sum(dim=-1, keepdim=True)
         return a / torch.where(total > 0, total, torch.ones_like(total))
+
+    def arguments(self) -> list[str]:
+        return [repr(self.tau)]
 
     def extra_repr(self) -> str:
         return f"tau={self.tau}"
@@ -162,6 +169,8 @@ class SparseMask(Approximation):
     supports_any_mask = True
     supports_dropout = True
 
+    summary = "exact attention restricted to a sparse pattern; the tiled kernel skips the empty tiles"
+
     def __init__(self, pattern: Mask | Tensor, backend: str = "tiled"):
         super().__init__()
         self.pattern = as_mask(pattern)
@@ -174,6 +183,9 @@ class SparseMask(Approximation):
         )
         assert isinstance(out, Tensor)
         return out
+
+    def arguments(self) -> list[str]:
+        return [repr(self.pattern)] + ([] if self.backend == "tiled" else [f"backend={self.backend!r}"])
 
     def extra_repr(self) -> str:
         return f"pattern={self.pattern!r}, backend={self.backend!r}"
@@ -222,7 +234,7 @@ def local(window: int) -> Mask:
     Raises:
         ValueError: ``window`` not an int >= 1.
     """
-    return _Local(check_int("local", "window", window, 1), 0)
+    return _Local(check_int("window", window, 1, owner="local"), 0)
 
 
 def local_global(window: int, n_global: int) -> Mask:
@@ -233,5 +245,6 @@ def local_global(window: int, n_global: int) -> Mask:
         ValueError: ``window`` not an int >= 1, ``n_global`` not an int >= 0.
     """
     return _Local(
-        check_int("local_global", "window", window, 1), check_int("local_global", "n_global", n_global, 0)
+        check_int("window", window, 1, owner="local_global"),
+        check_int("n_global", n_global, 0, owner="local_global"),
     )

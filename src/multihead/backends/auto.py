@@ -65,15 +65,20 @@ def explain(
     bias: Bias | Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    backend: str = "auto",
+    backend: str | registry.Backend = "auto",
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> str:
     """Say which backend ``attention(...)`` with the same arguments uses, and why the others were not.
 
+    With a backend object (an approximation such as ``multihead.approx.TopK(64)``) it says what that
+    object is and, when it cannot serve the call, why; the exact backends are not involved then.
+
     Raises:
-        ValueError: the same as :func:`attention`.
+        ValueError: the same as :func:`attention`, except that a backend which cannot serve the call is
+            reported, not raised.
     """
+    chosen = registry.resolve(backend)
     p = make_problem(
         q,
         k,
@@ -86,11 +91,17 @@ def explain(
         return_lse=return_lse,
     )
     lines = [f"problem: {p.describe()}"]
-    if backend == "auto":
+    if chosen is not None and not (chosen.name in registry.names() and registry.get(chosen.name) is chosen):
+        kind = "backend" if getattr(chosen, "exact", True) else "approximation"
+        lines.append(f"{kind} {chosen.name}: {chosen.summary}")
+        reason = chosen.why_not(p)
+        lines.append("  serves this call" if reason is None else f"  cannot serve this call: {reason}")
+        return "\n".join(lines)
+    if chosen is None:
         name, rejected = choose(p)
         lines.append(f"auto -> {name}: {registry.get(name).summary}")
     else:
-        name = registry.get(backend).name
+        name = chosen.name
         lines.append(f"backend={name!r} requested: {registry.get(name).summary}")
         own = registry.get(name).why_not(p)
         if own is not None and name != "reference":

@@ -8,13 +8,15 @@ from torch import Tensor
 from ..core.problem import Problem
 
 
-def modify_scores(s: Tensor, p: Problem) -> Tensor:
-    """Apply the bias and the mask to full scores ``s`` (B, Hq, Nq, Nk); masked entries become -inf."""
+def modify_scores(s: Tensor, p: Problem, rows: tuple[int, int] | None = None) -> Tensor:
+    """Apply the bias and the mask to scores ``s`` (B, Hq, nq, Nk) of the query rows ``rows`` = (q0, q1)
+    (default all Nq rows, nq = q1 - q0) against every key; masked entries become -inf."""
     ctx = p.ctx
+    q_range = (0, ctx.Nq) if rows is None else rows
     if p.bias is not None:
-        s = p.bias.apply_block(s, ctx, (0, ctx.Nq), (0, ctx.Nk))
+        s = p.bias.apply_block(s, ctx, q_range, (0, ctx.Nk))
     if p.mask is not None:
-        allowed = p.mask.block(ctx, (0, ctx.Nq), (0, ctx.Nk), s.device)  # (B|1, Hq|1, Nq, Nk)
+        allowed = p.mask.block(ctx, q_range, (0, ctx.Nk), s.device)  # (B|1, Hq|1, nq, Nk)
         s = s.masked_fill(~allowed, float("-inf"))
     return s
 

@@ -106,7 +106,7 @@ def cost(approx: Approximation | None, n: int, *, seed: int = 0) -> dict[str, An
     with torch.no_grad():
         extra = peak_rss_tracker()
         start = time.perf_counter()
-        out = attention(q, k, v, backend="tiled") if approx is None else approx(q, k, v)
+        out = attention(q, k, v, backend="tiled" if approx is None else approx)
         seconds = time.perf_counter() - start
         peak = None if extra is None else extra()
     assert isinstance(out, Tensor)

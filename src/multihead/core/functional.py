@@ -5,12 +5,11 @@ Layout (PyTorch SDPA order): q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk,
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor
 
 from ..backends import registry
 from ..backends.auto import explain, first_fit
+from ..backends.registry import Backend
 from .biases import Bias
 from .masks import Mask
 from .problem import AttentionOutput, make_problem
@@ -32,10 +31,9 @@ def attention(
     bias: Bias | Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
     return_weights: bool = False,
     return_lse: bool = False,
-    approx: Any = None,
 ) -> Tensor | AttentionOutput:
     """Multi-head scaled dot-product attention, ``softmax(mask(q k^T * scale + bias)) v`` (eq. 9.32).
 
@@ -50,27 +48,24 @@ def attention(
         scale: score scale, default ``1/sqrt(D)``.
         dropout_p: dropout on the attention weights, in [0, 1). Applied whenever it is > 0 (the modules
             pass 0 in eval mode).
-        backend: ``"auto"`` or one of :func:`backends`.
+        backend: ``"auto"``, one of :func:`backends`, or a backend object: an approximation from
+            :mod:`multihead.approx` (``TopK(k)``, ``Nystrom(m)``, ...) computed instead of exact attention
+            (it returns the output only: no weights, no lse), or any object with ``name``, ``summary``,
+            ``why_not(problem)`` and ``run(problem)``.
         return_weights: also return the (B, Hq, Nq, Nk) weights (``matrix`` / ``reference`` only).
         return_lse: also return the (B, Hq, Nq) log-sum-exp of the scores (fp32; float64 for float64).
-        approx: an approximation from :mod:`multihead.approx` (``TopK(k)``, ``Nystrom(m)``, ...) computed
-            instead of exact attention; None (the default) is exact. It returns the output only, so it
-            goes with ``backend="auto"`` and neither ``return_weights`` nor ``return_lse``.
 
     Returns:
         out (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, weights, lse)`` when
         ``return_weights`` or ``return_lse`` is set. A row with no allowed key gives zeros (lse = -inf).
 
     Raises:
-        ValueError: bad shapes, dtypes, head counts, masks/biases that do not broadcast, an unknown
-            backend, a backend that cannot serve the request, ``dropout_p`` outside [0, 1), an
-            ``approx`` that is not an approximation or is combined with a backend or returned extras,
-            and what the approximation raises for masks or biases it cannot apply.
+        ValueError: bad shapes, dtypes, head counts, masks/biases that do not broadcast, a ``backend``
+            that is neither "auto", a registered name nor a backend object, a backend that cannot serve
+            the request (an approximation asked for weights or lse, or given a mask or bias it cannot
+            apply), ``dropout_p`` outside [0, 1).
     """
-    if approx is not None:
-        return _approximate(
-            q, k, v, mask, bias, scale, dropout_p, backend, return_weights, return_lse, approx
-        )
+    chosen = registry.resolve(backend)
     p = make_problem(
         q,
         k,
@@ -82,25 +77,7 @@ def attention(
         return_weights=return_weights,
         return_lse=return_lse,
     )
-    name = first_fit(p) if backend == "auto" else registry.get(backend).name
-    res = registry.get(name).run(p)
+    res = (registry.get(first_fit(p)) if chosen is None else chosen).run(p)
     if return_weights or return_lse:
         return res
     return res.out
-
-
-def _approximate(
-    q, k, v, mask, bias, scale, dropout_p, backend, return_weights, return_lse, approx
-) -> Tensor:
-    """``attention(..., approx=a)``: check the combination, then ``a(q, k, v, ...)``."""
-    from ..approx.base import check_approx
-
-    check_approx(approx)
-    extras = [n for n, on in (("return_weights", return_weights), ("return_lse", return_lse)) if on]
-    if backend != "auto" or extras:
-        asked = ([f"backend={backend!r}"] if backend != "auto" else []) + [f"{n}=True" for n in extras]
-        raise ValueError(
-            f"approx={approx!r} computes its own attention and returns only the output, but this call also "
-            f"asks for {', '.join(asked)}; drop those or drop approx"
-        )
-    return approx(q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p)

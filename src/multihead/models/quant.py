@@ -182,6 +182,7 @@ class KVInt8(Approximation):
     supports_causal = True
     supports_any_mask = True
     supports_dropout = True
+    summary = "exact attention on keys and values rounded to int8 per token"
 
     def attend(self, p: Problem) -> Tensor:
         k = dequantize_int8(*quantize_int8(p.k, p.k.dtype), p.k.dtype)  # (B, Hkv, Nk, D)

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import registry
 from ..core.biases import Bias
-from ..core.functional import attention, backends
+from ..core.functional import attention
 from ..core.masks import Mask
 from .feed_forward import check_dropout
 from .positions import RotaryEmbedding
@@ -74,15 +75,15 @@ class MultiHeadAttention(nn.Module):
         bias: biases on the projections (LLaMA / PaLM: none).
         dropout: attention-weight dropout and output dropout (after W^O), training only.
         rotary: a ``RotaryEmbedding`` applied to q and k in self-attention (not to cross-attention).
-        backend: backend name passed to :func:`multihead.attention` ("auto" picks per call).
-        approx: an approximation from :mod:`multihead.approx` used instead of exact attention (a
-            registered submodule, so a learned Linformer's projections are parameters of this module);
-            None = exact. :func:`multihead.approx.apply` sets it on a copy of a whole model.
+        backend: passed to :func:`multihead.attention`: "auto" (picks per call), a backend name, or a
+            backend object such as an approximation from :mod:`multihead.approx`; one that is an
+            ``nn.Module`` is the submodule ``approx``, so a learned Linformer's projections are parameters
+            of this module (``approx.proj_k``). :func:`multihead.approx.apply` sets it on a whole model.
 
     Raises:
         ValueError: head counts that do not divide, a d_model not divisible by n_heads without an
-            explicit head_dim, dropout outside [0, 1), an unknown backend, an ``approx`` that is not an
-            approximation or comes with a backend other than "auto".
+            explicit head_dim, dropout outside [0, 1), a backend that is neither "auto", a registered
+            name nor a backend object.
     """
 
     def __init__(
@@ -95,8 +96,7 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
-        approx: nn.Module | None = None,
+        backend: str | registry.Backend = "auto",
         device=None,
         dtype=None,
     ):
@@ -119,17 +119,10 @@ class MultiHeadAttention(nn.Module):
             head_dim = d_model // n_heads
         elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
             raise ValueError(f"head_dim must be an int >= 1 or None, got {head_dim!r}")
-        if backend != "auto" and backend not in backends():
-            raise ValueError(f"backend must be 'auto' or one of {backends()}, got {backend!r}")
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.dropout = check_dropout(dropout)
-        self.backend = backend
+        self.backend = backend  # validated by the setter; an nn.Module backend becomes ``self.approx``
         self.rotary = rotary
-        if approx is not None:
-            from ..approx.base import check_approx
-
-            approx = check_approx(approx, backend)
-        self.approx = approx
         fk = {"bias": bias, "device": device, "dtype": dtype}
         self.qkv_proj = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * head_dim, **fk)  # W^Q|W^K|W^V
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, **fk)  # W^O of eq. 9.35
@@ -237,7 +230,6 @@ class MultiHeadAttention(nn.Module):
             bias=bias,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend,
-            approx=self.approx,
         )  # (B, Hq, N, D): head_i of eq. 9.34 (or its approximation)
         assert isinstance(a, Tensor)
         if head_mask is not None:
@@ -256,9 +248,34 @@ class MultiHeadAttention(nn.Module):
             )
         return head_mask.reshape(-1, self.n_heads, 1, 1)  # (B or 1, Hq, 1, 1)
 
+    @property
+    def backend(self) -> Any:  # str | registry.Backend; Any while callers typed for names pass it on
+        """What the core call runs on: a name ("auto" picks per call) or a backend object. An
+        ``nn.Module`` backend (an approximation) is kept as the submodule ``approx``, so its parameters
+        train and are saved (``approx.*`` state-dict keys); assigning a new backend replaces it.
+
+        Raises:
+            ValueError: on assignment, a value that is neither "auto", a registered name nor a backend
+                object.
+        """
+        return self._plain_backend if self.approx is None else self.approx
+
+    @backend.setter
+    def backend(self, value: str | registry.Backend) -> None:
+        registry.resolve(value)  # raises for anything but "auto", a name or a backend object
+        self.approx: nn.Module | None = value if isinstance(value, nn.Module) else None
+        self._plain_backend = "auto" if isinstance(value, nn.Module) else value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "backend":  # through the property: nn.Module would register a module as child "backend"
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def extra_repr(self) -> str:
+        b = self.backend
         return (
             f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-            f"head_dim={self.head_dim}, dropout={self.dropout}, backend={self.backend!r}"
-            + ("" if self.approx is None else ", approximated")
+            f"head_dim={self.head_dim}, dropout={self.dropout}, "
+            + (f"backend={b!r}" if isinstance(b, str) else f"backend={b.name}")
         )

@@ -2,7 +2,8 @@
 
 Exact attention solves MQAR with an induction head (layer 1 copies each token's predecessor into it,
 layer 2 matches the query key against those copies); the point of training the same model with an
-approximation (``approx=`` any :mod:`multihead.approx` object) is to see which of them keep that ability.
+approximation (``approx=`` any :mod:`multihead.approx` object, set as every attention's backend) is to see
+which of them keep that ability.
 
 Recipe (:class:`TrainConfig` defaults): d_model 64, 2 layers, 2 heads, LLaMA blocks (pre-LN RMSNorm,
 SwiGLU, rotary), token embeddings N(0, 1/d) (see ``embed_std``), AdamW lr 3e-3 with warm-up and cosine
@@ -269,18 +270,14 @@ def train_mqar(
 def forward_flops(model: TransformerLM, ids: Tensor, mask: Mask | None) -> int:
     """Matmul FLOPs of one forward pass over ``ids`` (B, N), as ``FlopCounterMode`` counts them.
 
-    The counter does not see the fused CPU flash kernel, so for the count every module with a
-    ``backend`` attribute runs the ``matrix`` backend (the same attention as explicit matmuls);
-    approximations compute what they compute.
+    The counter does not see the fused CPU flash kernel, so for the count every module whose ``backend``
+    is a name runs the ``matrix`` backend (the same attention as explicit matmuls); a backend object (an
+    approximation) computes what it computes.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
     was = model.training
-    saved = {
-        m: m.backend
-        for m in model.modules()
-        if isinstance(getattr(m, "backend", None), str) and getattr(m, "approx", None) is None
-    }
+    saved = {m: m.backend for m in model.modules() if isinstance(getattr(m, "backend", None), str)}
     model.eval()
     try:
         for m in saved:

@@ -71,7 +71,7 @@ d, H = 32, 4
         (lambda: V.TalkingHeads(d, 3), r"TalkingHeads d_model \(32\) must be divisible by n_heads \(3\)"),
         (lambda: V.TalkingHeads(d, H, 3), r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"),
         (lambda: V.TalkingHeads(d, H, dropout=1.0), r"dropout must be a probability in \[0, 1\)"),
-        (lambda: V.DynamicComposition(d, H, backend="nope"), r"backend must be 'auto' or one of"),
+        (lambda: V.DynamicComposition(d, H, backend="nope"), r"unknown backend 'nope'; valid backends are: auto"),
         (lambda: V.OverlappingHeads(0, H), r"OverlappingHeads d_model must be an int >= 1, got 0"),
         (lambda: V.build("flash", d, H), r"unknown attention design 'flash'; choose one of \['mha'"),
         (
@@ -160,3 +160,42 @@ def test_swap_passes_design_arguments_and_init():
     out = V.swap(lm, "moh", top_k=2, n_shared=2, init=lambda m: seen.append(type(m).__name__))
     assert all(layer.self_attn.top_k == 2 for layer in out.layers)
     assert seen.count("MixtureOfHeads") == 2
+
+
+def test_tools_for_the_textbook_layer_keep_refusing_designs_that_change_its_steps():
+    lm = mh.TransformerLM(50, d, 2, H, 2 * d)
+    with pytest.raises(ValueError, match=r"contains no multihead\.MultiHeadAttention to approximate"):
+        mh.approx.apply(V.swap(lm, "talking"), mh.approx.TopK(2))
+    with pytest.raises(ValueError, match=r"the cost model walks exact multihead\.MultiHeadAttention"):
+        mh.cost.estimate(V.swap(lm, "moh"), 1, 8)
+    gated = mh.approx.apply(V.swap(lm, "gated"), mh.approx.TopK(2))  # gates only scale the heads
+    assert all(layer.self_attn.approx is not None for layer in gated.layers)
+
+
+class _OutputGate(mh.MultiHeadAttention):
+    """A design written against the template: a sigmoid gate from x on every head before W^O."""
+
+    def __init__(self, d_model, n_heads):
+        super().__init__(d_model, n_heads)
+        self.gate = torch.nn.Linear(d_model, n_heads)
+
+    def mix_heads(self, a, x, head_mask):
+        g = torch.sigmoid(self.gate(x)).transpose(1, 2).unsqueeze(-1)  # (B, Hq, N, 1)
+        return super().mix_heads(a * g, x, head_mask)
+
+
+def test_a_design_overrides_one_step_and_keeps_the_rest_of_the_layer():
+    m = _OutputGate(d, H).double().eval()
+    mha = mh.MultiHeadAttention(d, H).double().eval()
+    mha.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("gate")})
+    x = torch.randn(2, 5, d, dtype=torch.float64)
+    with torch.no_grad():
+        m.gate.weight.zero_()
+        m.gate.bias.fill_(100.0)  # gates open: the textbook layer
+    assert torch.allclose(m(x, mask=mh.causal()), mha(x, mask=mh.causal()))
+    with torch.no_grad():
+        m.gate.bias[1] = -100.0  # head 1 closed: as pruning it with head_mask
+    hm = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    assert torch.allclose(m(x, mask=mh.causal()), mha(x, mask=mh.causal(), head_mask=hm))
+    with pytest.raises(ValueError, match=r"head_mask must be a float tensor of shape \(Hq,\)"):
+        m(x, head_mask=torch.ones(3))

@@ -51,7 +51,7 @@ def apply(model: nn.Module, approx: Approximation) -> nn.Module:
             f"got {type(approx).__name__}"
         )
     out = copy.deepcopy(model)
-    found = [m for m in out.modules() if isinstance(m, MultiHeadAttention)]
+    found = [m for m in out.modules() if isinstance(m, MultiHeadAttention) and m.textbook]
     if not found:
         raise ValueError(f"{type(model).__name__} contains no multihead.MultiHeadAttention to approximate")
     owns_params = any(True for _ in approx.parameters())

@@ -90,7 +90,7 @@ class ModelShape:
 def _attention_spec(attn: nn.Module, **layer: Any) -> LayerSpec:
     from ..nn.attention import MultiHeadAttention
 
-    if not isinstance(attn, MultiHeadAttention) or attn.approx is not None:
+    if not isinstance(attn, MultiHeadAttention) or not attn.textbook or attn.approx is not None:
         what = type(attn).__name__ + (" with an approximation" if getattr(attn, "approx", None) else "")
         raise ValueError(
             f"the cost model walks exact multihead.MultiHeadAttention, got {what}; estimate the exact "

@@ -98,7 +98,7 @@ def capture_attention(model: nn.Module) -> Iterator[list[list[Tensor]]]:
     handles = []
     for sink, layer in zip(records, layers):
         attn = layer.self_attn
-        if isinstance(attn, MultiHeadAttention):
+        if isinstance(attn, MultiHeadAttention) and attn.textbook:
 
             def push(m: nn.Module, _args: Any, sink: list[Tensor] = sink) -> None:
                 sinks = _sinks()

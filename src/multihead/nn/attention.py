@@ -1,26 +1,52 @@
 """``MultiHeadAttention``: the parameters of eq. 9.33-9.35 around the functional core ``mh.attention``.
 
-    Q^i = X W_Qi,  K^i = X W_Ki,  V^i = X W_Vi                                  (seed 000, eq. 9.33)
+    Q^i = X W_Qi,  K^i = X W_Ki,  V^i = X W_Vi                                  (eq. 9.33)
     head_i = softmax(Q^i K^iT / sqrt(d_k)) V^i                                  (eq. 9.34)
     MultiHeadAttention(X) = (head_1 (+) ... (+) head_h) W^O                     (eq. 9.35)
 
-The three projections are one fused ``qkv_proj`` Linear (seed 002 §4.1: one matmul instead of three).
-Its output rows are ``[q | k | v]``: ``Hq*D`` query rows, then ``Hkv*D`` key rows, then ``Hkv*D`` value
-rows, each block ordered head by head. Self-attention runs the whole fused matmul on ``x``;
-cross-attention uses the q rows on ``x`` and the k/v rows on ``context``. State dicts with separate
-``q_proj`` / ``k_proj`` / ``v_proj`` keys (Hugging Face LLaMA style) load through a pre-hook that fuses
-them, and :meth:`MultiHeadAttention.split_state_dict` exports that form back.
+The three projections are one fused ``qkv_proj`` Linear (one matmul instead of three). Its output rows
+are ``[q | k | v]``: ``Hq*D`` query rows, then ``Hkv*D`` key rows, then ``Hkv*D`` value rows, each block
+ordered head by head. Self-attention runs the whole fused matmul on ``x``; cross-attention uses the q rows
+on ``x`` and the k/v rows on ``context``. State dicts with separate ``q_proj`` / ``k_proj`` / ``v_proj``
+keys (Hugging Face LLaMA style) load through a pre-hook that fuses them, and
+:meth:`MultiHeadAttention.split_state_dict` exports that form back.
 
-GQA / MQA (seed 004): ``n_kv_heads`` kv heads shared by groups of ``G = Hq // Hkv`` query heads; query
-head i reads kv head ``i // G``. K/V are never repeated here, the core handles the grouping.
+GQA / MQA: ``n_kv_heads`` kv heads shared by groups of ``G = Hq // Hkv`` query heads; query head i reads
+kv head ``i // G``. K/V are never repeated here, the core handles the grouping.
+
+**A template of named steps.** :meth:`~MultiHeadAttention.forward` reads as the equations::
+
+    check_call(x, context, cache, positions, head_mask)       the arguments, before any work
+    heads(x, context, ...)            -> (B, Hq, N, Dv)       head_1 .. head_h, eq. 9.33-9.34:
+        project(x, context)           -> q, k, v              eq. 9.33
+        apply_positions(q, k, ...)    -> q, k                 rotary (self-attention only)
+        update_cache(cache, k, v)     -> k, v                 append to a KVCache, attend over all of it
+        attend(q, k, v, ...)          -> (B, Hq, N, Dv)       eq. 9.32 / 9.34: ``mh.attention``
+    mix_heads(a, x, head_mask)        -> (B, Hq, N, Dv)       per-head scaling before W^O (head_mask)
+    output(a)                         -> (B, N, d)            merge_heads, W^O of eq. 9.35, dropout
+
+A head design subclasses this module and overrides only the steps it changes (as the designs of
+:mod:`multihead.variants` do)::
+
+    attend           the scores or the weights: talking heads, DCMHA, overlapping heads, differential
+                     attention (a difference of two softmax maps), learned attention sinks (an extra
+                     per-head logit passed to the core)
+    mix_heads        a gate or a mix of the head outputs computed from x: hard-concrete head gates,
+                     output-gated attention (a sigmoid gate from x on each head before W^O)
+    project          other projections: collaborative heads, multi-head latent attention (with
+                     update_cache for a cache of latents, apply_positions for its decoupled rotary)
+    heads            which (token, head) pairs are computed at all: mixture of heads
+
+:attr:`MultiHeadAttention.textbook` tells the tools that rewrite the textbook steps (approximations,
+tensor parallelism, the cost model, attention capture) whether a module keeps them.
 
 Shape legend: B batch, N query tokens, M context tokens, L keys attended (M, N, or the cache length),
-d = d_model, Hq query heads, Hkv kv heads, G = Hq // Hkv, D head dim.
+d = d_model, Hq query heads, Hkv kv heads, G = Hq // Hkv, D head dim, Dv per-head output width (D here).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +54,7 @@ from torch import Tensor, nn
 
 from ..backends import registry
 from ..core.biases import Bias
+from ..core.checks import check_int
 from ..core.functional import attention
 from ..core.masks import Mask
 from .feed_forward import check_dropout
@@ -56,7 +83,13 @@ def check_model_input(x: Any, d_model: int, name: str = "x") -> None:
 
 
 def _fuse_split_qkv(module, state_dict, prefix, *_args) -> None:
-    """load_state_dict pre-hook: replace ``q_proj/k_proj/v_proj.{weight,bias}`` by ``qkv_proj.*``."""
+    """load_state_dict pre-hook: replace ``q_proj/k_proj/v_proj.{weight,bias}`` by ``qkv_proj.*``.
+
+    Only for modules with the fused layout: a design with its own ``q_proj`` / ``k_proj`` / ``v_proj``
+    (and no ``qkv_proj``) loads them as they are.
+    """
+    if not isinstance(getattr(module, "qkv_proj", None), nn.Linear):
+        return
     for kind in ("weight", "bias"):
         keys = [f"{prefix}{p}_proj.{kind}" for p in "qkv"]
         if all(k in state_dict for k in keys):
@@ -86,6 +119,13 @@ class MultiHeadAttention(nn.Module):
             name nor a backend object.
     """
 
+    #: True when q, k, v come from ``qkv_proj`` and the heads are the attention of eq. 9.34 (only
+    #: :meth:`mix_heads` may differ): tools that rewrite those steps (:func:`multihead.approx.apply`,
+    #: tensor parallelism, the cost model, :func:`multihead.heads.capture_attention`) accept the module.
+    textbook: ClassVar[bool] = True
+    #: score scale passed to :func:`multihead.attention`; None: 1/sqrt(D) of the q that reaches it.
+    score_scale: float | None = None
+
     def __init__(
         self,
         d_model: int,
@@ -101,24 +141,23 @@ class MultiHeadAttention(nn.Module):
         dtype=None,
     ):
         super().__init__()
+        owner = type(self).__name__
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         for name, val in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"MultiHeadAttention {name} must be an int >= 1, got {val!r}")
+            check_int(name, val, 1, owner=owner)
         if n_heads % n_kv_heads != 0:
             raise ValueError(
-                f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); "
+                f"{owner} n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); "
                 "pick n_kv_heads among the divisors of n_heads (1 = MQA, n_heads = MHA)"
             )
         if head_dim is None:
             if d_model % n_heads != 0:
                 raise ValueError(
-                    f"d_model ({d_model}) is not divisible by n_heads ({n_heads}); "
+                    f"{owner} d_model ({d_model}) is not divisible by n_heads ({n_heads}); "
                     "change one of them or pass head_dim explicitly"
                 )
             head_dim = d_model // n_heads
-        elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
-            raise ValueError(f"head_dim must be an int >= 1 or None, got {head_dim!r}")
+        check_int("head_dim", head_dim, 1, owner=owner, fix="or None for d_model // n_heads (the default)")
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.dropout = check_dropout(dropout)
         self.backend = backend  # validated by the setter; an nn.Module backend becomes ``self.approx``
@@ -134,17 +173,43 @@ class MultiHeadAttention(nn.Module):
         q_rows, kv_rows = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return slice(0, q_rows), slice(q_rows, q_rows + kv_rows), slice(q_rows + kv_rows, None)
 
+    def query_rows(self, heads: slice | None = None) -> tuple[Tensor, Tensor | None]:
+        """W^Q rows (h*D, d) and bias (h*D,) or None of the query heads ``heads`` (default: all Hq)."""
+        heads = slice(0, self.n_heads) if heads is None else heads
+        rows = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
+        b = self.qkv_proj.bias
+        return self.qkv_proj.weight[rows], None if b is None else b[rows]
+
     def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """eq. 9.33 for all heads at once: q (B, N, Hq*D), k and v (B, M, Hkv*D)."""
         sq, sk, sv = self._slices()
         if context is None:
             qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D)
             return qkv[..., sq], qkv[..., sk], qkv[..., sv]
-        w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        q = F.linear(x, w[sq], None if b is None else b[sq])  # (B, N, Hq*D)
-        kv = F.linear(context, w[sk.start :], None if b is None else b[sk.start :])  # (B, M, 2 Hkv D)
+        q = F.linear(x, *self.query_rows())  # (B, N, Hq*D)
+        return (q, *self._project_kv(context))
+
+    def _project_kv(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """The k/v rows of the fused projection on src (B, M, d): k and v (B, M, Hkv*D)."""
+        start, (w, b) = self._slices()[1].start, (self.qkv_proj.weight, self.qkv_proj.bias)
+        kv = F.linear(src, w[start:], None if b is None else b[start:])  # (B, M, 2 Hkv D)
         k, v = kv.split(self.n_kv_heads * self.head_dim, dim=-1)  # 2 x (B, M, Hkv*D)
-        return q, k, v
+        return k, v
+
+    @staticmethod
+    def split_heads(t: Tensor, n_heads: int) -> Tensor:
+        """(B, T, H*D) -> (B, H, T, D): the heads of a projection as a batch dim."""
+        return t.reshape(t.shape[0], t.shape[1], n_heads, -1).transpose(1, 2)  # (B, H, T, D)
+
+    def project_queries(self, x: Tensor, heads: slice | None = None) -> Tensor:
+        """Q^i = X W_Qi of eq. 9.33 for the query heads ``heads`` (default all): (B, N, d) -> (B, h, N, D)."""
+        q = F.linear(x, *self.query_rows(heads))  # (B, N, h*D)
+        return self.split_heads(q, q.shape[-1] // self.head_dim)  # (B, h, N, D)
+
+    def project_keys_values(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """K^i, V^i of eq. 9.33 from the keys' input src (B, M, d): k and v (B, Hkv, M, D)."""
+        k, v = self._project_kv(src)  # 2 x (B, M, Hkv*D)
+        return self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
 
     def split_state_dict(self) -> dict[str, Tensor]:
         """This module's state dict with ``qkv_proj.*`` split into ``q_proj``, ``k_proj``, ``v_proj``.
@@ -160,7 +225,7 @@ class MultiHeadAttention(nn.Module):
                     sd[f"{p}_proj.{kind}"] = fused[s].clone()
         return sd
 
-    # -- forward -------------------------------------------------------------------------------
+    # -- forward: the steps in the order of eq. 9.33-9.35 ---------------------------------------------
     def forward(
         self,
         x: Tensor,
@@ -188,10 +253,33 @@ class MultiHeadAttention(nn.Module):
             head_mask: (Hq,) or (B, Hq) float multiplier on each head's output before W^O (1 keeps a
                 head, 0 prunes it; Michel et al., 2019, "Are Sixteen Heads Really Better than One?").
 
+        Returns:
+            (B, N, d).
+
         Raises:
             ValueError: wrong ranks or widths, a cache or positions with cross-attention, positions
                 without rotary, a head_mask of the wrong shape, and what :func:`multihead.attention`
                 raises for masks and biases.
+        """
+        self.check_call(x, context, cache, positions, head_mask)
+        a = self.heads(x, context, mask=mask, bias=bias, cache=cache, positions=positions)  # (B, Hq, N, Dv)
+        a = self.mix_heads(a, x, head_mask)  # (B, Hq, N, Dv)
+        return self.output(a)  # (B, N, d): eq. 9.35
+
+    def check_call(
+        self,
+        x: Tensor,
+        context: Tensor | None,
+        cache: KVCache | None,
+        positions: Tensor | None,
+        head_mask: Tensor | None,
+    ) -> None:
+        """Validate the arguments of :meth:`forward` before any work is done.
+
+        Raises:
+            ValueError: x or context not float (B, N, d_model) / (B, M, d_model) with the same B, a cache
+                with cross-attention, positions without rotary self-attention, a head_mask that is not
+                a float (Hq,) or (B, Hq) tensor.
         """
         check_model_input(x, self.d_model, "x")
         if context is not None:
@@ -206,47 +294,145 @@ class MultiHeadAttention(nn.Module):
                 f"rotary={'set' if self.rotary is not None else 'None'}, "
                 f"context={'set' if context is not None else 'None'}: drop positions"
             )
-        B, N, _ = x.shape
-        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self._project(x, context)
-        q = q.reshape(B, N, Hq, D).transpose(1, 2)  # (B, Hq, N, D)
-        k = k.reshape(B, -1, Hkv, D).transpose(1, 2)  # (B, Hkv, M or N, D)
-        v = v.reshape(B, -1, Hkv, D).transpose(1, 2)  # (B, Hkv, M or N, D)
-        if self.rotary is not None and context is None:
-            start = 0 if cache is None else int(cache.position)
-            if isinstance(self.rotary, RotaryEmbedding):
-                q, k = self.rotary.rotate_pair(q, k, positions, start)  # default: start .. start+N-1
-            else:  # any module with forward(x, positions)
-                if positions is None:
-                    positions = torch.arange(start, start + N, device=x.device)  # (N,)
-                q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if head_mask is not None:
+            B, H = x.shape[0], self.n_heads
+            ok = isinstance(head_mask, Tensor) and head_mask.is_floating_point()
+            if not ok or tuple(head_mask.shape) not in ((H,), (B, H)):
+                shape = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else type(head_mask).__name__
+                raise ValueError(
+                    f"head_mask must be a float tensor of shape (Hq,) = ({H},) or (B, Hq) = ({B}, {H}), "
+                    f"got {shape}; use 1.0 to keep a head and 0.0 to prune it"
+                )
+
+    def heads(
+        self,
+        x: Tensor,
+        context: Tensor | None,
+        *,
+        mask: Mask | Tensor | None,
+        bias: Bias | Tensor | None,
+        cache: KVCache | None,
+        positions: Tensor | None,
+    ) -> Tensor:
+        """head_1 .. head_h of eq. 9.33-9.34 as (B, Hq, N, Dv): project, positions, cache, attend.
+
+        Arguments as :meth:`forward` (already checked).
+        """
+        q, k, v = self.project(x, context)  # (B, Hq, N, D), 2 x (B, Hkv, M or N, D): eq. 9.33
+        if context is None:
+            q, k = self.apply_positions(q, k, positions, cache)  # (B, Hq, N, D), (B, Hkv, N, D)
         if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, L, D) each, ending with x's positions
+            k, v = self.update_cache(cache, k, v)  # (B, Hkv, L, D) each
+        return self.attend(q, k, v, mask=mask, bias=bias, x=x, context=context)  # (B, Hq, N, Dv)
+
+    def project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """eq. 9.33, Q = X W^Q, K = X W^K, V = X W^V (K, V from ``context`` in cross-attention).
+
+        Args:
+            x: (B, N, d) the queries' input.
+            context: (B, M, d) the keys' and values' input, or None for x.
+
+        Returns:
+            q (B, Hq, N, D), k and v (B, Hkv, M, D) (M = N in self-attention).
+        """
+        q, k, v = self._project(x, context)  # (B, N, Hq*D), 2 x (B, M, Hkv*D)
+        Hkv = self.n_kv_heads
+        return self.split_heads(q, self.n_heads), self.split_heads(k, Hkv), self.split_heads(v, Hkv)
+
+    def token_positions(
+        self, n: int, cache: KVCache | None, positions: Tensor | None, device: torch.device
+    ) -> Tensor:
+        """Positions of the n new tokens: ``positions`` when given, else ``arange(p, p + n)`` (N,) after
+        the p = ``cache.position`` cached ones (0 without a cache)."""
+        if positions is not None:
+            return positions
+        start = 0 if cache is None else int(cache.position)
+        return torch.arange(start, start + n, device=device)  # (N,)
+
+    def apply_positions(
+        self, q: Tensor, k: Tensor, positions: Tensor | None, cache: KVCache | None
+    ) -> tuple[Tensor, Tensor]:
+        """Rotary positions on q (B, Hq, N, D) and k (B, Hkv, N, D) of a self-attention call; the
+        identity without ``rotary``. Positions as :meth:`token_positions`.
+
+        Returns:
+            q and k, same shapes.
+        """
+        if self.rotary is None:
+            return q, k
+        start = 0 if cache is None else int(cache.position)
+        if isinstance(self.rotary, RotaryEmbedding):
+            return self.rotary.rotate_pair(q, k, positions, start)  # default: start .. start+N-1
+        pos = self.token_positions(q.shape[2], cache, positions, q.device)  # (N,) or (B, N)
+        return self.rotary(q, pos), self.rotary(k, pos)  # any module with forward(x, positions)
+
+    def update_cache(self, cache: KVCache, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the new keys and values (B, Hkv, N, D) to ``cache``; return every cached position's,
+        (B, Hkv, L, D) each, ending with the new ones."""
+        return cache.update(k, v)
+
+    def attention_dropout(self) -> float:
+        """The attention-weight dropout of this call: ``dropout`` in training, 0 in eval."""
+        return self.dropout if self.training else 0.0
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: Bias | Tensor | None = None,
+        x: Tensor | None = None,
+        context: Tensor | None = None,
+    ) -> Tensor:
+        """eq. 9.32 / 9.34 per head, ``softmax(q k^T * scale + bias) v`` over the keys the mask allows.
+
+        Args:
+            q: (B, Hq, N, D); k: (B, Hkv, L, D); v: (B, Hkv, L, Dv); GQA grouped by the core.
+            mask, bias: as :meth:`forward`.
+            x, context: the call's inputs (B, N, d) and (B, M, d) or None, for designs whose scores depend
+                on them; the textbook layer does not read them.
+
+        Returns:
+            (B, Hq, N, Dv), with the module's backend, dropout and approximation.
+        """
         a = attention(
             q,
             k,
             v,
             mask=mask,
             bias=bias,
-            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.score_scale,
+            dropout_p=self.attention_dropout(),
             backend=self.backend,
-        )  # (B, Hq, N, D): head_i of eq. 9.34 (or its approximation)
+        )  # (B, Hq, N, Dv): head_i of eq. 9.34 (or its approximation)
         assert isinstance(a, Tensor)
-        if head_mask is not None:
-            a = a * self._head_scale(head_mask, B).to(a.dtype)  # (B, Hq, N, D)
-        a = a.transpose(1, 2).reshape(B, N, Hq * D)  # (B, N, Hq*D): head_1 (+) ... (+) head_h
-        return self.out_dropout(self.o_proj(a))  # (B, N, d): eq. 9.35
+        return a
 
-    def _head_scale(self, head_mask: Tensor, B: int) -> Tensor:
-        """Validate a (Hq,) or (B, Hq) head mask and shape it to broadcast over (B, Hq, N, D)."""
-        ok = isinstance(head_mask, Tensor) and head_mask.is_floating_point()
-        if not ok or tuple(head_mask.shape) not in ((self.n_heads,), (B, self.n_heads)):
-            shape = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else type(head_mask).__name__
-            raise ValueError(
-                f"head_mask must be a float tensor of shape (Hq,) = ({self.n_heads},) or (B, Hq) = "
-                f"({B}, {self.n_heads}), got {shape}; use 1.0 to keep a head and 0.0 to prune it"
-            )
-        return head_mask.reshape(-1, self.n_heads, 1, 1)  # (B or 1, Hq, 1, 1)
+    def mix_heads(self, a: Tensor, x: Tensor, head_mask: Tensor | None) -> Tensor:
+        """Each head's output scaled by ``head_mask`` (checked by :meth:`check_call`) before W^O.
+
+        Args:
+            a: (B, Hq, N, Dv) the heads.
+            x: (B, N, d) the call's input, for designs that gate or mix heads from it.
+            head_mask: (Hq,) or (B, Hq) or None (the identity).
+
+        Returns:
+            (B, Hq, N, Dv).
+        """
+        if head_mask is None:
+            return a
+        return a * head_mask.reshape(-1, self.n_heads, 1, 1).to(a.dtype)  # (B, Hq, N, Dv)
+
+    def merge_heads(self, a: Tensor) -> Tensor:
+        """head_1 (+) ... (+) head_h of eq. 9.35: (B, Hq, N, Dv) -> (B, N, Hq*Dv)."""
+        B, H, N, Dv = a.shape
+        return a.transpose(1, 2).reshape(B, N, H * Dv)  # (B, N, Hq*Dv)
+
+    def output(self, a: Tensor) -> Tensor:
+        """W^O of eq. 9.35 on the merged heads, then output dropout: (B, Hq, N, Dv) -> (B, N, d)."""
+        return self.out_dropout(self.o_proj(self.merge_heads(a)))  # (B, N, d)
 
     @property
     def backend(self) -> Any:  # str | registry.Backend; Any while callers typed for names pass it on

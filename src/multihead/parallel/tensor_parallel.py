@@ -214,7 +214,7 @@ def _shard_ffn(f: FeedForward, mesh) -> None:
 
 def _check(module: nn.Module, world: int) -> tuple[list[MultiHeadAttention], list[FeedForward]]:
     """Everything that can refuse, checked before anything is changed."""
-    attns = [m for m in module.modules() if isinstance(m, MultiHeadAttention)]
+    attns = [m for m in module.modules() if isinstance(m, MultiHeadAttention) and m.textbook]
     ffns = [m for m in module.modules() if isinstance(m, FeedForward)]
     if any(getattr(m, "_mh_tensor_parallel", False) for m in [*attns, *ffns]):
         raise ValueError("this module is already tensor-parallel; call tensor_parallel once per model")

@@ -1,16 +1,18 @@
-"""Head designs that replace multi-head attention (seed 001): routing, mixing, overlapping, sharing, gating.
+"""Head designs that replace multi-head attention: routing, mixing, overlapping, sharing, gating.
 
-Every class is a drop-in for :class:`~multihead.MultiHeadAttention`: same core constructor arguments
-(``d_model, n_heads, [n_kv_heads], *, bias, dropout, rotary, backend``), same forward
-``(x, context=None, *, mask, bias, cache, positions, head_mask) -> (B, N, d)``, and an ``aux_loss``
-scalar set on every forward (zero when the design has none)::
+Every class is a subclass of :class:`~multihead.MultiHeadAttention` and a drop-in for it: same core
+constructor arguments (``d_model, n_heads, [n_kv_heads], *, bias, dropout, rotary, backend``), same
+forward ``(x, context=None, *, mask, bias, cache, positions, head_mask) -> (B, N, d)``, and an
+``aux_loss`` scalar set on every forward (zero when the design has none). Each overrides only the steps
+of the template (:mod:`multihead.nn.attention`) that it changes::
 
-    MixtureOfHeads      MoH: shared heads + top-k routed heads per token, load-balance loss   (moh.py)
-    DynamicComposition  DCMHA: static + dynamic composition of head scores around softmax     (dcmha.py)
-    OverlappingHeads    MOHSA: each head's q/k/v widened by its neighbours' features          (mohsa.py)
-    CollaborativeHeads  shared W_Q/W_K with per-head mixing vectors; from_mha re-parametrises  (collab.py)
-    TalkingHeads        Hq x Hq mixing of logits and of weights                               (talking.py)
-    GatedHeads          hard-concrete head gates with an L0 penalty                           (gated.py)
+    MixtureOfHeads      MoH: shared heads + top-k routed heads per token, load-balance loss   heads
+    DynamicComposition  DCMHA: static + dynamic composition of head scores around softmax     attend
+    OverlappingHeads    MOHSA: each head's q/k/v widened by its neighbours' features          attend, W^O
+    CollaborativeHeads  shared W_Q/W_K with per-head mixing vectors; from_mha re-parametrises  project,
+                                                                     apply_positions, attend
+    TalkingHeads        Hq x Hq mixing of logits and of weights                               attend
+    GatedHeads          hard-concrete head gates with an L0 penalty                           mix_heads
 
 A design that cannot serve a call says why: DynamicComposition and CollaborativeHeads refuse a
 ``KVCache`` (ValueError); every design supports masks, biases, rotary, head_mask and cross-attention.

@@ -23,6 +23,10 @@ k~ are rotated in chunks of the rotary head dim after mixing, which keeps scores
 rank, reproduces the MHA's rotary exactly; D_k must then be a multiple of the rotary head dim. The cache
 is refused: the shared key has width D_k while ``KVCache`` stores keys and values of one (Hkv, D) shape.
 
+What it changes of :class:`~multihead.MultiHeadAttention`: ``project`` (shared, mixed q~ and k~ in place
+of the fused qkv_proj), ``apply_positions`` (rotary in chunks) and ``attend`` (one shared key for every
+head, scale 1/sqrt(D)); head_mask, W^O and cross-attention are the template's.
+
 Shape legend: B batch, N query tokens, L keys, d = d_model, H = Hq heads, D head dim, K = D_k shared
 key/query width, c = K // rotary head dim, Dr rotary head dim.
 """
@@ -36,10 +40,10 @@ import torch
 from torch import Tensor, nn
 
 from ..core.biases import Bias
-from ..core.functional import attention
+from ..core.checks import check_int
 from ..core.masks import Mask
 from ..nn.attention import MultiHeadAttention
-from .base import AttentionVariant, check_int, head_scale
+from .base import AttentionVariant
 
 if TYPE_CHECKING:
     from ..nn.kv_cache import KVCache
@@ -56,13 +60,15 @@ class CollaborativeHeads(AttentionVariant):
             the width at which any MHA is re-parametrised exactly.
 
     Parameters: ``q_proj`` (W~_Q, b~_Q), ``k_proj`` (W~_K, b~_K), ``mixing`` (H, D_k) = rows m_i,
-    ``v_proj`` and ``o_proj`` as the value and output maps of MHA. ``mixing`` starts as head i's indicator
-    on features ``[i K / H, (i + 1) K / H)``, i.e. as concatenated heads.
+    ``v_proj`` and ``o_proj`` as the value and output maps of MHA (no fused ``qkv_proj``). ``mixing``
+    starts as head i's indicator on features ``[i K / H, (i + 1) K / H)``, i.e. as concatenated heads.
 
     Raises:
-        ValueError: what :class:`AttentionVariant` raises, d_shared < 1, a d_shared that is not a
-            multiple of the rotary head dim.
+        ValueError: what :class:`~multihead.variants.base.AttentionVariant` raises, d_shared < 1, a
+            d_shared that is not a multiple of the rotary head dim.
     """
+
+    no_cache = "its shared key has width d_shared while KVCache stores keys and values of one (Hkv, D) shape"
 
     def __init__(
         self,
@@ -79,7 +85,7 @@ class CollaborativeHeads(AttentionVariant):
         H, D = self.n_heads, self.head_dim
         K = H * D if d_shared is None else d_shared
         self.d_shared = check_int(
-            "CollaborativeHeads", "d_shared", K, 1, fix="it is the shared key width D_k"
+            "d_shared", K, 1, owner="CollaborativeHeads", fix="it is the shared key width D_k"
         )
         rd = getattr(rotary, "head_dim", None)
         self.rotary_dim = None if rd is None else int(rd)
@@ -88,12 +94,13 @@ class CollaborativeHeads(AttentionVariant):
                 f"CollaborativeHeads d_shared ({K}) must be a multiple of the rotary head_dim ({rd}): "
                 "the shared q/k are rotated in chunks of that width; pick d_shared = a multiple of it"
             )
+        del self.qkv_proj  # the projections of eq. 9.33 are these:
         self.q_proj = nn.Linear(d_model, K, bias=bias)  # W~_Q, b~_Q
         self.k_proj = nn.Linear(d_model, K, bias=bias)  # W~_K, b~_K (it matters only with rotary)
         self.v_proj = nn.Linear(d_model, H * D, bias=bias)  # W_V^1 | ... | W_V^H
-        self.o_proj = nn.Linear(H * D, d_model, bias=bias)  # W^O
         owner = torch.arange(K) * H // K  # (K,): the head whose block feature j starts in
         self.mixing = nn.Parameter((owner[None, :] == torch.arange(H)[:, None]).float())  # (H, K): m_i
+        self.score_scale = 1.0 / math.sqrt(D)  # not 1/sqrt(K): the re-parametrisation stays exact
 
     # -- re-parametrisation ------------------------------------------------------------------------
     @classmethod
@@ -120,8 +127,8 @@ class CollaborativeHeads(AttentionVariant):
             )
         full = H * D
         K = full if d_shared is None else d_shared
-        check_int("from_mha", "d_shared", K, 1, full, fix=f"{full} (= n_heads * head_dim) is exact")
-        check_int("from_mha", "iters", iters, 1)
+        check_int("d_shared", K, 1, full, owner="from_mha", fix=f"{full} (= n_heads * head_dim) is exact")
+        check_int("iters", iters, 1, owner="from_mha")
         if K < full and mha.rotary is not None:
             raise ValueError(
                 f"from_mha d_shared={K} < {full} with rotary: a low-rank basis mixes rotary pairs; "
@@ -156,50 +163,37 @@ class CollaborativeHeads(AttentionVariant):
             out.o_proj.load_state_dict(mha.o_proj.state_dict())
         return out
 
-    # -- forward -------------------------------------------------------------------------------
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = None,
-        *,
-        mask: Mask | Tensor | None = None,
-        bias: Bias | Tensor | None = None,
-        cache: KVCache | None = None,
-        positions: Tensor | None = None,
-        head_mask: Tensor | None = None,
-    ) -> Tensor:
-        """(B, N, d) -> (B, N, d); arguments as :meth:`multihead.MultiHeadAttention.forward`.
-
-        Raises:
-            ValueError: what MultiHeadAttention.forward raises, and for any ``cache`` (see module doc).
-        """
-        why = "its shared key has width d_shared while KVCache stores keys and values of one (Hkv, D) shape"
-        self._check_call(x, context, cache, positions, no_cache=why)
-        B, N, _ = x.shape
-        H, D, K = self.n_heads, self.head_dim, self.d_shared
+    # -- the steps it overrides ------------------------------------------------------------------
+    def project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q~ diag(m_i) per head (B, H, N, K), the shared key k~ (B, 1, L, K) and v (B, H, L, D)."""
         src = x if context is None else context
         q = self.q_proj(x).unsqueeze(1) * self.mixing[None, :, None, :].to(x.dtype)  # (B, H, N, K)
         k = self.k_proj(src).unsqueeze(1)  # (B, 1, L, K)
-        v = self.v_proj(src).reshape(B, -1, H, D).transpose(1, 2)  # (B, H, L, D)
-        if self.rotary is not None and context is None:
-            pos = self._positions(N, cache, positions, x.device)
-            q, k = self._rotate(q, pos), self._rotate(k, pos)
-        a = attention(
-            q,
-            k.expand(B, H, -1, K),  # (B, H, L, K): a stride-0 view, not a copy
-            v,
-            mask=mask,
-            bias=bias,
-            scale=1.0 / math.sqrt(D),
-            dropout_p=self._attn_dropout(),
-            backend=self.backend,
-        )  # (B, H, N, D)
-        assert isinstance(a, Tensor)
-        if head_mask is not None:
-            a = a * head_scale(head_mask, B, H).to(a.dtype)  # (B, H, N, D)
-        self.aux_loss = a.new_zeros(())
-        a = a.transpose(1, 2).reshape(B, N, H * D)  # (B, N, H*D)
-        return self.out_dropout(self.o_proj(a))  # (B, N, d)
+        return q, k, self.split_heads(self.v_proj(src), self.n_heads)  # v: (B, H, L, D)
+
+    def apply_positions(
+        self, q: Tensor, k: Tensor, positions: Tensor | None, cache: KVCache | None
+    ) -> tuple[Tensor, Tensor]:
+        """Rotary on q (B, H, N, K) and k (B, 1, N, K) in chunks of the rotary head dim; see module doc."""
+        if self.rotary is None:
+            return q, k
+        pos = self.token_positions(q.shape[2], cache, positions, q.device)  # (N,) or (B, N)
+        return self._rotate(q, pos), self._rotate(k, pos)
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: Bias | Tensor | None = None,
+        x: Tensor | None = None,
+        context: Tensor | None = None,
+    ) -> Tensor:
+        """The template's attention with the shared key read by every head: (B, H, N, D)."""
+        k = k.expand(-1, self.n_heads, -1, -1)  # (B, H, L, K): a stride-0 view, not a copy
+        return super().attend(q, k, v, mask=mask, bias=bias, x=x, context=context)  # (B, H, N, D)
 
     def _rotate(self, t: Tensor, pos: Tensor) -> Tensor:
         """Rotary on t (B, H', T, K) in chunks of the rotary head dim Dr: (B, H', T, K) out."""

@@ -9,15 +9,17 @@ At every (query i, key j) the vector of head scores ``a = A[:, i, j]`` (Hq entri
 
 where ``W_*1`` (Hq x R) and ``W_*2`` (R x Hq) come from the token's attention input X by a two-layer
 MLP, ``[W_1 ; W_2] = GELU(X W_a) W_b'``. Compose runs twice with its own parameters: on the scaled
-logits before the softmax and on the weights after it (see :mod:`._explicit` for where bias and mask go).
+logits before the softmax and on the weights after it (see :mod:`.explicit` for where bias and mask go).
 
 Initialisation: ``W_b`` is the identity and the second MLP layers and the gates are zero, so a fresh
 module computes exactly multi-head attention with the same projections.
 
-DCMHA needs the full (B, Hq, N, L) score tensor, so it **computes attention explicitly** and never goes
-through the fused kernel (``backend`` is unused): O(N L) memory per head, plus O(R) per (i, j) for
-the dynamic terms. The key-wise terms need the attention input of every key, which a ``KVCache`` does not
-store, so DCMHA refuses a cache; cross-attention composes with the context as the key-side input.
+What it changes of :class:`~multihead.MultiHeadAttention`: the ``attend`` step only (projections, GQA,
+rotary, head_mask and W^O are the template's). DCMHA needs the full (B, Hq, N, L) score tensor, so it
+**computes attention explicitly** and never goes through the fused kernel (``backend`` is unused):
+O(N L) memory per head, plus O(R) per (i, j) for the dynamic terms. The key-wise terms need the
+attention input of every key, which a ``KVCache`` does not store, so DCMHA refuses a cache;
+cross-attention composes with the context as the key-side input.
 
 Shape legend: B batch, N query tokens, L keys, d = d_model, H = Hq heads, Hkv kv heads, D head dim,
 R composition rank, C hidden width of the weight-generating MLP.
@@ -25,19 +27,15 @@ R composition rank, C hidden width of the weight-generating MLP.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.biases import Bias
+from ..core.checks import check_int
 from ..core.masks import Mask
-from .base import AttentionVariant, check_int, head_scale
+from .base import AttentionVariant
 from .explicit import explicit_attention
-
-if TYPE_CHECKING:
-    from ..nn.kv_cache import KVCache
 
 __all__ = ["Composition", "DynamicComposition"]
 
@@ -95,7 +93,7 @@ class DynamicComposition(AttentionVariant):
     """Multi-head attention with DCMHA's static + dynamic head composition before and after softmax.
 
     Composition needs every head's full (N, L) score matrix, so attention is computed explicitly
-    (:func:`._explicit.explicit_attention`), never through the fused kernel: O(Hq N L) memory. It refuses
+    (:func:`.explicit.explicit_attention`), never through the fused kernel: O(Hq N L) memory. It refuses
     a ``KVCache`` (the key-wise weights need every key's input); cross-attention is supported.
 
     Args:
@@ -104,9 +102,15 @@ class DynamicComposition(AttentionVariant):
         rank: R of the query- and key-wise dynamic projections (the paper uses 2); in [1, n_heads].
         hidden: C, hidden width of the MLP that generates them; default 2 * n_heads * rank.
 
+    Parameters: ``qkv_proj`` and ``o_proj`` as MultiHeadAttention, ``pre`` and ``post``
+    (:class:`Composition`, on the logits and on the weights).
+
     Raises:
-        ValueError: what :class:`AttentionVariant` raises, a rank outside [1, n_heads], hidden < 1.
+        ValueError: what :class:`~multihead.variants.base.AttentionVariant` raises, a rank outside
+            [1, n_heads], hidden < 1.
     """
+
+    no_cache = "the key-wise composition needs every key's input vector, which the cache does not keep"
 
     def __init__(
         self,
@@ -124,46 +128,30 @@ class DynamicComposition(AttentionVariant):
         super().__init__(
             d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend
         )
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        H, owner = self.n_heads, "DynamicComposition"
         fix = "a rank above n_heads cannot lower the cost of a full Hq x Hq map; the paper uses 2"
-        self.rank = check_int("DynamicComposition", "rank", rank, 1, H, fix)
-        hidden = 2 * H * self.rank if hidden is None else hidden
-        self.hidden = check_int("DynamicComposition", "hidden", hidden, 1)
-        self.qkv_proj = nn.Linear(d_model, (H + 2 * Hkv) * D, bias=bias)  # W^Q | W^K | W^V
-        self.o_proj = nn.Linear(H * D, d_model, bias=bias)  # W^O
+        self.rank = check_int("rank", rank, 1, H, owner=owner, fix=fix)
+        self.hidden = check_int("hidden", 2 * H * self.rank if hidden is None else hidden, 1, owner=owner)
         self.pre = Composition(d_model, H, self.rank, self.hidden)  # on the logits
         self.post = Composition(d_model, H, self.rank, self.hidden)  # on the weights
 
-    def forward(
+    def attend(
         self,
-        x: Tensor,
-        context: Tensor | None = None,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         mask: Mask | Tensor | None = None,
         bias: Bias | Tensor | None = None,
-        cache: KVCache | None = None,
-        positions: Tensor | None = None,
-        head_mask: Tensor | None = None,
+        x: Tensor | None = None,
+        context: Tensor | None = None,
     ) -> Tensor:
-        """(B, N, d) -> (B, N, d); arguments as :meth:`multihead.MultiHeadAttention.forward`.
-
-        Raises:
-            ValueError: what MultiHeadAttention.forward raises, and for any ``cache`` (see module doc).
-        """
-        why = "the key-wise composition needs every key's input vector, which the cache does not keep"
-        self._check_call(x, context, cache, positions, no_cache=why)
-        B, N, _ = x.shape
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        src = x if context is None else context
-        q = F.linear(x, w[: H * D], None if b is None else b[: H * D])  # (B, N, Hq*D)
-        kv = F.linear(src, w[H * D :], None if b is None else b[H * D :])  # (B, L, 2 Hkv D)
-        q = q.reshape(B, N, H, D).transpose(1, 2)  # (B, Hq, N, D)
-        k, v = kv.reshape(B, -1, 2 * Hkv, D).transpose(1, 2).split(Hkv, dim=1)  # 2 x (B, Hkv, L, D)
-        if self.rotary is not None and context is None:
-            pos = self._positions(N, cache, positions, x.device)
-            q, k = self.rotary(q, pos), self.rotary(k, pos)
-        a = explicit_attention(
+        """The heads with scores and weights composed from the inputs: q (B, Hq, N, D), k and v
+        (B, Hkv, L, D) -> (B, Hq, N, D); x (B, N, d) is the query-side input, context (B, L, d) (or x)
+        the key side. Other arguments as :meth:`multihead.MultiHeadAttention.attend`."""
+        assert x is not None, "DynamicComposition composes from the call's input x"
+        src = x if context is None else context  # (B, L, d): every key's input (no cache)
+        return explicit_attention(
             q,
             k,
             v,
@@ -171,13 +159,8 @@ class DynamicComposition(AttentionVariant):
             bias=bias,
             compose_logits=lambda s: self.pre(s, x, src),
             compose_weights=lambda p: self.post(p, x, src),
-            dropout_p=self._attn_dropout(),
+            dropout_p=self.attention_dropout(),
         )  # (B, Hq, N, D)
-        if head_mask is not None:
-            a = a * head_scale(head_mask, B, H).to(a.dtype)  # (B, Hq, N, D)
-        self.aux_loss = a.new_zeros(())
-        a = a.transpose(1, 2).reshape(B, N, H * D)  # (B, N, Hq*D)
-        return self.out_dropout(self.o_proj(a))  # (B, N, d)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", rank={self.rank}, hidden={self.hidden}"

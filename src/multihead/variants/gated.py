@@ -12,27 +12,25 @@ penalty, using the hard-concrete relaxation of Louizos et al. (2018, arXiv 1712.
 
 with beta = 2/3, gamma = -0.1, zeta = 1.1. One gate vector is drawn per forward call (shared by the
 batch). ``aux_loss = l0_weight * L0``; add it to the task loss. A gate that is exactly 0 at eval marks
-a head that can be pruned without changing the output. Everything else (fused QKV, GQA, rotary, cache,
-cross-attention) is :class:`~multihead.MultiHeadAttention`'s: the gates travel as its ``head_mask``.
+a head that can be pruned without changing the output.
 
-Shape legend: B batch, N query tokens, d = d_model, Hq query heads.
+What it changes of :class:`~multihead.MultiHeadAttention`: the ``mix_heads`` step only, where the gates
+join the ``head_mask``. Everything else (fused QKV, GQA, rotary, cache, cross-attention, the attention
+itself) is the template's, so tools for the textbook layer (approximations, attention maps) accept it.
+
+Shape legend: B batch, N query tokens, d = d_model, Hq query heads, Dv per-head output width.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..core.biases import Bias
-from ..core.masks import Mask
+from ..core.checks import check_number
 from ..nn.attention import MultiHeadAttention
-from .base import check_number, head_scale
-
-if TYPE_CHECKING:
-    from ..nn.kv_cache import KVCache
 
 __all__ = ["GAMMA", "ZETA", "GatedHeads", "hard_concrete", "l0_norm"]
 
@@ -101,7 +99,9 @@ class GatedHeads(MultiHeadAttention):
             device=device,
             dtype=dtype,
         )
-        self.l0_weight = check_number("GatedHeads", "l0_weight", l0_weight, 0.0, math.inf, open_high=True)
+        self.l0_weight = check_number(
+            "l0_weight", l0_weight, 0.0, math.inf, open_high=True, owner="GatedHeads"
+        )
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta <= 1.0:
             raise ValueError(f"GatedHeads beta must be a number in (0, 1] (the paper uses 2/3), got {beta!r}")
         if isinstance(init_log_alpha, bool) or not isinstance(init_log_alpha, (int, float)):
@@ -123,31 +123,12 @@ class GatedHeads(MultiHeadAttention):
         """The expected number of open gates (a differentiable scalar)."""
         return l0_norm(self.log_alpha, self.beta)
 
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = None,
-        *,
-        mask: Mask | Tensor | None = None,
-        bias: Bias | Tensor | None = None,
-        cache: KVCache | None = None,
-        positions: Tensor | None = None,
-        head_mask: Tensor | None = None,
-    ) -> Tensor:
-        """(B, N, d) -> (B, N, d) with every head's output scaled by its gate (times ``head_mask``).
-
-        Raises:
-            ValueError: what :meth:`multihead.MultiHeadAttention.forward` raises.
-        """
+    def mix_heads(self, a: Tensor, x: Tensor, head_mask: Tensor | None) -> Tensor:
+        """Every head's output (B, Hq, N, Dv) scaled by its gate (a fresh sample in training) times
+        ``head_mask``; sets ``aux_loss`` to the weighted L0 penalty. Returns (B, Hq, N, Dv)."""
         g = self.gates()  # (Hq,)
-        if head_mask is not None:
-            B = x.shape[0] if isinstance(x, Tensor) and x.dim() > 0 else 1
-            head_scale(head_mask, B, self.n_heads)  # validates before it is combined with the gates
-            g = g * head_mask  # (Hq,) or (B, Hq)
         self.aux_loss = self.l0_weight * self.l0_penalty()
-        return super().forward(
-            x, context, mask=mask, bias=bias, cache=cache, positions=positions, head_mask=g
-        )  # (B, N, d)
+        return super().mix_heads(a, x, g if head_mask is None else g * head_mask)  # (B, Hq, N, Dv)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

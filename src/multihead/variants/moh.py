@@ -19,12 +19,18 @@ token and multiplies by zero gates. Here (``skip="eval"``, the default, in eval 
 training) the routed heads run on packed rows: for routed head j, the m_j tokens that chose it are
 gathered (padded to m = max m_j over batch rows and heads), their queries are projected from those rows
 only, and the attention calls cover (B, Hr, m, L) instead of (B, Hr, N, L). The caller's mask and bias
-follow the rows (:mod:`._remap`); the packed rows go in chunks that drop the keys the mask hides from all
+follow the rows (:mod:`.remap`); the packed rows go in chunks that drop the keys the mask hides from all
 of a chunk's rows (with a causal mask, the keys after its last position). With balanced routing
 m ~ N top_k / Hr, so query projection and attention work of the routed heads shrink by about that
 factor; keys, values, W^O and the shared heads are unchanged. Outputs and gradients equal the
 compute-everything path (``skip="never"``), which is faster for short sequences, where gathering costs
 more than it saves (``python -m multihead.variants.bench`` measures both).
+
+What it changes of :class:`~multihead.MultiHeadAttention`: the ``heads`` step, since routing decides
+which (token, head) pairs are computed at all: it routes, sets the aux loss and gates each head's output,
+either through the template's own project / positions / cache / attend steps on every head
+(``skip="never"``) or with the routed queries projected and attended on packed rows. head_mask, W^O,
+GQA, rotary, the cache and cross-attention are the template's.
 
 Shape legend: B batch, N query tokens, L keys, d = d_model, H = Hq heads, Hkv kv heads, G = H // Hkv,
 Hs / Hr shared / routed heads, D head dim, m packed rows per routed head.
@@ -39,9 +45,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.biases import Bias
-from ..core.functional import attention
+from ..core.checks import check_int, check_number
 from ..core.masks import EMPTY, Mask, MaskContext, as_mask
-from .base import AttentionVariant, check_int, check_number, head_scale
+from .base import AttentionVariant
 from .remap import sub_bias, sub_mask
 
 if TYPE_CHECKING:
@@ -138,15 +144,16 @@ class MixtureOfHeads(AttentionVariant):
         super().__init__(
             d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend
         )
-        owner, H, Hkv, D = "MixtureOfHeads", self.n_heads, self.n_kv_heads, self.head_dim
+        owner, H, Hkv = "MixtureOfHeads", self.n_heads, self.n_kv_heads
         if H < 2:
             raise ValueError(f"{owner} needs n_heads >= 2 (a shared and a routed head), got {H}")
         n_shared = max(1, H // 2) if n_shared is None else n_shared
-        self.n_shared = check_int(owner, "n_shared", n_shared, 1, H - 1, fix="keep at least one routed head")
+        fix = "keep at least one routed head"
+        self.n_shared = check_int("n_shared", n_shared, 1, H - 1, owner=owner, fix=fix)
         Hr = H - self.n_shared
         top_k = max(1, Hr // 2) if top_k is None else top_k
         fix = f"top_k counts routed heads, n_heads - n_shared = {H} - {self.n_shared} = {Hr}"
-        self.top_k = check_int(owner, "top_k", top_k, 1, Hr, fix=fix)
+        self.top_k = check_int("top_k", top_k, 1, Hr, owner=owner, fix=fix)
         G = H // Hkv
         if self.n_shared % G:
             raise ValueError(
@@ -154,13 +161,11 @@ class MixtureOfHeads(AttentionVariant):
                 f"n_heads // n_kv_heads = {G}, so no kv head serves both shared and routed heads"
             )
         self.balance_weight = check_number(
-            owner, "balance_weight", balance_weight, 0.0, float("inf"), open_high=True
+            "balance_weight", balance_weight, 0.0, float("inf"), open_high=True, owner=owner
         )
         if skip not in SKIP_MODES:
             raise ValueError(f"{owner} skip must be one of {list(SKIP_MODES)}, got {skip!r}")
         self.skip = skip
-        self.qkv_proj = nn.Linear(d_model, (H + 2 * Hkv) * D, bias=bias)  # W^Q | W^K | W^V
-        self.o_proj = nn.Linear(H * D, d_model, bias=bias)  # W^O
         self.router_groups = nn.Linear(d_model, 2, bias=False)  # W_h
         self.router_shared = nn.Linear(d_model, self.n_shared, bias=False)  # W_s
         self.router_routed = nn.Linear(d_model, Hr, bias=False)  # W_r
@@ -184,84 +189,52 @@ class MixtureOfHeads(AttentionVariant):
         """Whether this call runs the routed heads on the chosen tokens only."""
         return self.skip == "always" or (self.skip == "eval" and not self.training)
 
-    # -- forward -------------------------------------------------------------------------------
-    def forward(
+    # -- the heads step ----------------------------------------------------------------------------
+    def heads(
         self,
         x: Tensor,
-        context: Tensor | None = None,
+        context: Tensor | None,
         *,
-        mask: Mask | Tensor | None = None,
-        bias: Bias | Tensor | None = None,
-        cache: KVCache | None = None,
-        positions: Tensor | None = None,
-        head_mask: Tensor | None = None,
+        mask: Mask | Tensor | None,
+        bias: Bias | Tensor | None,
+        cache: KVCache | None,
+        positions: Tensor | None,
     ) -> Tensor:
-        """(B, N, d) -> (B, N, d); arguments as :meth:`multihead.MultiHeadAttention.forward`.
+        """The gated heads g_i head_i (B, H, N, D), unchosen routed heads zero; sets ``aux_loss``.
 
-        Raises:
-            ValueError: what MultiHeadAttention.forward raises.
+        Arguments as :meth:`multihead.MultiHeadAttention.forward` (already checked).
         """
-        self._check_call(x, context, cache, positions)
-        B, N, _ = x.shape
-        H, D = self.n_heads, self.head_dim
         r = self.route(x)
         self.aux_loss = self.balance_weight * load_balance(r.chosen, r.probs)
-        pos = None
-        if self.rotary is not None and context is None:
-            pos = self._positions(N, cache, positions, x.device)  # (N,) or (B, N)
-        k, v = self._keys_values(x if context is None else context, pos, cache)  # (B, Hkv, L, D) each
-        whole = MaskContext(B, H, N, k.shape[2])
         if self.skips():
-            shared = self._shared(x, k, v, pos, mask, bias, r, whole)  # (B, Hs, N, D)
-            a = torch.cat([shared, self._routed(x, k, v, pos, mask, bias, r, whole)], dim=1)  # (B, H, N, D)
-        else:
-            a = self._every_head(x, k, v, pos, mask, bias, r)  # (B, H, N, D)
-        if head_mask is not None:
-            a = a * head_scale(head_mask, B, H).to(a.dtype)  # (B, H, N, D)
-        a = a.transpose(1, 2).reshape(B, N, H * D)  # (B, N, H*D)
-        return self.out_dropout(self.o_proj(a))  # (B, N, d)
+            return self._skipping(x, context, r, mask, bias, cache, positions)  # (B, H, N, D)
+        a = super().heads(x, context, mask=mask, bias=bias, cache=cache, positions=positions)  # (B, H, N, D)
+        return a * r.gates.transpose(1, 2).unsqueeze(-1)  # (B, H, N, D): the paper's path, 0 if not chosen
 
-    def _keys_values(self, src: Tensor, pos: Tensor | None, cache: KVCache | None) -> tuple[Tensor, Tensor]:
-        """Every head's keys and values, rotated and appended to the cache: 2 x (B, Hkv, L, D)."""
-        HD, Hkv, D = self.n_heads * self.head_dim, self.n_kv_heads, self.head_dim
-        w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        kv = F.linear(src, w[HD:], None if b is None else b[HD:])  # (B, M, 2 Hkv D)
-        kv = kv.reshape(src.shape[0], -1, 2 * Hkv, D).transpose(1, 2)  # (B, 2 Hkv, M, D)
-        k, v = kv.split(Hkv, dim=1)  # 2 x (B, Hkv, M, D)
-        if pos is not None:
-            assert self.rotary is not None
-            k = self.rotary(k, pos)
+    def _skipping(self, x, context, r: Routing, mask, bias, cache, positions) -> Tensor:
+        """The template's steps with only the shared heads' queries projected up front; the routed heads
+        run on the tokens that chose them (:meth:`_routed`). Returns the gated heads (B, H, N, D)."""
+        B, N, _ = x.shape
+        q = self.project_queries(x, slice(0, self.n_shared))  # (B, Hs, N, D): the shared heads only
+        k, v = self.project_keys_values(x if context is None else context)  # (B, Hkv, M or N, D) each
+        pos = None
+        if context is None:
+            if self.rotary is not None:
+                pos = self.token_positions(N, cache, positions, x.device)  # (N,) or (B, N)
+            q, k = self.apply_positions(q, k, positions, cache)  # (B, Hs, N, D), (B, Hkv, N, D)
         if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, L, D) each
-        return k, v
-
-    def _queries(self, x: Tensor, heads: slice) -> Tensor:
-        """Queries of heads ``heads`` for every token of x: (B, h, N, D)."""
-        D = self.head_dim
-        rows = slice(heads.start * D, heads.stop * D)
-        w, b = self.qkv_proj.weight[rows], None if self.qkv_proj.bias is None else self.qkv_proj.bias[rows]
-        return F.linear(x, w, b).reshape(x.shape[0], x.shape[1], -1, D).transpose(1, 2)  # (B, h, N, D)
+            k, v = self.update_cache(cache, k, v)  # (B, Hkv, L, D) each
+        whole = MaskContext(B, self.n_heads, N, k.shape[2])
+        shared = self._shared(q, k, v, mask, bias, r, whole)  # (B, Hs, N, D)
+        return torch.cat([shared, self._routed(x, k, v, pos, mask, bias, r, whole)], dim=1)  # (B, H, N, D)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, bias) -> Tensor:
-        a = attention(q, k, v, mask=mask, bias=bias, dropout_p=self._attn_dropout(), backend=self.backend)
-        assert isinstance(a, Tensor)
-        return a
+        """One attention call of the skipping path (the shared heads, or a chunk of packed rows)."""
+        return self.attend(q, k, v, mask=mask, bias=bias)  # (B, h, m, D)
 
-    def _every_head(self, x, k, v, pos, mask, bias, r: Routing) -> Tensor:
-        """The paper's path: all heads for all tokens, unchosen ones multiplied by 0 -> (B, H, N, D)."""
-        q = self._queries(x, slice(0, self.n_heads))  # (B, H, N, D)
-        if pos is not None:
-            assert self.rotary is not None
-            q = self.rotary(q, pos)
-        return self._attend(q, k, v, mask, bias) * r.gates.transpose(1, 2).unsqueeze(-1)  # (B, H, N, D)
-
-    def _shared(self, x, k, v, pos, mask, bias, r: Routing, whole: MaskContext) -> Tensor:
-        """Shared heads on every token -> (B, Hs, N, D), gated."""
+    def _shared(self, q, k, v, mask, bias, r: Routing, whole: MaskContext) -> Tensor:
+        """Shared heads' queries q (B, Hs, N, D) on every token -> (B, Hs, N, D), gated."""
         Hs, G = self.n_shared, self.n_heads // self.n_kv_heads
-        q = self._queries(x, slice(0, Hs))  # (B, Hs, N, D)
-        if pos is not None:
-            assert self.rotary is not None
-            q = self.rotary(q, pos)
         kvs = Hs // G  # kv heads read by the shared heads
         a = self._attend(q, k[:, :kvs], v[:, :kvs], sub_mask(mask, whole, 0), sub_bias(bias, whole, 0))
         return a * r.gates[..., :Hs].transpose(1, 2).unsqueeze(-1)  # (B, Hs, N, D)
@@ -274,10 +247,10 @@ class MixtureOfHeads(AttentionVariant):
         m = rows.shape[-1]
         index = rows.unsqueeze(-1).expand(B, Hr, m, d)  # (B, Hr, m, d)
         xg = x.unsqueeze(1).expand(B, Hr, N, d).gather(2, index)  # (B, Hr, m, d): the chosen tokens
-        w = self.qkv_proj.weight[Hs * D : H * D].reshape(Hr, D, d)  # (Hr, D, d): W^Q of the routed heads
-        q = torch.einsum("bjmc,jec->bjme", xg, w)  # (B, Hr, m, D)
-        if self.qkv_proj.bias is not None:
-            q = q + self.qkv_proj.bias[Hs * D : H * D].reshape(1, Hr, 1, D)  # (B, Hr, m, D)
+        w, b = self.query_rows(slice(Hs, H))  # (Hr*D, d), (Hr*D,): W^Q of the routed heads
+        q = torch.einsum("bjmc,jec->bjme", xg, w.reshape(Hr, D, d))  # (B, Hr, m, D)
+        if b is not None:
+            q = q + b.reshape(1, Hr, 1, D)  # (B, Hr, m, D)
         if pos is not None:
             assert self.rotary is not None
             pg = pos.expand(B, N).unsqueeze(1).expand(B, Hr, N).gather(2, rows)  # (B, Hr, m)

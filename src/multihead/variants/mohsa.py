@@ -20,8 +20,11 @@ rotary pairs: ``o`` is rounded down to an even count, and half-split heads (pair
 first reordered to interleaved pairs, a permutation of each head's features that leaves its own scores
 unchanged. Every slice of a widened q and k then holds complete pairs rotated by their own position, so
 scores still depend on positions only through their difference (a contiguous slice of a half-split head
-would cut pairs apart and lose that). The cache holds the un-widened k and v, so KVCache and
-cross-attention work as in MultiHeadAttention.
+would cut pairs apart and lose that).
+
+What it changes of :class:`~multihead.MultiHeadAttention`: the ``attend`` step widens q, k and v before
+the template's attention, and ``o_proj`` reads the widened heads. Projections, rotary, the cache (it
+holds the un-widened k and v) and cross-attention are the template's.
 
 Shape legend: B batch, N query tokens, L keys, d = d_model, Hq / Hkv heads, D head dim, o overlap
 features per side, W = D + 2o widened head dim.
@@ -29,18 +32,13 @@ features per side, W = D + 2o widened head dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.biases import Bias
-from ..core.functional import attention
+from ..core.checks import check_number
 from ..core.masks import Mask
-from .base import AttentionVariant, check_number, head_scale
-
-if TYPE_CHECKING:
-    from ..nn.kv_cache import KVCache
+from .base import AttentionVariant
 
 __all__ = ["OverlappingHeads", "widen_heads"]
 
@@ -71,8 +69,8 @@ class OverlappingHeads(AttentionVariant):
     Parameters: ``qkv_proj`` as MultiHeadAttention; ``o_proj`` reads Hq * (D + 2o) features.
 
     Raises:
-        ValueError: what :class:`AttentionVariant` raises, overlap outside [0, 1), an overlap > 0 that
-            rounds to zero features.
+        ValueError: what :class:`~multihead.variants.base.AttentionVariant` raises, overlap outside
+            [0, 1), an overlap > 0 that rounds to zero features.
     """
 
     def __init__(
@@ -90,9 +88,11 @@ class OverlappingHeads(AttentionVariant):
         super().__init__(
             d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend
         )
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        H, D = self.n_heads, self.head_dim
         try:
-            self.overlap = check_number("OverlappingHeads", "overlap", overlap, 0.0, 1.0, open_high=True)
+            self.overlap = check_number(
+                "overlap", overlap, 0.0, 1.0, open_high=True, owner="OverlappingHeads"
+            )
         except ValueError as e:
             raise ValueError(f"{e}; it is the fraction of a neighbour's features each head adds") from None
         step = 1 if rotary is None else 2  # with rotary, whole pairs only
@@ -104,51 +104,26 @@ class OverlappingHeads(AttentionVariant):
                 "or 0 for plain multi-head attention"
             )
         self.pair_order = rotary is not None and not getattr(rotary, "interleaved", False)
-        self.qkv_proj = nn.Linear(d_model, (H + 2 * Hkv) * D, bias=bias)  # W^Q | W^K | W^V
         self.o_proj = nn.Linear(H * (D + 2 * self.overlap_dim), d_model, bias=bias)  # W^O on widened heads
 
-    def forward(
+    def attend(
         self,
-        x: Tensor,
-        context: Tensor | None = None,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         mask: Mask | Tensor | None = None,
         bias: Bias | Tensor | None = None,
-        cache: KVCache | None = None,
-        positions: Tensor | None = None,
-        head_mask: Tensor | None = None,
+        x: Tensor | None = None,
+        context: Tensor | None = None,
     ) -> Tensor:
-        """(B, N, d) -> (B, N, d); arguments as :meth:`multihead.MultiHeadAttention.forward`.
-
-        Raises:
-            ValueError: what MultiHeadAttention.forward raises.
-        """
-        self._check_call(x, context, cache, positions)
-        B, N, _ = x.shape
-        H, Hkv, D, o = self.n_heads, self.n_kv_heads, self.head_dim, self.overlap_dim
-        w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        src = x if context is None else context
-        q = F.linear(x, w[: H * D], None if b is None else b[: H * D])  # (B, N, Hq*D)
-        kv = F.linear(src, w[H * D :], None if b is None else b[H * D :])  # (B, L, 2 Hkv D)
-        q = q.reshape(B, N, H, D).transpose(1, 2)  # (B, Hq, N, D)
-        k, v = kv.reshape(B, -1, 2 * Hkv, D).transpose(1, 2).split(Hkv, dim=1)  # 2 x (B, Hkv, L, D)
-        if self.rotary is not None and context is None:
-            pos = self._positions(N, cache, positions, x.device)
-            q, k = self.rotary(q, pos), self.rotary(k, pos)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, L, D) each, un-widened
+        """The template's attention on widened heads: q (B, Hq, N, D), k and v (B, Hkv, L, D) ->
+        (B, Hq, N, W); arguments as :meth:`multihead.MultiHeadAttention.attend`."""
         if self.pair_order:
             q, k = _interleave_pairs(q), _interleave_pairs(k)  # (B, H|Hkv, N|L, D): pairs adjacent
+        o = self.overlap_dim
         q, k, v = widen_heads(q, o), widen_heads(k, o), widen_heads(v, o)  # (B, H|Hkv, N|L, W)
-        a = attention(
-            q, k, v, mask=mask, bias=bias, dropout_p=self._attn_dropout(), backend=self.backend
-        )  # (B, Hq, N, W)
-        assert isinstance(a, Tensor)
-        if head_mask is not None:
-            a = a * head_scale(head_mask, B, H).to(a.dtype)  # (B, Hq, N, W)
-        self.aux_loss = a.new_zeros(())
-        a = a.transpose(1, 2).reshape(B, N, H * (D + 2 * o))  # (B, N, Hq*W)
-        return self.out_dropout(self.o_proj(a))  # (B, N, d)
+        return super().attend(q, k, v, mask=mask, bias=bias, x=x, context=context)  # (B, Hq, N, W)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", overlap={self.overlap} ({self.overlap_dim} features per side)"

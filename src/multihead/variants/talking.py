@@ -9,43 +9,36 @@ one on the logits and one on the weights, at every (query, key)::
     U_h = sum_g W_g P_w[g, h]  (masked again)        weights mixed across heads
     O   = concat_h(U_h V_h) W^O
 
-``P_l`` and ``P_w`` start as the identity, so a fresh module computes exactly multi-head attention with
-the same projections (the paper's general form also allows different head counts for logits and weights;
-here both are Hq). Mixing needs every head's full score tensor, so the core is computed explicitly
-(:mod:`._explicit`), not through the fused kernel: O(N L) memory per head.
+What it changes of :class:`~multihead.MultiHeadAttention`: the ``attend`` step only (projections, GQA,
+rotary, cache, cross-attention, head_mask and W^O are the template's). ``P_l`` and ``P_w`` start as the
+identity, so a fresh module computes exactly multi-head attention with the same projections (the paper's
+general form also allows different head counts for logits and weights; here both are Hq). Mixing needs
+every head's full score tensor, so the core is computed explicitly (:mod:`.explicit`), not through the
+fused kernel: O(N L) memory per head, and ``backend`` is unused.
 
 Shape legend: B batch, N query tokens, L keys, d = d_model, Hq query heads, Hkv kv heads, D head dim.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
 from ..core.biases import Bias
 from ..core.masks import Mask
-from .base import AttentionVariant, head_scale
+from .base import AttentionVariant
 from .explicit import explicit_attention
 
-if TYPE_CHECKING:
-    from ..nn.kv_cache import KVCache
-
-__all__ = ["TalkingHeads", "mix_heads"]
+__all__ = ["TalkingHeads", "mix_scores"]
 
 
-def mix_heads(s: Tensor, p: Tensor) -> Tensor:
+def mix_scores(s: Tensor, p: Tensor) -> Tensor:
     """s (B, H, N, L) mixed across heads by p (H, H): ``out[:, h] = sum_g s[:, g] p[g, h]``."""
     return torch.einsum("bgnl,gh->bhnl", s, p.to(s.dtype))  # (B, H, N, L)
 
 
 class TalkingHeads(AttentionVariant):
     """Multi-head attention whose heads talk: Hq x Hq mixing of logits and of weights.
-
-    The mixing needs every head's full score matrix, so attention is computed explicitly, not through
-    the fused kernel (O(Hq N L) memory). Cache, cross-attention, GQA, rotary and head_mask work as in
-    MultiHeadAttention.
 
     Args:
         d_model, n_heads, n_kv_heads, bias, dropout, rotary, backend: as
@@ -55,7 +48,8 @@ class TalkingHeads(AttentionVariant):
     ``weight_mix`` (P_w), both (Hq, Hq), initialised to the identity.
 
     Raises:
-        ValueError: what :class:`AttentionVariant` raises for sizes, dropout and backend.
+        ValueError: what :class:`~multihead.variants.base.AttentionVariant` raises for sizes, dropout
+            and backend.
     """
 
     def __init__(
@@ -72,54 +66,29 @@ class TalkingHeads(AttentionVariant):
         super().__init__(
             d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend
         )
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        self.qkv_proj = nn.Linear(d_model, (H + 2 * Hkv) * D, bias=bias)  # W^Q | W^K | W^V
-        self.o_proj = nn.Linear(H * D, d_model, bias=bias)  # W^O
-        self.logit_mix = nn.Parameter(torch.eye(H))  # P_l
-        self.weight_mix = nn.Parameter(torch.eye(H))  # P_w
+        self.logit_mix = nn.Parameter(torch.eye(self.n_heads))  # P_l
+        self.weight_mix = nn.Parameter(torch.eye(self.n_heads))  # P_w
 
-    def forward(
+    def attend(
         self,
-        x: Tensor,
-        context: Tensor | None = None,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         mask: Mask | Tensor | None = None,
         bias: Bias | Tensor | None = None,
-        cache: KVCache | None = None,
-        positions: Tensor | None = None,
-        head_mask: Tensor | None = None,
+        x: Tensor | None = None,
+        context: Tensor | None = None,
     ) -> Tensor:
-        """(B, N, d) -> (B, N, d); arguments as :meth:`multihead.MultiHeadAttention.forward`.
-
-        Raises:
-            ValueError: what MultiHeadAttention.forward raises.
-        """
-        self._check_call(x, context, cache, positions)
-        B, N, _ = x.shape
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        src = x if context is None else context
-        q = nn.functional.linear(x, w[: H * D], None if b is None else b[: H * D])  # (B, N, Hq*D)
-        kv = nn.functional.linear(src, w[H * D :], None if b is None else b[H * D :])  # (B, L, 2 Hkv D)
-        q = q.reshape(B, N, H, D).transpose(1, 2)  # (B, Hq, N, D)
-        k, v = kv.reshape(B, -1, 2 * Hkv, D).transpose(1, 2).split(Hkv, dim=1)  # 2 x (B, Hkv, L, D)
-        if self.rotary is not None and context is None:
-            pos = self._positions(N, cache, positions, x.device)
-            q, k = self.rotary(q, pos), self.rotary(k, pos)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, L, D) each
-        a = explicit_attention(
+        """The heads with logits and weights mixed across heads: q (B, Hq, N, D), k and v (B, Hkv, L, D)
+        -> (B, Hq, N, D); arguments as :meth:`multihead.MultiHeadAttention.attend`."""
+        return explicit_attention(
             q,
             k,
             v,
             mask=mask,
             bias=bias,
-            compose_logits=lambda s: mix_heads(s, self.logit_mix),
-            compose_weights=lambda p: mix_heads(p, self.weight_mix),
-            dropout_p=self._attn_dropout(),
+            compose_logits=lambda s: mix_scores(s, self.logit_mix),
+            compose_weights=lambda p: mix_scores(p, self.weight_mix),
+            dropout_p=self.attention_dropout(),
         )  # (B, Hq, N, D)
-        if head_mask is not None:
-            a = a * head_scale(head_mask, B, H).to(a.dtype)  # (B, Hq, N, D)
-        self.aux_loss = a.new_zeros(())
-        a = a.transpose(1, 2).reshape(B, N, H * D)  # (B, N, Hq*D)
-        return self.out_dropout(self.o_proj(a))  # (B, N, d)

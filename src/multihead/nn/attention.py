@@ -46,7 +46,7 @@ d = d_model, Hq query heads, Hkv kv heads, G = Hq // Hkv, D head dim, Dv per-hea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -435,7 +435,7 @@ class MultiHeadAttention(nn.Module):
         return self.out_dropout(self.o_proj(self.merge_heads(a)))  # (B, N, d)
 
     @property
-    def backend(self) -> Any:  # str | registry.Backend; Any while callers typed for names pass it on
+    def backend(self) -> str | registry.Backend:
         """What the core call runs on: a name ("auto" picks per call) or a backend object. An
         ``nn.Module`` backend (an approximation) is kept as the submodule ``approx``, so its parameters
         train and are saved (``approx.*`` state-dict keys); assigning a new backend replaces it.
@@ -444,7 +444,7 @@ class MultiHeadAttention(nn.Module):
             ValueError: on assignment, a value that is neither "auto", a registered name nor a backend
                 object.
         """
-        return self._plain_backend if self.approx is None else self.approx
+        return self._plain_backend if self.approx is None else cast(registry.Backend, self.approx)
 
     @backend.setter
     def backend(self, value: str | registry.Backend) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from ..backends import registry
 from ..core.checks import check_int
 from ..nn.attention import MultiHeadAttention
 
@@ -60,7 +61,7 @@ class AttentionVariant(MultiHeadAttention):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
+        backend: str | registry.Backend = "auto",
     ):
         owner = type(self).__name__
         check_int("d_model", d_model, 1, owner=owner)

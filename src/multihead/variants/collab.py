@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from ..backends import registry
 from ..core.biases import Bias
 from ..core.checks import check_int
 from ..core.masks import Mask
@@ -79,7 +80,7 @@ class CollaborativeHeads(AttentionVariant):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
+        backend: str | registry.Backend = "auto",
     ):
         super().__init__(d_model, n_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend)
         H, D = self.n_heads, self.head_dim

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import registry
 from ..core.biases import Bias
 from ..core.checks import check_int
 from ..core.masks import Mask
@@ -123,7 +124,7 @@ class DynamicComposition(AttentionVariant):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
+        backend: str | registry.Backend = "auto",
     ):
         super().__init__(
             d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend

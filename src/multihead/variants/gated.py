@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..backends import registry
 from ..core.checks import check_number
 from ..nn.attention import MultiHeadAttention
 
@@ -83,7 +84,7 @@ class GatedHeads(MultiHeadAttention):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
+        backend: str | registry.Backend = "auto",
         device=None,
         dtype=None,
     ):

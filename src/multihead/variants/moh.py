@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import registry
 from ..core.biases import Bias
 from ..core.checks import check_int, check_number
 from ..core.masks import EMPTY, Mask, MaskContext, as_mask
@@ -139,7 +140,7 @@ class MixtureOfHeads(AttentionVariant):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
+        backend: str | registry.Backend = "auto",
     ):
         super().__init__(
             d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend

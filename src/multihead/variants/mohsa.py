@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import registry
 from ..core.biases import Bias
 from ..core.checks import check_number
 from ..core.masks import Mask
@@ -83,7 +84,7 @@ class OverlappingHeads(AttentionVariant):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
+        backend: str | registry.Backend = "auto",
     ):
         super().__init__(
             d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..backends import registry
 from ..core.biases import Bias
 from ..core.masks import Mask
 from .base import AttentionVariant
@@ -61,7 +62,7 @@ class TalkingHeads(AttentionVariant):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
+        backend: str | registry.Backend = "auto",
     ):
         super().__init__(
             d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend

@@ -180,10 +180,10 @@ def _calibration_inputs(model: nn.Module, calibration: Any, batch_size: int = 16
 
 def _aligned_rotations(attn: MultiHeadAttention, x: Tensor, K: int) -> tuple[Tensor, Tensor]:
     """Per kv head (Hkv, D, D) key and value rotations that align the heads of each merged group."""
-    _, k, v = attn._project(x.unsqueeze(0), None)  # (1, T, Hkv*D) each, before rotary
+    k, v = attn.project_keys_values(x.unsqueeze(0))  # (1, Hkv, T, D) each, before rotary
     Hkv, D = attn.n_kv_heads, attn.head_dim
-    k = k[0].double().reshape(-1, Hkv, D)  # (T, Hkv, D)
-    v = v[0].double().reshape(-1, Hkv, D)  # (T, Hkv, D)
+    k = k[0].double().transpose(0, 1)  # (T, Hkv, D)
+    v = v[0].double().transpose(0, 1)  # (T, Hkv, D)
     pairs = _rotary_pairs(attn.rotary, D)
     r = Hkv // K
     key_rot, value_rot = [], []

@@ -71,7 +71,10 @@ d, H = 32, 4
         (lambda: V.TalkingHeads(d, 3), r"TalkingHeads d_model \(32\) must be divisible by n_heads \(3\)"),
         (lambda: V.TalkingHeads(d, H, 3), r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"),
         (lambda: V.TalkingHeads(d, H, dropout=1.0), r"dropout must be a probability in \[0, 1\)"),
-        (lambda: V.DynamicComposition(d, H, backend="nope"), r"unknown backend 'nope'; valid backends are: auto"),
+        (
+            lambda: V.DynamicComposition(d, H, backend="nope"),
+            r"unknown backend 'nope'; valid backends are: auto",
+        ),
         (lambda: V.OverlappingHeads(0, H), r"OverlappingHeads d_model must be an int >= 1, got 0"),
         (lambda: V.build("flash", d, H), r"unknown attention design 'flash'; choose one of \['mha'"),
         (

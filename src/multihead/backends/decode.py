@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..core.masks import Causal
-from ..core.numerics import acc_dtype
+from ..core.numerics import acc_dtype, merge_partials
 from ..core.problem import AttentionOutput, Problem
 from .tiled import backend as tiled
 from .tiled import fused
@@ -110,9 +110,7 @@ def _merge_tail(p: Problem, o: Tensor, lse: Tensor, k0: int) -> tuple[Tensor, Te
     o2, lse2 = fused.FLASH_FWD(q, k, v, 0.0, False, scale=p.scale)  # (B, Hkv, G*Nq, D), (B, Hkv, G*Nq)
     o2 = o2.reshape(B, p.Hq, Nq, D).to(o.dtype)  # unfold
     lse2 = lse2.reshape(B, p.Hq, Nq).to(lse.dtype)  # unfold
-    new = torch.logaddexp(lse, lse2)  # (B, Hq, Nq); both finite: every row saw keys in both spans
-    out = o * torch.exp(lse - new).unsqueeze(-1) + o2 * torch.exp(lse2 - new).unsqueeze(-1)
-    return out, new
+    return merge_partials(o, lse, o2, lse2)  # (B, Hq, Nq, D), (B, Hq, Nq)
 
 
 def n_chunks(p: Problem, length: int) -> int:
@@ -140,10 +138,8 @@ def _forward_split(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
     if not rest:
         return o.to(p.dtype), lse
     o2, lse2 = fused.forward(p, rest)
-    new = torch.logaddexp(lse, lse2)  # (B, Hq, Nq)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    out = o * torch.exp(lse - safe).unsqueeze(-1) + o2.to(o.dtype) * torch.exp(lse2 - safe).unsqueeze(-1)
-    return out.to(p.dtype), new
+    out, lse = merge_partials(o, lse, o2, lse2)  # (B, Hq, Nq, Dv), (B, Hq, Nq)
+    return out.to(p.dtype), lse
 
 
 def _chunked(p: Problem, k0: int, c: int, n: int) -> tuple[Tensor, Tensor]:

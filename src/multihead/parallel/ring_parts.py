@@ -3,7 +3,6 @@
 - :class:`GlobalMask` / :class:`GlobalBias`: the user's mask or bias for one (query shard, key shard)
   pair, evaluated at global positions in the global context (B, Hq, N, N).
 - :class:`Ring`: who holds which positions, and the timed point-to-point messages around the ring.
-- :func:`merge_`: the exact log-sum-exp merge of partial outputs.
 - :func:`step_backward`: one pair's FlashAttention-2 backward against the global lse.
 
 Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, n local positions, D, Dv.
@@ -18,15 +17,11 @@ from torch import Tensor
 
 from ..core.biases import Bias
 from ..core.masks import Mask, MaskContext
+from ..core.numerics import acc_dtype
 from .comm import irecv, isend, wait
 from .layout import Ranges, positions
 
 BLOCK = 256  # tile edge of the backward recomputation
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Where softmax statistics and partial outputs accumulate: fp32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class GlobalMask(Mask):
@@ -107,15 +102,6 @@ class Ring:
                 timeout=self.timeout,
                 what=f"ring_attention rank {self.rank}/{self.world} step {step + 1}: {desc}",
             )
-
-
-def merge_(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor) -> None:
-    """Fold a partial (o (B, Hq, n, Dv), lse (B, Hq, n)) into the running ones, in place, exactly."""
-    new = torch.logaddexp(lse_acc, lse.to(lse_acc.dtype))  # (B, Hq, n)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows no key reached stay zero
-    o_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1))  # (B, Hq, n, Dv)
-    o_acc.addcmul_(o, torch.exp(lse - safe).unsqueeze(-1))  # no temporary of o's size
-    lse_acc.copy_(new)
 
 
 def backward_stats(out: Tensor, lse: Tensor, dout: Tensor) -> tuple[Tensor, Tensor]:

@@ -3,7 +3,8 @@
 Shape legend: B batch, Hq query heads, Nq query rows, Dv value width (the common head size, padded);
 h heads and n rows of one piece; a band delivers its output as (B*h, nb, bq, Dv) with nb * bq == n.
 
-A row covered by several pieces is merged exactly (FlashAttention's split-K rule)::
+A row covered by several pieces is merged exactly (FlashAttention's split-K rule, done by
+:func:`multihead.core.numerics.merge_partials_` in place)::
 
     lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...core.numerics import merge_partials_
 from ...core.problem import Problem
 
 __all__ = ["Merger"]
@@ -66,11 +68,7 @@ class Merger:
             acc_o.view(o.shape).copy_(o)  # (B*h, nb, bq, Dv) band view, or the same shape
             acc_l.copy_(lse)
         else:
-            o = o.reshape(acc_o.shape)  # (B, h, n, Dv)
-            new = torch.logaddexp(acc_l, lse)  # (B, h, n)
-            safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-            acc_o.mul_(torch.exp(acc_l - safe).unsqueeze(-1)).add_(o * torch.exp(lse - safe).unsqueeze(-1))
-            acc_l.copy_(new)
+            merge_partials_(acc_o, acc_l, o.reshape(acc_o.shape), lse)  # (B, h, n, Dv), merged in place
         if last:
             self.touched[rows] = b"\x01" * (rows.stop - rows.start)
 

@@ -15,9 +15,11 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
+from ..backends.dense import modify_scores
 from ..core.biases import Bias
 from ..core.masks import Mask, MaskContext
 from ..core.numerics import acc_dtype
+from ..core.problem import Problem
 from .comm import irecv, isend, wait
 from .layout import Ranges, positions
 
@@ -123,10 +125,11 @@ def step_backward(ring: Ring, q, k_s, v_s, dout, lse, delta, src: int, dq: Tenso
     (soft-cap) is differentiated through autograd one tile at a time.
     """
     m, b = ring.modifiers(src, q.device)
+    pair = Problem(q, k_s, v_s, m, b, ring.scale, 0.0, False, False)  # this rank's queries vs shard src
     B, Hq, n, D = q.shape
     Hkv, nk, Dv = k_s.shape[1], k_s.shape[2], v_s.shape[3]
     G, acc, bs = Hq // Hkv, acc_dtype(q.dtype), BLOCK
-    ctx = MaskContext(B, Hq, n, nk)
+    ctx = pair.ctx  # (B, Hq, n, nk)
     dk = torch.zeros(B, Hkv, nk, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, Hkv, nk, Dv, dtype=acc, device=q.device)
     autograd = b is not None and not b.is_additive
@@ -148,17 +151,14 @@ def step_backward(ring: Ring, q, k_s, v_s, dout, lse, delta, src: int, dq: Tenso
             s = (
                 torch.matmul(qb, kb.transpose(-1, -2)).mul_(ring.scale).view(B, Hq, nq, k1 - k0)
             )  # (B, Hq, nq, nkk)
-            s_in, s_mod = s, s
-            if b is not None:
-                with torch.enable_grad() if autograd else nullcontext():
-                    s_in = s.requires_grad_(autograd)
-                    s_mod = b.apply_block(s_in, ctx, (q0, q1), (k0, k1))  # (B, Hq, nq, nkk)
-            s_m = s_mod.detach() if allowed is None else s_mod.detach().masked_fill(~allowed, float("-inf"))
-            pt = torch.exp(s_m.reshape(B, Hkv, G * nq, k1 - k0) - lse_b)  # (B, Hkv, G*nq, nkk)
+            with torch.enable_grad() if autograd else nullcontext():
+                s_in = s.requires_grad_(autograd)
+                s_mod = modify_scores(s_in, pair, (q0, q1), (k0, k1), allowed=allowed)  # (B, Hq, nq, nkk)
+            pt = torch.exp(s_mod.detach().reshape(B, Hkv, G * nq, k1 - k0) - lse_b)  # (B, Hkv, G*nq, nkk)
             dv[:, :, k0:k1] += torch.matmul(pt.transpose(-1, -2), dob)  # (B, Hkv, nkk, Dv)
             ds = pt * (torch.matmul(dob, vb.transpose(-1, -2)) - delta_b)  # (B, Hkv, G*nq, nkk)
             if autograd:
-                (g,) = torch.autograd.grad(s_mod, s_in, ds.view(s_mod.shape))
+                (g,) = torch.autograd.grad(s_mod, s_in, ds.view(s_mod.shape))  # ds as (B, Hq, nq, nkk)
                 ds = g.reshape(ds.shape)  # (B, Hkv, G*nq, nkk)
             ds = ds * ring.scale
             dq[:, :, q0:q1] += torch.matmul(ds, kb).view(B, Hq, nq, D)  # (B, Hq, nq, D)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ...core.numerics import acc_dtype
 from ...core.problem import Problem
+from ..dense import modify_scores
 from .merge import Merger
 from .plan import Piece
 
@@ -87,14 +88,12 @@ def piece_mask(p: Problem, pc: Piece, dtype: torch.dtype) -> tuple[Tensor | None
     """
     if pc.kind != "masked":
         return None, None
-    ctx, rows, keys = p.ctx, (pc.r0, pc.r0 + pc.bq), (pc.k0, pc.k1)
-    m = torch.zeros(1, 1, pc.bq, pc.k1 - pc.k0, dtype=dtype, device=p.q.device)  # (1, 1, bq, L)
-    if p.bias is not None:
-        m = p.bias.apply_block(m, ctx, rows, keys)  # (B|1, Hq|1, bq, L)
-    if p.mask is None:
+    rows, keys = (pc.r0, pc.r0 + pc.bq), (pc.k0, pc.k1)
+    zeros = torch.zeros(1, 1, pc.bq, pc.k1 - pc.k0, dtype=dtype, device=p.q.device)  # (1, 1, bq, L)
+    allowed = None if p.mask is None else p.mask.block(p.ctx, rows, keys, p.q.device)  # (B|1, Hq|1, bq, L)
+    m = modify_scores(zeros, p, rows, keys, allowed=allowed)  # (B|1, Hq|1, bq, L)
+    if allowed is None:
         return m, None
-    allowed = p.mask.block(ctx, rows, keys, p.q.device)  # (B|1, Hq|1, bq, L)
-    m = m.masked_fill(~allowed, float("-inf"))
     has_key = allowed.any(-1)  # (B|1, Hq|1, bq)
     return m, None if bool(has_key.all()) else has_key
 

@@ -33,10 +33,11 @@ import torch
 from torch import Tensor
 
 from ...core.biases import TensorBias, bias_parts
-from ...core.masks import EMPTY, FULL, index_grid
+from ...core.masks import EMPTY, FULL
 from ...core.numerics import acc_dtype
 from ...core.problem import Problem
 from ...core.tiles import Grid
+from ..dense import modify_scores
 
 __all__ = ["run_loop"]
 
@@ -50,10 +51,12 @@ class _Plan:
     seed: int
 
     def tiles_q(self):
+        """(index, (q0, q1)) of every query block."""
         e = self.grid.q_edges
         yield from enumerate(itertools.pairwise(e))
 
     def tiles_k(self):
+        """(index, (k0, k1)) of every key block."""
         e = self.grid.k_edges
         yield from enumerate(itertools.pairwise(e))
 
@@ -74,39 +77,21 @@ class _Plan:
         return torch.rand(shape, generator=g, device=device) >= self.p.dropout_p
 
 
-def _modify(s4: Tensor, plan: _Plan, q0, q1, k0, k1, leaves: list[Tensor] | None) -> Tensor:
-    """Apply the bias chain to one tile of scores (B, Hq, nq, nk).
-
-    With ``leaves`` given, each grad-requiring tensor bias enters as a fresh leaf holding just this tile,
-    so the backward can take its gradient without touching the full (.., Nq, Nk) tensor.
-    """
-    ctx = plan.p.ctx
-    b, h, q, k = index_grid(ctx, (q0, q1), (k0, k1), s4.device)
-    for part in bias_parts(plan.p.bias):
-        if leaves is not None and isinstance(part, TensorBias) and part.t.requires_grad:
-            val = part.values(b, h, q, k, ctx).detach().to(s4.dtype).requires_grad_(True)
-            leaves.append(val)
-            s4 = s4 + val
-        else:
-            s4 = part.apply(s4, b, h, q, k, ctx)
-    return s4
-
-
 def _scores(plan: _Plan, qb: Tensor, kb: Tensor, q0, q1, k0, k1, allowed, leaves=None):
-    """Masked, modified scores of one tile: qb (B, Hkv, G*nq, D), kb (B, Hkv, nk, D)."""
+    """Scores of one tile from qb (B, Hkv, G*nq, D), kb (B, Hkv, nk, D): (raw, modified, modified folded).
+
+    raw (B, Hq, nq, nk) is a fresh leaf when ``leaves`` is given; modified = bias, then mask (-inf), as
+    (B, Hq, nq, nk) and folded (B, Hkv, G*nq, nk). The backward differentiates modified w.r.t. raw and
+    the leaves; masked entries have P = 0 and so dS = 0, so the mask adds nothing to those gradients.
+    """
     p = plan.p
     nq, nk = q1 - q0, k1 - k0
     s = torch.matmul(qb, kb.transpose(-1, -2)) * p.scale  # (B, Hkv, G*nq, nk)
     s4 = s.view(p.B, p.Hq, nq, nk)  # (B, Hq, nq, nk): heads (Hkv, G) are adjacent
     if leaves is not None:
         s4 = s4.detach().requires_grad_(True)
-    s_in = s4
-    if p.bias is not None:
-        s4 = _modify(s4, plan, q0, q1, k0, k1, leaves)
-    s_mod = s4
-    if allowed is not None:
-        s4 = s4.masked_fill(~allowed, float("-inf"))
-    return s_in, s_mod, s4.reshape(p.B, p.Hkv, p.G * nq, nk)  # (B, Hkv, G*nq, nk)
+    s_mod = modify_scores(s4, p, (q0, q1), (k0, k1), allowed=allowed, leaves=leaves)  # (B, Hq, nq, nk)
+    return s4, s_mod, s_mod.reshape(p.B, p.Hkv, p.G * nq, nk)  # (B, Hkv, G*nq, nk)
 
 
 def _q_block(p: Problem, t: Tensor, q0: int, q1: int, acc) -> Tensor:
@@ -116,6 +101,7 @@ def _q_block(p: Problem, t: Tensor, q0: int, q1: int, acc) -> Tensor:
 
 
 def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The online softmax over the plan's non-empty tiles: out (B, Hq, Nq, Dv), lse (B, Hq, Nq)."""
     p = plan.p
     acc = acc_dtype(p.dtype)
     out = torch.empty(p.B, p.Hq, p.Nq, p.Dv, dtype=p.dtype, device=q.device)
@@ -149,6 +135,7 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
 
 
 def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
+    """Gradients (dq, dk, dv, [d bias tensor or None]) recomputed tile by tile from the saved lse."""
     p = plan.p
     acc = acc_dtype(p.dtype)
     dq = torch.zeros(p.B, p.Hq, p.Nq, p.D, dtype=acc, device=q.device)
@@ -206,6 +193,7 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
 
 
 def _accumulate_bias(dbias, grads, q0, q1, k0, k1) -> None:
+    """Add one tile's bias-leaf gradients into the full-size accumulators (broadcast dims stay 1)."""
     it = iter(grads)
     for d in dbias:
         if d is None:

@@ -12,7 +12,7 @@ import torch
 
 import multihead as mh
 from multihead.backends.registry import get as get_backend
-from multihead.backends.tiled import loop as tiled_mod
+from multihead.backends.tiled import backend as tiled_backend
 from multihead.core.problem import make_problem
 from tests.numerics import allowed, max_err
 
@@ -55,8 +55,8 @@ def _biases(Hq: int, B: int, Nq: int, Nk: int) -> dict[str, object]:
 @pytest.fixture(params=[(128, 128), (32, 16)], ids=["blocks128", "blocks32x16"])
 def tiled_blocks(request, monkeypatch):
     bq, bk = request.param
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_q", bq)
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_k", bk)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_q", bq)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_k", bk)
     return request.param
 
 
@@ -186,8 +186,8 @@ GRADCHECK_CASES = [
 @pytest.mark.parametrize("backend", ["reference", *FAST])
 @pytest.mark.parametrize("case", GRADCHECK_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_gradcheck_float64(backend, case, monkeypatch):
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_q", 4)
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_k", 3)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_q", 4)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_k", 3)
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 5, 9, 3
     q, k, v = (t.requires_grad_(True) for t in _inputs(B, Hq, Hkv, Nq, Nk, D, D, torch.float64, seed=5))
     mask = _masks(B, Nq, Nk)[case[0]]
@@ -210,8 +210,8 @@ def test_gradcheck_float64(backend, case, monkeypatch):
 @pytest.mark.parametrize("backend", ["matrix", "tiled"])
 def test_gradcheck_with_dropout(backend, monkeypatch):
     """Dropout masks replay exactly under a fixed seed, so the backward can be checked numerically."""
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_q", 4)
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_k", 3)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_q", 4)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_k", 3)
     q, k, v = (t.requires_grad_(True) for t in _inputs(1, 2, 2, 6, 7, 3, 3, torch.float64, seed=6))
 
     def fn(q, k, v):

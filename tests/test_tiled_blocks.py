@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.backends.tiled import fused as tiled_exec
-from multihead.backends.tiled import loop as tiled_mod
+from multihead.backends.tiled import backend as tiled_backend
+from multihead.backends.tiled import fused as tiled_fused
 from multihead.core.masks import EMPTY, FULL, PARTIAL, MaskContext
 from multihead.core.problem import make_problem
 from multihead.core.tiles import classify, edges, evaluate_kinds, nonempty_fraction
@@ -70,12 +70,12 @@ def _problem(N=256, Hq=4, Hkv=2, mask=None, bias=None, D=16):
 
 @pytest.fixture
 def blocks16(monkeypatch):
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_q", 16)
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_k", 16)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_q", 16)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_k", 16)
 
 
 def test_plans_of_the_common_masks(blocks16):
-    kinds = lambda m: [(pc.kind, pc.nb) for pc in tiled_mod.BACKEND.plan(_problem(mask=m))]  # noqa: E731
+    kinds = lambda m: [(pc.kind, pc.nb) for pc in tiled_backend.BACKEND.plan(_problem(mask=m))]  # noqa: E731
     assert kinds(None) == [("full", 1)]  # one call over everything
     assert kinds(mh.causal()) == [("causal", 1)]  # one causal call: what SDPA does
     assert kinds(mh.sliding_window(64)) == [("causal", 1), ("masked", 12)]  # the window: one band
@@ -113,13 +113,13 @@ def test_packed_documents_as_bands_match_the_reference(blocks16, lengths, grad):
 def test_empty_tiles_are_skipped(blocks16, monkeypatch):
     """The kernel computes about N * (window + block) pairs, not N^2: empty tiles never reach it."""
     calls = []
-    real = tiled_exec._FWD
+    real = tiled_fused.FLASH_FWD
 
     def spy(q, k, v, *args, **kw):
         calls.append(q.shape[-2] * k.shape[-2] * q.shape[-3] * q.shape[0])  # rows x keys x blocks x batch
         return real(q, k, v, *args, **kw)
 
-    monkeypatch.setattr(tiled_exec, "_FWD", spy)
+    monkeypatch.setattr(tiled_fused, "FLASH_FWD", spy)
     p = _problem(N=512, Hq=2, Hkv=2, mask=mh.sliding_window(32))
     out = mh.attention(p.q, p.k, p.v, mask=p.mask, backend="tiled")
     computed = sum(calls) / 2  # per head (B*Hkv = 1*2 in a band call's batch)
@@ -131,7 +131,7 @@ def test_empty_tiles_are_skipped(blocks16, monkeypatch):
 def test_loop_engine_evaluates_only_partial_tiles(blocks16, monkeypatch):
     """Soft-capping runs in the loop engine: the mask is evaluated on partial tiles only."""
     p = _problem(N=128, mask=mh.sliding_window(20), bias=mh.softcap(5.0))
-    grid = tiled_mod.BACKEND.grid(p)
+    grid = tiled_backend.BACKEND.grid(p)
     seen = []
     real_block = type(p.mask).block
     monkeypatch.setattr(
@@ -154,13 +154,15 @@ def test_gqa_never_repeats_kv(blocks16, monkeypatch, mask):
     k, v = p.k.detach().requires_grad_(True), p.v.detach().requires_grad_(True)
     ptrs = {k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()}
     seen = []
-    real_f, real_b = tiled_exec._FWD, tiled_exec._BWD
+    real_f, real_b = tiled_fused.FLASH_FWD, tiled_fused.FLASH_BWD
     monkeypatch.setattr(
-        tiled_exec, "_FWD", lambda q, kk, vv, *a, **kw: seen.append((kk, vv)) or real_f(q, kk, vv, *a, **kw)
+        tiled_fused,
+        "FLASH_FWD",
+        lambda q, kk, vv, *a, **kw: seen.append((kk, vv)) or real_f(q, kk, vv, *a, **kw),
     )
     monkeypatch.setattr(
-        tiled_exec,
-        "_BWD",
+        tiled_fused,
+        "FLASH_BWD",
         lambda do, q, kk, vv, *a, **kw: seen.append((kk, vv)) or real_b(do, q, kk, vv, *a, **kw),
     )
     out = mh.attention(p.q, k, v, mask=mask, backend="tiled")
@@ -174,13 +176,13 @@ def test_gqa_never_repeats_kv(blocks16, monkeypatch, mask):
     "mask", [mh.sliding_window(6), mh.causal(), mh.prefix_lm(5)], ids=["window", "causal", "prefix"]
 )
 def test_band_and_stair_gradcheck_gqa(monkeypatch, mask):
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_q", 4)
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_k", 4)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_q", 4)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_k", 4)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 4, 14, 2, generator=g, dtype=torch.float64).requires_grad_(True)
     k = torch.randn(1, 2, 14, 2, generator=g, dtype=torch.float64).requires_grad_(True)
     v = torch.randn(1, 2, 14, 2, generator=g, dtype=torch.float64).requires_grad_(True)
-    pieces = tiled_mod.BACKEND.plan(make_problem(q, k, v, mask=mask, bias=mh.alibi(4)))
+    pieces = tiled_backend.BACKEND.plan(make_problem(q, k, v, mask=mask, bias=mh.alibi(4)))
     assert len(pieces) < 14 // 4 + 2 or not mask.shift_invariant  # shift-invariant masks run as bands
 
     def fn(q, k, v):
@@ -191,15 +193,15 @@ def test_band_and_stair_gradcheck_gqa(monkeypatch, mask):
 
 def test_band_backward_in_sub_bands_is_exact(monkeypatch):
     """A long band's backward runs in pieces of a few blocks (bounded memory) with the same gradients."""
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_q", 8)
-    monkeypatch.setattr(tiled_mod.BACKEND, "block_k", 8)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_q", 8)
+    monkeypatch.setattr(tiled_backend.BACKEND, "block_k", 8)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 96, 8, generator=g, dtype=torch.float64).requires_grad_(True)
     k = torch.randn(1, 2, 96, 8, generator=g, dtype=torch.float64).requires_grad_(True)
     v = torch.randn(1, 2, 96, 8, generator=g, dtype=torch.float64).requires_grad_(True)
     mask = mh.sliding_window(20)
     ref = torch.autograd.grad(mh.attention(q, k, v, mask=mask, backend="reference").sum(), (q, k, v))
-    monkeypatch.setattr(tiled_exec, "BAND_GRAD_BYTES", 1)  # one block per sub-band
+    monkeypatch.setattr(tiled_fused, "BAND_GRAD_BYTES", 1)  # one block per sub-band
     got = torch.autograd.grad(mh.attention(q, k, v, mask=mask, backend="tiled").sum(), (q, k, v))
     for a, b in zip(got, ref):
         assert max_err(a, b) < 1e-12
@@ -216,7 +218,7 @@ def test_causal_alibi_runs_as_diagonal_bands(monkeypatch, nq, nk):
     k = torch.randn(1, 2, nk, 3, generator=g, dtype=torch.float64).requires_grad_(True)
     v = torch.randn(1, 2, nk, 3, generator=g, dtype=torch.float64).requires_grad_(True)
     bias = mh.alibi(4)
-    pieces = tiled_mod.BACKEND.plan(make_problem(q, k, v, mask=mh.causal(), bias=bias))
+    pieces = tiled_backend.BACKEND.plan(make_problem(q, k, v, mask=mh.causal(), bias=bias))
     assert len(pieces) == nk // 4 and all(pc.bq == 4 and pc.k1 - pc.k0 == 4 for pc in pieces)
     assert sum(pc.nb for pc in pieces) * 16 <= nq * nk  # the tiles of the lower triangle only
 
@@ -268,9 +270,9 @@ def test_rows_with_gaps_become_one_piece_per_run(blocks16):
     column and the band), run as two pieces merged by log-sum-exp - not one span over the whole gap."""
     from multihead.approx import local, local_global
 
-    plan = tiled_mod.BACKEND.plan(_problem(mask=local(32)))
+    plan = tiled_backend.BACKEND.plan(_problem(mask=local(32)))
     assert ("masked", 12) in [(pc.kind, pc.nb) for pc in plan]  # the band is one batched call
-    plan = tiled_mod.BACKEND.plan(_problem(mask=local_global(16, 4)))
+    plan = tiled_backend.BACKEND.plan(_problem(mask=local_global(16, 4)))
     computed = sum(pc.nb * pc.bq * (pc.k1 - pc.k0) for pc in plan)
     assert computed < 256 * 256 / 3  # nowhere near the dense 256 x 256
     assert any(pc.k0 == 0 and pc.k1 == 16 and pc.r0 >= 32 for pc in plan)  # the global key column

@@ -23,9 +23,10 @@ import torch
 from torch import Tensor
 
 from ..core.masks import Causal
+from ..core.numerics import acc_dtype, merge_partials
 from ..core.problem import AttentionOutput, Problem
-from .tiled import fused as tiled_exec
-from .tiled import loop as tiled
+from .tiled import backend as tiled
+from .tiled import fused
 from .tiled.plan import Piece, pieces
 
 MAX_ROWS = 16  # query rows served as a decode
@@ -45,10 +46,10 @@ class DecodeBackend:
             return f"the decode path serves at most {MAX_ROWS} query rows, this call has Nq={p.Nq}"
         if p.Nk < MIN_KEYS:
             return f"only Nk={p.Nk} keys (< {MIN_KEYS}): nothing memory-bound to speed up"
-        return tiled_exec.why_not_fused(p)
+        return fused.why_not_fused(p)
 
     def plan(self, p: Problem) -> list[Piece]:
-        """One query block of all Nq rows against key blocks of ``BLOCK_K`` (see :mod:`.tiled_plan`)."""
+        """One query block of all Nq rows against key blocks of ``BLOCK_K`` (see :mod:`.tiled.plan`)."""
         grid = p.grid(max(p.Nq, 1), BLOCK_K)
         return pieces(grid, p.mask, p.bias, p.ctx, p.Hq)
 
@@ -60,14 +61,14 @@ class DecodeBackend:
         """
         if p.return_weights:
             raise ValueError("backend 'decode' cannot return the attention weights; use backend='matrix'")
-        if p.Nq > MAX_ROWS or p.Nq == 0 or tiled_exec.why_not_fused(p) is not None:
+        if p.Nq > MAX_ROWS or p.Nq == 0 or fused.why_not_fused(p) is not None:
             return tiled.BACKEND.run(p)
         if not p.needs_grad and p.D == p.Dv and _sees_every_key(p):
             with torch.no_grad():
                 return _all_keys(p)
         plan = self.plan(p)
         if p.needs_grad:
-            out, lse = tiled.run_fused(p, plan)
+            out, lse = fused.run_fused(p, plan)
         else:
             with torch.no_grad():
                 out, lse = _forward_split(p, plan)
@@ -95,9 +96,9 @@ def _all_keys(p: Problem) -> AttentionOutput:
         return AttentionOutput(o.to(p.dtype), None, lse if p.return_lse else None)
     q = p.q.contiguous().view(B, Hkv, G * Nq, D)  # (B, Hkv, G*Nq, D): groups folded into rows
     k, v = p.k.contiguous(), p.v.contiguous()
-    o, lse = tiled_exec._FWD(q, k, v, 0.0, False, scale=p.scale)  # (B, Hkv, G*Nq, D), (B, Hkv, G*Nq)
+    o, lse = fused.FLASH_FWD(q, k, v, 0.0, False, scale=p.scale)  # (B, Hkv, G*Nq, D), (B, Hkv, G*Nq)
     o = o.reshape(B, p.Hq, Nq, D)  # unfold
-    lse = lse.reshape(B, p.Hq, Nq).to(tiled_exec.acc_dtype(p.dtype))  # unfold
+    lse = lse.reshape(B, p.Hq, Nq).to(acc_dtype(p.dtype))  # unfold
     return AttentionOutput(o, None, lse if p.return_lse else None)
 
 
@@ -106,12 +107,10 @@ def _merge_tail(p: Problem, o: Tensor, lse: Tensor, k0: int) -> tuple[Tensor, Te
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     q = p.q.contiguous().view(B, Hkv, G * Nq, D)  # (B, Hkv, G*Nq, D)
     k, v = p.k[:, :, k0:].contiguous(), p.v[:, :, k0:].contiguous()  # (B, Hkv, tail, D)
-    o2, lse2 = tiled_exec._FWD(q, k, v, 0.0, False, scale=p.scale)  # (B, Hkv, G*Nq, D), (B, Hkv, G*Nq)
+    o2, lse2 = fused.FLASH_FWD(q, k, v, 0.0, False, scale=p.scale)  # (B, Hkv, G*Nq, D), (B, Hkv, G*Nq)
     o2 = o2.reshape(B, p.Hq, Nq, D).to(o.dtype)  # unfold
     lse2 = lse2.reshape(B, p.Hq, Nq).to(lse.dtype)  # unfold
-    new = torch.logaddexp(lse, lse2)  # (B, Hq, Nq); both finite: every row saw keys in both spans
-    out = o * torch.exp(lse - new).unsqueeze(-1) + o2 * torch.exp(lse2 - new).unsqueeze(-1)
-    return out, new
+    return merge_partials(o, lse, o2, lse2)  # (B, Hq, Nq, D), (B, Hq, Nq)
 
 
 def n_chunks(p: Problem, length: int) -> int:
@@ -128,7 +127,7 @@ def _forward_split(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
     """The fused forward, with the long unmasked span cut into chunks that run side by side."""
     big = [pc for pc in plan if pc.kind == "full" and pc.nb == 1 and n_chunks(p, pc.k1 - pc.k0) > 1]
     if not big or p.D != p.Dv:
-        return tiled_exec.forward(p, plan)
+        return fused.forward(p, plan)
     pc = big[0]
     n = n_chunks(p, pc.k1 - pc.k0)
     c = (pc.k1 - pc.k0) // n
@@ -138,11 +137,9 @@ def _forward_split(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
     o, lse = _chunked(p, pc.k0, c, n)  # (B, Hq, Nq, Dv), (B, Hq, Nq)
     if not rest:
         return o.to(p.dtype), lse
-    o2, lse2 = tiled_exec.forward(p, rest)
-    new = torch.logaddexp(lse, lse2)  # (B, Hq, Nq)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    out = o * torch.exp(lse - safe).unsqueeze(-1) + o2.to(o.dtype) * torch.exp(lse2 - safe).unsqueeze(-1)
-    return out.to(p.dtype), new
+    o2, lse2 = fused.forward(p, rest)
+    out, lse = merge_partials(o, lse, o2, lse2)  # (B, Hq, Nq, Dv), (B, Hq, Nq)
+    return out.to(p.dtype), lse
 
 
 def _chunked(p: Problem, k0: int, c: int, n: int) -> tuple[Tensor, Tensor]:
@@ -153,8 +150,8 @@ def _chunked(p: Problem, k0: int, c: int, n: int) -> tuple[Tensor, Tensor]:
     kc = k.as_strided(shape, strides, k.storage_offset() + k0 * D)  # (B*Hkv, n, c, D): chunks as heads
     vc = v.as_strided(shape, strides, v.storage_offset() + k0 * D)  # (B*Hkv, n, c, D), no copy
     q = p.q.reshape(B * Hkv, 1, G * Nq, D).expand(B * Hkv, n, G * Nq, D).contiguous()  # (B*Hkv, n, G*Nq, D)
-    o, lse = tiled_exec._FWD(q, kc, vc, 0.0, False, scale=p.scale)
-    acc = tiled_exec.acc_dtype(p.dtype)
+    o, lse = fused.FLASH_FWD(q, kc, vc, 0.0, False, scale=p.scale)
+    acc = acc_dtype(p.dtype)
     o = o.reshape(B, Hkv, n, G * Nq, D).to(acc)  # (B, Hkv, n, G*Nq, D)
     lse = lse.reshape(B, Hkv, n, G * Nq).to(acc)  # (B, Hkv, n, G*Nq)
     total = torch.logsumexp(lse, dim=2)  # (B, Hkv, G*Nq)

@@ -1,23 +1,78 @@
-"""Shared pieces of the dense (materialised N x N) paths: masked, biased scores and a safe softmax."""
+"""Scores made attention-ready, written once for every kernel: score -> bias -> mask, and a safe softmax.
+
+Shape legend: B batch, Hq query heads, Nq query rows, Nk keys; a tile covers rows q0:q1 and keys k0:k1
+(nq = q1 - q0, nk = k1 - k0). Scores may also arrive broadcastable, e.g. (1, 1, nq, nk).
+
+:func:`modify_scores` serves the dense paths (``reference``, ``matrix``: the whole (B, Hq, Nq, Nk)
+matrix), the tiled loop engine and the ring backward (one tile at a time) and the fused engine (an
+additive mask made from zero scores). :func:`safe_softmax` is the softmax of the dense paths.
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+from ..core.biases import TensorBias, bias_parts
+from ..core.masks import index_grid
 from ..core.problem import Problem
 
+__all__ = ["modify_scores", "safe_softmax"]
 
-def modify_scores(s: Tensor, p: Problem, rows: tuple[int, int] | None = None) -> Tensor:
-    """Apply the bias and the mask to scores ``s`` (B, Hq, nq, Nk) of the query rows ``rows`` = (q0, q1)
-    (default all Nq rows, nq = q1 - q0) against every key; masked entries become -inf."""
+
+def modify_scores(
+    s: Tensor,
+    p: Problem,
+    rows: tuple[int, int] | None = None,
+    keys: tuple[int, int] | None = None,
+    *,
+    allowed: Tensor | Literal["mask"] | None = "mask",
+    leaves: list[Tensor] | None = None,
+) -> Tensor:
+    """Apply ``p``'s bias, then its mask, to the scores ``s`` of rows ``rows`` and keys ``keys``.
+
+    Args:
+        s: scaled scores q k^T * scale, (B, Hq, nq, nk) or broadcastable to it.
+        p: the problem whose bias and mask apply (at the tile's global positions).
+        rows, keys: the tile's (start, stop) query rows and keys; None for all of them.
+        allowed: the tile's keep-mask (B|1, Hq|1, nq, nk) when the caller already has it (it skipped
+            empty tiles with it), None for a tile with nothing masked; by default (``"mask"``) it is
+            evaluated from ``p.mask``.
+        leaves: when a list is given, every tensor bias that requires grad enters as a fresh leaf holding
+            just this tile's values, appended to ``leaves`` in order, so a tiled backward can take its
+            gradient without touching the full (.., Nq, Nk) tensor.
+
+    Returns:
+        The modified scores, masked entries -inf, in ``s``'s dtype; ``s`` itself when there is nothing
+        to apply (``s`` is never changed in place).
+    """
     ctx = p.ctx
-    q_range = (0, ctx.Nq) if rows is None else rows
+    rows = (0, ctx.Nq) if rows is None else rows
+    keys = (0, ctx.Nk) if keys is None else keys
     if p.bias is not None:
-        s = p.bias.apply_block(s, ctx, q_range, (0, ctx.Nk))
-    if p.mask is not None:
-        allowed = p.mask.block(ctx, q_range, (0, ctx.Nk), s.device)  # (B|1, Hq|1, nq, Nk)
+        s = p.bias.apply_block(s, ctx, rows, keys) if leaves is None else _leaf_bias(s, p, rows, keys, leaves)
+    if isinstance(allowed, str):
+        allowed = None if p.mask is None else p.mask.block(ctx, rows, keys, s.device)  # (B|1, Hq|1, nq, nk)
+    if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+def _leaf_bias(
+    s: Tensor, p: Problem, rows: tuple[int, int], keys: tuple[int, int], leaves: list[Tensor]
+) -> Tensor:
+    """The bias on one tile, each grad-requiring tensor bias a fresh leaf (see :func:`modify_scores`)."""
+    ctx = p.ctx
+    b, h, q, k = index_grid(ctx, rows, keys, s.device)
+    for part in bias_parts(p.bias):
+        if isinstance(part, TensorBias) and part.t.requires_grad:
+            val = part.values(b, h, q, k, ctx).detach().to(s.dtype).requires_grad_(True)  # natural shape
+            leaves.append(val)
+            s = s + val
+        else:
+            s = part.apply(s, b, h, q, k, ctx)
     return s
 
 

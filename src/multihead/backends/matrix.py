@@ -12,15 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core.numerics import acc_dtype
 from ..core.problem import AttentionOutput, Problem
 from .dense import modify_scores, safe_softmax
 
 # Refuse under `auto` when the fp32 score matrix would exceed this many bytes.
 MAX_SCORE_BYTES = 1 << 30
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class MatrixBackend:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core.numerics import acc_dtype
 from ..core.problem import AttentionOutput, Problem
 from .dense import modify_scores, safe_softmax
 
@@ -37,7 +38,7 @@ class ReferenceBackend:
             weights.append(torch.matmul(w[:, i], v[:, i // p.G]))  # (B, Nq, Dv)
             lses.append(lse[:, i])
         out = torch.stack(weights, dim=1)  # (B, Hq, Nq, Dv)
-        lse_out = lse.to(torch.float64 if p.dtype == torch.float64 else torch.float32)
+        lse_out = lse.to(acc_dtype(p.dtype))
         return AttentionOutput(
             out.to(p.dtype),
             w.to(p.dtype) if p.return_weights else None,

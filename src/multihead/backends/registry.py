@@ -87,7 +87,7 @@ def names() -> list[str]:
 
 def _register_builtins() -> None:
     from . import decode, matrix, reference, sdpa
-    from .tiled import loop as tiled
+    from .tiled import backend as tiled
 
     for mod in (reference, matrix, sdpa, tiled, decode):
         register(mod.BACKEND)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.auto import choose
+from ..backends.dense import modify_scores
 from ..core import functional as fn_
 from ..core.biases import alibi
 from ..core.masks import EMPTY, FULL, Mask, causal, document, prefix_lm, sliding_window
@@ -199,8 +200,8 @@ def _block_masks(case: Case, inputs: dict, block: int = 256) -> list:
         k0, k1 = int(cols.min()), int(cols.max()) + 1
         tile = allowed[..., k0:k1]
         if p.bias is not None:
-            vals = p.bias.apply_block(torch.zeros(1, 1, q1 - q0, k1 - k0), p.ctx, (q0, q1), (k0, k1))
-            tile = vals.to(case.dtype).masked_fill(~tile, float("-inf"))
+            zeros = torch.zeros(1, 1, q1 - q0, k1 - k0)  # (1, 1, nq, nk)
+            tile = modify_scores(zeros, p, (q0, q1), (k0, k1), allowed=tile).to(case.dtype)  # (.., nq, nk)
         out.append((q0, q1, k0, k1, tile))
     return out
 

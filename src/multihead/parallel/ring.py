@@ -36,10 +36,11 @@ from torch import Tensor
 from ..core.biases import Bias, as_bias
 from ..core.functional import attention, backends
 from ..core.masks import Mask, MaskContext, as_mask
+from ..core.numerics import acc_dtype, merge_partials_
 from ..core.problem import AttentionOutput, make_problem
 from .comm import DEFAULT_TIMEOUT, all_gather_ints, check_timeout, resolve_group
 from .layout import check_layout, ranges_from_lengths
-from .ring_parts import Ring, acc_dtype, backward_stats, merge_, step_backward
+from .ring_parts import Ring, backward_stats, step_backward
 
 __all__ = ["ring_attention"]
 
@@ -65,7 +66,7 @@ def _ring_forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, 
         if o_acc is None or lse_acc is None:  # the first partial becomes the accumulator (no copy in fp32)
             o_acc, lse_acc = res.out.to(acc), res.lse.to(acc)  # (B, Hq, n, Dv), (B, Hq, n)
         else:
-            merge_(o_acc, lse_acc, res.out, res.lse)
+            merge_partials_(o_acc, lse_acc, res.out, res.lse)
         del res
         if posted is not None:
             ring.finish(posted)

@@ -3,7 +3,6 @@
 - :class:`GlobalMask` / :class:`GlobalBias`: the user's mask or bias for one (query shard, key shard)
   pair, evaluated at global positions in the global context (B, Hq, N, N).
 - :class:`Ring`: who holds which positions, and the timed point-to-point messages around the ring.
-- :func:`merge_`: the exact log-sum-exp merge of partial outputs.
 - :func:`step_backward`: one pair's FlashAttention-2 backward against the global lse.
 
 Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, n local positions, D, Dv.
@@ -16,17 +15,15 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
+from ..backends.dense import modify_scores
 from ..core.biases import Bias
 from ..core.masks import Mask, MaskContext
+from ..core.numerics import acc_dtype
+from ..core.problem import Problem
 from .comm import irecv, isend, wait
 from .layout import Ranges, positions
 
 BLOCK = 256  # tile edge of the backward recomputation
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Where softmax statistics and partial outputs accumulate: fp32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class GlobalMask(Mask):
@@ -109,15 +106,6 @@ class Ring:
             )
 
 
-def merge_(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor) -> None:
-    """Fold a partial (o (B, Hq, n, Dv), lse (B, Hq, n)) into the running ones, in place, exactly."""
-    new = torch.logaddexp(lse_acc, lse.to(lse_acc.dtype))  # (B, Hq, n)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows no key reached stay zero
-    o_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1))  # (B, Hq, n, Dv)
-    o_acc.addcmul_(o, torch.exp(lse - safe).unsqueeze(-1))  # no temporary of o's size
-    lse_acc.copy_(new)
-
-
 def backward_stats(out: Tensor, lse: Tensor, dout: Tensor) -> tuple[Tensor, Tensor]:
     """What every step's backward needs from the merged forward: (lse, rowsum(dO * O)), both (B, Hq, n).
 
@@ -137,10 +125,11 @@ def step_backward(ring: Ring, q, k_s, v_s, dout, lse, delta, src: int, dq: Tenso
     (soft-cap) is differentiated through autograd one tile at a time.
     """
     m, b = ring.modifiers(src, q.device)
+    pair = Problem(q, k_s, v_s, m, b, ring.scale, 0.0, False, False)  # this rank's queries vs shard src
     B, Hq, n, D = q.shape
     Hkv, nk, Dv = k_s.shape[1], k_s.shape[2], v_s.shape[3]
     G, acc, bs = Hq // Hkv, acc_dtype(q.dtype), BLOCK
-    ctx = MaskContext(B, Hq, n, nk)
+    ctx = pair.ctx  # (B, Hq, n, nk)
     dk = torch.zeros(B, Hkv, nk, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, Hkv, nk, Dv, dtype=acc, device=q.device)
     autograd = b is not None and not b.is_additive
@@ -162,17 +151,14 @@ def step_backward(ring: Ring, q, k_s, v_s, dout, lse, delta, src: int, dq: Tenso
             s = (
                 torch.matmul(qb, kb.transpose(-1, -2)).mul_(ring.scale).view(B, Hq, nq, k1 - k0)
             )  # (B, Hq, nq, nkk)
-            s_in, s_mod = s, s
-            if b is not None:
-                with torch.enable_grad() if autograd else nullcontext():
-                    s_in = s.requires_grad_(autograd)
-                    s_mod = b.apply_block(s_in, ctx, (q0, q1), (k0, k1))  # (B, Hq, nq, nkk)
-            s_m = s_mod.detach() if allowed is None else s_mod.detach().masked_fill(~allowed, float("-inf"))
-            pt = torch.exp(s_m.reshape(B, Hkv, G * nq, k1 - k0) - lse_b)  # (B, Hkv, G*nq, nkk)
+            with torch.enable_grad() if autograd else nullcontext():
+                s_in = s.requires_grad_(autograd)
+                s_mod = modify_scores(s_in, pair, (q0, q1), (k0, k1), allowed=allowed)  # (B, Hq, nq, nkk)
+            pt = torch.exp(s_mod.detach().reshape(B, Hkv, G * nq, k1 - k0) - lse_b)  # (B, Hkv, G*nq, nkk)
             dv[:, :, k0:k1] += torch.matmul(pt.transpose(-1, -2), dob)  # (B, Hkv, nkk, Dv)
             ds = pt * (torch.matmul(dob, vb.transpose(-1, -2)) - delta_b)  # (B, Hkv, G*nq, nkk)
             if autograd:
-                (g,) = torch.autograd.grad(s_mod, s_in, ds.view(s_mod.shape))
+                (g,) = torch.autograd.grad(s_mod, s_in, ds.view(s_mod.shape))  # ds as (B, Hq, nq, nkk)
                 ds = g.reshape(ds.shape)  # (B, Hkv, G*nq, nkk)
             ds = ds * ring.scale
             dq[:, :, q0:q1] += torch.matmul(ds, kb).view(B, Hq, nq, D)  # (B, Hq, nq, D)

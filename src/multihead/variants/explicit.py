@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backends.dense import safe_softmax
+from ..backends.dense import modify_scores, safe_softmax
 from ..core.biases import Bias
 from ..core.masks import Mask
 from ..core.problem import make_problem
@@ -82,15 +82,12 @@ def explicit_attention(
     """
     p = make_problem(q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p)
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    whole = ((0, p.Nq), (0, p.Nk))
     s = grouped_scores(q.to(work), k.to(work)) * p.scale  # (B, Hq, Nq, Nk)
     s = compose_logits(s)  # (B, Hq, Nq, Nk)
-    if p.bias is not None:
-        s = p.bias.apply_block(s, p.ctx, *whole)
-    allowed = None
-    if p.mask is not None:
-        allowed = p.mask.block(p.ctx, *whole, s.device)  # (B|1, Hq|1, Nq, Nk)
-        s = s.masked_fill(~allowed, float("-inf"))
+    allowed = (
+        None if p.mask is None else p.mask.block(p.ctx, (0, p.Nq), (0, p.Nk), s.device)
+    )  # (B|1, Hq|1, Nq, Nk)
+    s = modify_scores(s, p, allowed=allowed)  # bias, then mask: (B, Hq, Nq, Nk)
     w, _ = safe_softmax(s)  # (B, Hq, Nq, Nk)
     w = compose_weights(w)  # (B, Hq, Nq, Nk)
     if allowed is not None:

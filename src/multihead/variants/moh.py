@@ -24,7 +24,7 @@ of a chunk's rows (with a causal mask, the keys after its last position). With b
 m ~ N top_k / Hr, so query projection and attention work of the routed heads shrink by about that
 factor; keys, values, W^O and the shared heads are unchanged. Outputs and gradients equal the
 compute-everything path (``skip="never"``), which is faster for short sequences, where gathering costs
-more than it saves (``python -m multihead.variants.bench`` measures both).
+more than it saves (``python -m multihead.bench.moh`` measures both).
 
 What it changes of :class:`~multihead.MultiHeadAttention`: the ``heads`` step, since routing decides
 which (token, head) pairs are computed at all: it routes, sets the aux loss and gates each head's output,

@@ -1,3 +1,4 @@
-"""The ``tiled`` backend: the plan (tiles classified once, cut into pieces), the pieces run on torch's fused
-CPU flash kernel and merged by log-sum-exp (``fused``), and the portable loop engine (``loop``).
+"""The ``tiled`` backend (:mod:`.backend`): the plan (tiles classified once, cut into pieces: ``plan``),
+the pieces run on torch's fused CPU flash kernel (``fused``) and merged by log-sum-exp (``merge``), and
+the portable loop engine (``loop``).
 """

@@ -1,12 +1,12 @@
-"""Running the tiled plan's pieces on torch's fused CPU flash kernel, merged by log-sum-exp.
+"""The fused engine: the tiled plan's pieces run on torch's fused CPU flash kernel, forward and backward.
 
-Shape legend: B, Hq, Hkv, G = Hq // Hkv, Nq, Nk, D, Dv; a piece covers rows ``r0:r1`` and keys ``k0:k1``.
+Shape legend: B, Hq, Hkv, G = Hq // Hkv, Nq, Nk, D, Dv; X = max(D, Dv) the common head size; a piece
+covers rows ``r0:r1`` and keys ``k0:k1`` (L = k1 - k0), a band nb blocks of bq rows.
 
-Each :class:`~.tiled_plan.Piece` is one call of ``aten._scaled_dot_product_flash_attention_for_cpu``
-(the kernel behind ``F.scaled_dot_product_attention`` on CPU), which returns the piece's output and
-log-sum-exp. A row covered by several pieces is merged exactly (FlashAttention's split-K rule):
-
-    lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+Each :class:`~.plan.Piece` is one call of ``aten._scaled_dot_product_flash_attention_for_cpu``
+(:data:`FLASH_FWD`, the kernel behind ``F.scaled_dot_product_attention`` on CPU), which returns the
+piece's output and log-sum-exp; a row covered by several pieces is merged exactly by its log-sum-exp
+(:class:`~.merge.Merger`).
 
 GQA without repeated K/V: a rect piece over all query rows folds the G query heads of a kv head into the
 row dimension (a free view); other rect pieces use the kernel's own grouping; a band runs one call per
@@ -24,24 +24,35 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...core.numerics import acc_dtype
 from ...core.problem import Problem
+from ..dense import modify_scores
+from .merge import Merger
 from .plan import Piece
 
-_FWD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_BWD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+__all__ = [
+    "BAND_GRAD_BYTES",
+    "FLASH_BWD",
+    "FLASH_FWD",
+    "backward",
+    "forward",
+    "piece_mask",
+    "run_fused",
+    "why_not_fused",
+]
+
+#: torch's fused CPU flash kernel (forward: out, lse) and its backward; None where this torch lacks them
+FLASH_FWD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_BWD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 # A band's backward returns each block's dK/dV separately; cut it so those stay below this many bytes.
 BAND_GRAD_BYTES = 64 << 20
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def why_not_fused(p: Problem) -> str | None:
-    """Why the fused piece engine cannot run ``p`` (the loop engine of :mod:`.tiled` then does)."""
-    if _FWD is None or _BWD is None:
+    """Why the fused piece engine cannot run ``p`` (the loop engine of :mod:`.loop` then does)."""
+    if FLASH_FWD is None or FLASH_BWD is None:
         return "this torch has no CPU flash-attention kernel"
     if p.q.device.type != "cpu":
         return f"the fused piece engine runs on CPU, the tensors are on {p.q.device}"
@@ -77,14 +88,12 @@ def piece_mask(p: Problem, pc: Piece, dtype: torch.dtype) -> tuple[Tensor | None
     """
     if pc.kind != "masked":
         return None, None
-    ctx, rows, keys = p.ctx, (pc.r0, pc.r0 + pc.bq), (pc.k0, pc.k1)
-    m = torch.zeros(1, 1, pc.bq, pc.k1 - pc.k0, dtype=dtype, device=p.q.device)  # (1, 1, bq, L)
-    if p.bias is not None:
-        m = p.bias.apply_block(m, ctx, rows, keys)  # (B|1, Hq|1, bq, L)
-    if p.mask is None:
+    rows, keys = (pc.r0, pc.r0 + pc.bq), (pc.k0, pc.k1)
+    zeros = torch.zeros(1, 1, pc.bq, pc.k1 - pc.k0, dtype=dtype, device=p.q.device)  # (1, 1, bq, L)
+    allowed = None if p.mask is None else p.mask.block(p.ctx, rows, keys, p.q.device)  # (B|1, Hq|1, bq, L)
+    m = modify_scores(zeros, p, rows, keys, allowed=allowed)  # (B|1, Hq|1, bq, L)
+    if allowed is None:
         return m, None
-    allowed = p.mask.block(ctx, rows, keys, p.q.device)  # (B|1, Hq|1, bq, L)
-    m = m.masked_fill(~allowed, float("-inf"))
     has_key = allowed.any(-1)  # (B|1, Hq|1, bq)
     return m, None if bool(has_key.all()) else has_key
 
@@ -124,70 +133,16 @@ def band_view(t: Tensor, p: Problem, pc: Piece, heads_step: int, g: int, n: int,
     ``first + j * bq`` of head ``hkv * heads_step + g``. No copy."""
     N, X = t.shape[2], t.shape[3]
     strides = (heads_step * N * X, pc.bq * X, X, 1)
-    return t.as_strided((p.B * p.Hkv, pc.nb, n, X), strides, t.storage_offset() + (g * N + first) * X)
+    return t.as_strided(
+        (p.B * p.Hkv, pc.nb, n, X), strides, t.storage_offset() + (g * N + first) * X
+    )  # (B*Hkv, nb, n, X)
 
 
 def band_lse_view(t: Tensor, p: Problem, pc: Piece, g: int) -> Tensor:
     """Strided (B*Hkv, nb, bq) view of a contiguous (B, Hq, Nq) tensor."""
     N = t.shape[2]
-    return t.as_strided((p.B * p.Hkv, pc.nb, pc.bq), (p.G * N, pc.bq, 1), t.storage_offset() + g * N + pc.r0)
-
-
-class _Merger:
-    """Output and log-sum-exp accumulators; each piece is merged in by its log-sum-exp."""
-
-    def __init__(self, p: Problem, acc: torch.dtype, dv: int):
-        self.shape, self.acc, self.device = (p.B, p.Hq, p.Nq, dv), acc, p.q.device
-        self._out: Tensor | None = None  # allocated on the first piece that does not cover everything
-        self._lse: Tensor | None = None
-        self.touched = bytearray(p.Nq)
-        self.some_row_may_see_nothing = False  # set by a piece with rows that see no key
-
-    @property
-    def out(self) -> Tensor:
-        if self._out is None:
-            # rows no piece touches keep lse = -inf and are zeroed in result(), so no zero fill here
-            self._out = torch.empty(self.shape, dtype=self.acc, device=self.device)
-        return self._out
-
-    @property
-    def lse(self) -> Tensor:
-        if self._lse is None:
-            self._lse = torch.full(self.shape[:3], float("-inf"), dtype=self.acc, device=self.device)
-        return self._lse
-
-    def add(self, rows: slice, heads: slice, o: Tensor, lse: Tensor, has_key: Tensor | None, last: bool):
-        """Merge ``o`` (B, h, n, Dv) and ``lse`` (B, h, n) into rows ``rows`` of heads ``heads``.
-
-        ``o`` may also come in a band's shape (B*h, nb, bq, Dv) with nb*bq == n: it is then written
-        into place through a view, with no intermediate reshaped copy.
-        """
-        if has_key is not None:
-            lse = lse.masked_fill(~has_key, float("-inf"))  # the kernel reports 0 for rows with no key
-            self.some_row_may_see_nothing = True
-        if self._out is None and tuple(o.shape) == self.shape and o.dtype == lse.dtype == self.acc:
-            # the first piece covers every row and head (one causal call, one band ...): keep its result
-            self._out, self._lse = o, lse
-            self.touched[:] = b"\x01" * len(self.touched)
-            return
-        acc_o, acc_l = self.out[:, heads, rows], self.lse[:, heads, rows]  # views
-        if not any(self.touched[rows]):
-            acc_o.view(o.shape).copy_(o)  # (B*h, nb, bq, Dv) band view, or the same shape
-            acc_l.copy_(lse)
-        else:
-            o = o.reshape(acc_o.shape)  # (B, h, n, Dv)
-            new = torch.logaddexp(acc_l, lse)  # (B, h, n)
-            safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-            acc_o.mul_(torch.exp(acc_l - safe).unsqueeze(-1)).add_(o * torch.exp(lse - safe).unsqueeze(-1))
-            acc_l.copy_(new)
-        if last:
-            self.touched[rows] = b"\x01" * (rows.stop - rows.start)
-
-    def result(self, dtype: torch.dtype, dv: int) -> tuple[Tensor, Tensor]:
-        out = self.out
-        if self.some_row_may_see_nothing or self.touched.count(0):
-            out.masked_fill_(torch.isinf(self.lse).unsqueeze(-1), 0.0)  # rows with no key -> 0
-        return out[..., :dv].to(dtype), self.lse
+    offset = t.storage_offset() + g * N + pc.r0
+    return t.as_strided((p.B * p.Hkv, pc.nb, pc.bq), (p.G * N, pc.bq, 1), offset)  # (B*Hkv, nb, bq)
 
 
 def forward(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
@@ -195,14 +150,13 @@ def forward(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
     acc = acc_dtype(p.dtype)
     ops, shared = {False: _operands(p)}, _shared_rows(p, plan)
     X = ops[False][0].shape[-1]  # the common head size
-    merger = _Merger(p, acc, X)
-    mask_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    merger = Merger(p, acc, X)
     for pc in plan:
         up = any(shared[pc.r0 : pc.r1])
         if up not in ops:
             ops[up] = _operands(p, acc)  # fp32 copies, made once
         q, k, v = ops[up]
-        m, has = piece_mask(p, pc, mask_dtype)
+        m, has = piece_mask(p, pc, acc)
         causal = pc.kind == "causal"
         rows = slice(pc.r0, pc.r1)
         if pc.nb > 1:
@@ -210,7 +164,7 @@ def forward(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
                 qg = band_view(q, p, pc, p.G, g, pc.bq, pc.r0)  # (B*Hkv, nb, bq, D)
                 kg = band_view(k, p, pc, 1, 0, pc.k1 - pc.k0, pc.k0)  # (B*Hkv, nb, L, D)
                 vg = band_view(v, p, pc, 1, 0, pc.k1 - pc.k0, pc.k0)  # (B*Hkv, nb, L, Dv)
-                o, lse = _FWD(qg, kg, vg, 0.0, causal, attn_mask=_group_mask(m, p, g), scale=p.scale)
+                o, lse = FLASH_FWD(qg, kg, vg, 0.0, causal, attn_mask=_group_mask(m, p, g), scale=p.scale)
                 # o stays (B*Hkv, nb, bq, Dv): the merger writes it through a view of its rows
                 lse = lse.reshape(p.B, p.Hkv, pc.nb * pc.bq)  # (B, Hkv, rows)
                 hk = _band_has_key(has, p, pc, g)
@@ -219,10 +173,10 @@ def forward(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
         ks, vs = k[:, :, pc.k0 : pc.k1], v[:, :, pc.k0 : pc.k1]  # (B, Hkv, L, D|Dv) views
         if _fold_ok(p, pc, m):
             qf = q.view(p.B, p.Hkv, p.G * p.Nq, X)  # (B, Hkv, G*Nq, D): groups folded into rows
-            o, lse = _FWD(qf, ks, vs, 0.0, False, attn_mask=_fold_mask(m, p.G), scale=p.scale)
+            o, lse = FLASH_FWD(qf, ks, vs, 0.0, False, attn_mask=_fold_mask(m, p.G), scale=p.scale)
             o, lse = o.reshape(p.B, p.Hq, p.Nq, X), lse.reshape(p.B, p.Hq, p.Nq)  # unfold
         else:
-            o, lse = _FWD(q[:, :, rows], ks, vs, 0.0, causal, attn_mask=m, scale=p.scale)
+            o, lse = FLASH_FWD(q[:, :, rows], ks, vs, 0.0, causal, attn_mask=m, scale=p.scale)
         merger.add(rows, slice(None), o, lse, has, last=True)
     return merger.result(p.dtype, p.Dv)
 
@@ -264,14 +218,14 @@ def backward(p: Problem, plan: list[Piece], out: Tensor, lse: Tensor, dout: Tens
             continue
         if _fold_ok(p, pc, m):
             fold = (p.B, p.Hkv, p.G * p.Nq)
-            g_q, g_k, g_v = _BWD(
-                do.view(*fold, X), q.view(*fold, X), k[:, :, keys], v[:, :, keys],
-                o_.view(*fold, X), lse_s.view(*fold), 0.0, False,
+            g_q, g_k, g_v = FLASH_BWD(
+                do.view(*fold, X), q.view(*fold, X), k[:, :, keys], v[:, :, keys],  # (B, Hkv, G*Nq | L, X)
+                o_.view(*fold, X), lse_s.view(*fold), 0.0, False,  # (B, Hkv, G*Nq, X), (B, Hkv, G*Nq)
                 attn_mask=_fold_mask(m, p.G), scale=p.scale,
             )  # fmt: skip
             dq += g_q.reshape(p.B, p.Hq, p.Nq, X)  # (B, Hq, Nq, D)
         else:
-            g_q, g_k, g_v = _BWD(
+            g_q, g_k, g_v = FLASH_BWD(
                 do[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], o_[:, :, rows],
                 lse_s[:, :, rows], 0.0, causal, attn_mask=m, scale=p.scale,
             )  # fmt: skip
@@ -300,12 +254,38 @@ def _band_backward(p: Problem, pc: Piece, t, grads, m: Tensor | None, causal: bo
     idx = (pc.k0 + pc.bq * torch.arange(pc.nb)[:, None] + torch.arange(L)[None, :]).view(-1)  # (nb*L,)
     dk_f, dv_f = dk.view(p.B * p.Hkv, p.Nk, X), dv.view(p.B * p.Hkv, p.Nk, X)  # views
     for g in range(p.G):
-        g_q, g_k, g_v = _BWD(
+        g_q, g_k, g_v = FLASH_BWD(
             band_view(do, p, pc, p.G, g, pc.bq, pc.r0), band_view(q, p, pc, p.G, g, pc.bq, pc.r0),
             band_view(k, p, pc, 1, 0, L, pc.k0), band_view(v, p, pc, 1, 0, L, pc.k0),
             band_view(o_, p, pc, p.G, g, pc.bq, pc.r0), band_lse_view(lse_s, p, pc, g), 0.0, causal,
             attn_mask=_group_mask(m, p, g), scale=p.scale,
         )  # fmt: skip
         band_view(dq, p, pc, p.G, g, pc.bq, pc.r0).add_(g_q)  # blocks do not overlap in rows
-        dk_f.index_add_(1, idx.to(dk.device), g_k.reshape(p.B * p.Hkv, pc.nb * L, X))
-        dv_f.index_add_(1, idx.to(dv.device), g_v.reshape(p.B * p.Hkv, pc.nb * L, X))
+        dk_f.index_add_(1, idx.to(dk.device), g_k.reshape(p.B * p.Hkv, pc.nb * L, X))  # (B*Hkv, nb*L, X)
+        dv_f.index_add_(1, idx.to(dv.device), g_v.reshape(p.B * p.Hkv, pc.nb * L, X))  # (B*Hkv, nb*L, X)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The fused piece engine under autograd; the problem's q, k, v are the differentiable inputs."""
+
+    @staticmethod
+    def forward(ctx, p: Problem, plan: list[Piece], q, k, v):
+        out, lse = forward(p, plan)
+        ctx.p, ctx.plan = p, plan
+        ctx.save_for_backward(out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv = backward(ctx.p, ctx.plan, out, lse, dout)
+        return None, None, dq, dk, dv
+
+
+def run_fused(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
+    """Run a fused plan, under autograd when ``p`` needs gradients: out (B, Hq, Nq, Dv), lse (B, Hq, Nq)."""
+    if p.needs_grad:
+        return _FusedAttention.apply(p, plan, p.q, p.k, p.v)
+    with torch.no_grad():
+        return forward(p, plan)

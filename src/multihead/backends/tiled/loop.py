@@ -1,4 +1,7 @@
-"""``tiled``: the project's own block-sparse kernel - online softmax over tiles, O(N) extra memory.
+"""The portable loop engine of ``tiled``: online softmax over tiles in torch ops, O(N) extra memory.
+
+Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, Nq, Nk, D, Dv; a tile covers rows
+q0:q1 and keys k0:k1 (nq, nk); the G query heads of a kv head are folded into the rows: (B, Hkv, G*nq, .).
 
 For each block of query rows we stream over blocks of keys, keeping the running row maximum ``m``,
 the running denominator ``l`` and the unnormalised output ``o`` (Milakov & Gimelshein 2018; Dao et al.
@@ -10,22 +13,15 @@ FlashAttention 2022). Per key block j:
     o       = o * exp(m - m') + exp(s_j - m') v_j
     out     = o / l,  lse = m + log(l)
 
-The tiles are classified once per call from the mask (:mod:`.tiled_plan`): EMPTY tiles are skipped,
-FULL tiles need no per-element mask. Two engines run the plan:
+The tiles come classified from the problem's grid: EMPTY tiles are skipped, FULL tiles need no
+per-element mask. This engine serves what the fused engine (:mod:`.fused`) cannot: dropout,
+soft-capping, gradients into a tensor bias, non-CPU devices (:mod:`.backend` chooses).
 
-* the fused engine (:mod:`.tiled_exec`, used whenever it can): runs of tiles become a few large calls of
-  torch's fused CPU flash kernel - a sliding window or a causal diagonal is one batched call over
-  strided views of K/V - merged exactly by their log-sum-exp. Parallel over batch x heads x blocks
-  inside the kernel; bf16 inputs accumulate in fp32.
-* the loop engine (this file): the online softmax above, one tile at a time in torch ops, for what the
-  fused kernel cannot do - dropout, soft-capping, gradients into a tensor bias, non-CPU devices.
-
-GQA: no repeated K/V in either engine (the G query heads of a kv head are folded into the rows, or the
-kernel groups them itself). The backward recomputes each tile from the saved log-sum-exp (FlashAttention-2):
+GQA: no repeated K/V. The backward recomputes each tile from the saved log-sum-exp (FlashAttention-2):
 
     P = exp(s - lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ += dS K, dK += dS^T Q
 
-with the same tile skipping. Extra memory is O(B * H * (Nq + Nk) * D) plus one piece's mask.
+with the same tile skipping. Extra memory is O(B * H * (Nq + Nk) * D) plus one tile.
 """
 
 from __future__ import annotations
@@ -36,19 +32,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...core.biases import CustomBias, TensorBias, bias_parts
-from ...core.masks import EMPTY, FULL, index_grid
-from ...core.problem import AttentionOutput, Problem
+from ...core.biases import TensorBias, bias_parts
+from ...core.masks import EMPTY, FULL
+from ...core.numerics import acc_dtype
+from ...core.problem import Problem
 from ...core.tiles import Grid
-from . import fused as tiled_exec
-from .plan import Piece, pieces
+from ..dense import modify_scores
 
-BLOCK_Q = 64
-BLOCK_K = 64
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+__all__ = ["run_loop"]
 
 
 @dataclass
@@ -60,10 +51,12 @@ class _Plan:
     seed: int
 
     def tiles_q(self):
+        """(index, (q0, q1)) of every query block."""
         e = self.grid.q_edges
         yield from enumerate(itertools.pairwise(e))
 
     def tiles_k(self):
+        """(index, (k0, k1)) of every key block."""
         e = self.grid.k_edges
         yield from enumerate(itertools.pairwise(e))
 
@@ -84,39 +77,21 @@ class _Plan:
         return torch.rand(shape, generator=g, device=device) >= self.p.dropout_p
 
 
-def _modify(s4: Tensor, plan: _Plan, q0, q1, k0, k1, leaves: list[Tensor] | None) -> Tensor:
-    """Apply the bias chain to one tile of scores (B, Hq, nq, nk).
-
-    With ``leaves`` given, each grad-requiring tensor bias enters as a fresh leaf holding just this tile,
-    so the backward can take its gradient without touching the full (.., Nq, Nk) tensor.
-    """
-    ctx = plan.p.ctx
-    b, h, q, k = index_grid(ctx, (q0, q1), (k0, k1), s4.device)
-    for part in bias_parts(plan.p.bias):
-        if leaves is not None and isinstance(part, TensorBias) and part.t.requires_grad:
-            val = part.values(b, h, q, k, ctx).detach().to(s4.dtype).requires_grad_(True)
-            leaves.append(val)
-            s4 = s4 + val
-        else:
-            s4 = part.apply(s4, b, h, q, k, ctx)
-    return s4
-
-
 def _scores(plan: _Plan, qb: Tensor, kb: Tensor, q0, q1, k0, k1, allowed, leaves=None):
-    """Masked, modified scores of one tile: qb (B, Hkv, G*nq, D), kb (B, Hkv, nk, D)."""
+    """Scores of one tile from qb (B, Hkv, G*nq, D), kb (B, Hkv, nk, D): (raw, modified, modified folded).
+
+    raw (B, Hq, nq, nk) is a fresh leaf when ``leaves`` is given; modified = bias, then mask (-inf), as
+    (B, Hq, nq, nk) and folded (B, Hkv, G*nq, nk). The backward differentiates modified w.r.t. raw and
+    the leaves; masked entries have P = 0 and so dS = 0, so the mask adds nothing to those gradients.
+    """
     p = plan.p
     nq, nk = q1 - q0, k1 - k0
     s = torch.matmul(qb, kb.transpose(-1, -2)) * p.scale  # (B, Hkv, G*nq, nk)
     s4 = s.view(p.B, p.Hq, nq, nk)  # (B, Hq, nq, nk): heads (Hkv, G) are adjacent
     if leaves is not None:
         s4 = s4.detach().requires_grad_(True)
-    s_in = s4
-    if p.bias is not None:
-        s4 = _modify(s4, plan, q0, q1, k0, k1, leaves)
-    s_mod = s4
-    if allowed is not None:
-        s4 = s4.masked_fill(~allowed, float("-inf"))
-    return s_in, s_mod, s4.reshape(p.B, p.Hkv, p.G * nq, nk)  # (B, Hkv, G*nq, nk)
+    s_mod = modify_scores(s4, p, (q0, q1), (k0, k1), allowed=allowed, leaves=leaves)  # (B, Hq, nq, nk)
+    return s4, s_mod, s_mod.reshape(p.B, p.Hkv, p.G * nq, nk)  # (B, Hkv, G*nq, nk)
 
 
 def _q_block(p: Problem, t: Tensor, q0: int, q1: int, acc) -> Tensor:
@@ -126,8 +101,9 @@ def _q_block(p: Problem, t: Tensor, q0: int, q1: int, acc) -> Tensor:
 
 
 def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The online softmax over the plan's non-empty tiles: out (B, Hq, Nq, Dv), lse (B, Hq, Nq)."""
     p = plan.p
-    acc = _acc(p.dtype)
+    acc = acc_dtype(p.dtype)
     out = torch.empty(p.B, p.Hq, p.Nq, p.Dv, dtype=p.dtype, device=q.device)
     lse = torch.empty(p.B, p.Hq, p.Nq, dtype=acc, device=q.device)
     n_kb = len(plan.grid.k_edges) - 1
@@ -159,8 +135,9 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
 
 
 def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
+    """Gradients (dq, dk, dv, [d bias tensor or None]) recomputed tile by tile from the saved lse."""
     p = plan.p
-    acc = _acc(p.dtype)
+    acc = acc_dtype(p.dtype)
     dq = torch.zeros(p.B, p.Hq, p.Nq, p.D, dtype=acc, device=q.device)
     dk = torch.zeros(p.B, p.Hkv, p.Nk, p.D, dtype=acc, device=q.device)
     dv = torch.zeros(p.B, p.Hkv, p.Nk, p.Dv, dtype=acc, device=q.device)
@@ -191,7 +168,7 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
             pt = torch.exp(s.detach() - lse_b)  # (B, Hkv, G*nq, nk)
             if p.dropout_p > 0.0:
                 keep = plan.keep(pt.shape, qi * n_kb + ki, q.device) / (1.0 - p.dropout_p)
-                dv[:, :, k0:k1] += torch.matmul((pt * keep).transpose(-1, -2), dob)
+                dv[:, :, k0:k1] += torch.matmul((pt * keep).transpose(-1, -2), dob)  # (B, Hkv, nk, Dv)
                 dp = torch.matmul(dob, vb.transpose(-1, -2)) * keep  # (B, Hkv, G*nq, nk)
             else:
                 dv[:, :, k0:k1] += torch.matmul(pt.transpose(-1, -2), dob)  # (B, Hkv, nk, Dv)
@@ -199,18 +176,24 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
             ds = pt * (dp - delta_b)  # (B, Hkv, G*nq, nk)
             if local_grad:
                 assert leaves is not None
-                grads = torch.autograd.grad(s_mod, [s_in, *leaves], ds.view(s_mod.shape), allow_unused=True)
-                ds = grads[0].reshape(ds.shape) if grads[0] is not None else torch.zeros_like(ds)
+                ds4 = ds.view(s_mod.shape)  # (B, Hq, nq, nk)
+                grads = torch.autograd.grad(s_mod, [s_in, *leaves], ds4, allow_unused=True)
+                g0 = grads[0]
+                ds = g0.reshape(ds.shape) if g0 is not None else torch.zeros_like(ds)  # (B, Hkv, G*nq, nk)
                 _accumulate_bias(dbias, grads[1:], q0, q1, k0, k1)
             ds = ds * p.scale
             dqb += torch.matmul(ds, kb)  # (B, Hkv, G*nq, D)
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qb)  # (B, Hkv, nk, D)
         dq[:, :, q0:q1] = dqb.view(p.B, p.Hq, nq, p.D)  # (B, Hq, nq, D)
-    dbias_out = [None if g is None else g.reshape(t.shape).to(t.dtype) for g, t in zip(dbias, bias_tensors)]
+    dbias_out = [
+        None if g is None else g.reshape(t.shape).to(t.dtype)  # each bias tensor's own shape
+        for g, t in zip(dbias, bias_tensors)
+    ]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias_out
 
 
 def _accumulate_bias(dbias, grads, q0, q1, k0, k1) -> None:
+    """Add one tile's bias-leaf gradients into the full-size accumulators (broadcast dims stay 1)."""
     it = iter(grads)
     for d in dbias:
         if d is None:
@@ -241,78 +224,13 @@ class _TiledAttention(torch.autograd.Function):
         return (None, dq, dk, dv, *dbias)
 
 
-class _FusedAttention(torch.autograd.Function):
-    """The fused piece engine under autograd; the problem's q, k, v are the differentiable inputs."""
-
-    @staticmethod
-    def forward(ctx, p: Problem, plan: list[Piece], q, k, v):
-        out, lse = tiled_exec.forward(p, plan)
-        ctx.p, ctx.plan = p, plan
-        ctx.save_for_backward(out, lse)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        out, lse = ctx.saved_tensors
-        dq, dk, dv = tiled_exec.backward(ctx.p, ctx.plan, out, lse, dout)
-        return None, None, dq, dk, dv
-
-
-def run_fused(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
-    """Run a fused plan, under autograd when ``p`` needs gradients."""
+def run_loop(p: Problem, grid: Grid) -> tuple[Tensor, Tensor]:
+    """Run ``p`` tile by tile over ``grid``, under autograd when ``p`` needs gradients (tensor biases that
+    require grad get theirs): out (B, Hq, Nq, Dv) in the input dtype, lse (B, Hq, Nq) fp32/fp64."""
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if p.dropout_p > 0 else 0
+    plan = _Plan(p, grid, seed)
     if p.needs_grad:
-        return _FusedAttention.apply(p, plan, p.q, p.k, p.v)
-    with torch.no_grad():
-        return tiled_exec.forward(p, plan)
-
-
-class TiledBackend:
-    name = "tiled"
-    summary = (
-        "own block-sparse kernel: tiles classified from the mask, empty ones skipped, the rest as a few "
-        "fused calls merged by log-sum-exp; O(N) memory, native GQA, any mask or bias"
-    )
-
-    def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
-        self.block_q, self.block_k = block_q, block_k
-
-    def why_not(self, p: Problem) -> str | None:
-        if p.return_weights:
-            return "the tiled kernel never materialises the weights"
-        if torch.is_grad_enabled() and any(isinstance(b, CustomBias) for b in bias_parts(p.bias)):
-            return (
-                "gradients into tensors a custom_bias fn captures cannot be routed through the tiled "
-                "backward (only tensor biases are); run under torch.no_grad() or pass the tensor as bias="
-            )
-        return None
-
-    def grid(self, p: Problem) -> Grid:
-        """The tile grid of ``p`` with this backend's block sizes."""
-        return p.grid(self.block_q, self.block_k)
-
-    def plan(self, p: Problem) -> list[Piece]:
-        """The fused engine's pieces for ``p`` (what :meth:`run` executes when the engine applies)."""
-        return pieces(self.grid(p), p.mask, p.bias, p.ctx, p.Hq)
-
-    def run(self, p: Problem) -> AttentionOutput:
-        if p.return_weights:
-            raise ValueError("backend 'tiled' cannot return the attention weights; use backend='matrix'")
-        if p.Nq == 0:
-            out = p.q.new_zeros(p.B, p.Hq, 0, p.Dv)
-            return AttentionOutput(out, None, p.q.new_zeros(p.B, p.Hq, 0, dtype=_acc(p.dtype)))
-        if tiled_exec.why_not_fused(p) is None:
-            out, lse = run_fused(p, self.plan(p))
-            return AttentionOutput(out, None, lse if p.return_lse else None)
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if p.dropout_p > 0 else 0
-        plan = _Plan(p, self.grid(p), seed)
         bias_tensors = [part.t for part in bias_parts(p.bias) if isinstance(part, TensorBias)]
-        if p.needs_grad:
-            out, lse = _TiledAttention.apply(plan, p.q, p.k, p.v, *bias_tensors)
-        else:
-            with torch.no_grad():
-                out, lse = _forward(plan, p.q, p.k, p.v)
-        return AttentionOutput(out, None, lse if p.return_lse else None)
-
-
-BACKEND = TiledBackend()
+        return _TiledAttention.apply(plan, p.q, p.k, p.v, *bias_tensors)
+    with torch.no_grad():
+        return _forward(plan, p.q, p.k, p.v)

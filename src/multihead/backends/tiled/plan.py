@@ -22,7 +22,7 @@ Step 3 - pieces. Consecutive rows are merged into :class:`Piece` s that one kern
     band      ``nb`` blocks of ``bq`` rows, block j against keys ``k0 + j*bq : k1 + j*bq`` with one shared
               mask: a sliding window, the diagonal of a causal mask ... as one batched call over strided
               views of K/V (no copy)
-A row's pieces are merged by their log-sum-exp (see :mod:`.tiled_exec`).
+A row's pieces are merged by their log-sum-exp (see :mod:`.merge`).
 """
 
 from __future__ import annotations

@@ -54,14 +54,22 @@ class DecodeBackend:
         return pieces(grid, p.mask, p.bias, p.ctx, p.Hq)
 
     def run(self, p: Problem) -> AttentionOutput:
-        """Decode ``p``; calls that are not decodes (or need the loop engine) run as ``tiled``.
+        """Decode ``p``: at most ``MAX_ROWS`` query rows against the keys. Calls the fused engine
+        cannot serve (a bias or mask that needs the loop engine) and empty calls run as ``tiled``.
 
         Raises:
-            ValueError: if the weights are requested.
+            ValueError: if the weights are requested, or the call has more than ``MAX_ROWS`` query rows
+                (a prefill, not a decode step).
         """
         if p.return_weights:
             raise ValueError("backend 'decode' cannot return the attention weights; use backend='matrix'")
-        if p.Nq > MAX_ROWS or p.Nq == 0 or fused.why_not_fused(p) is not None:
+        if p.Nq > MAX_ROWS:
+            raise ValueError(
+                f"backend 'decode' serves decode steps of at most {MAX_ROWS} query rows, this call has "
+                f"Nq={p.Nq}; use backend='auto' (it picks decode for decode steps and a prefill kernel "
+                "otherwise) or backend='tiled'"
+            )
+        if p.Nq == 0 or fused.why_not_fused(p) is not None:
             return tiled.BACKEND.run(p)
         if not p.needs_grad and p.D == p.Dv and _sees_every_key(p):
             with torch.no_grad():

@@ -34,7 +34,16 @@ def _texts(args: argparse.Namespace) -> tuple[list[str], str]:
         if args.file == "-":
             lines = sys.stdin.read().splitlines()
         else:
-            lines = Path(args.file).read_text(encoding="utf-8").splitlines()
+            path = Path(args.file)
+            if not path.is_file():
+                raise ValueError(f"--file {args.file!r} does not exist; give a text file, one text per line")
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"--file {args.file!r} is not UTF-8 text ({e.reason} at byte {e.start}); give a text "
+                    "file with one text per line (convert it with `iconv -t UTF-8`)"
+                ) from None
         texts = [line for line in lines if line.strip()]
         if not texts:
             raise ValueError(f"--file {args.file!r} has no non-empty line; put one text per line")
@@ -135,6 +144,12 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     )
     if args.out:
         console.print(f"wrote {args.out}", markup=False)
+    elif hits is None:
+        console.print(
+            "nothing saved: add --out FILE.npy (or .json) to save the embeddings, --search QUERY to search "
+            "the texts, or --json to print them",
+            markup=False,
+        )
     for h in hits or []:
         console.print(
             f"{h['rank']:3d}. {h['cosine']:.3f}  [{h['index']}] {_first_line(h['text'])}", markup=False

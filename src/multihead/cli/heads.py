@@ -1,13 +1,13 @@
 """``multihead heads``: what the 72 heads of the bundled all-MiniLM-L6-v2 look at.
 
     multihead heads                                  the default sentence; roles over 32 docstrings
-    multihead heads "Some text to look at." --out heads/
+    multihead heads "Some text to look at." --out multihead-heads/
     multihead heads --texts 0 --head 0.2 --head 1.11 --json
 
-Writes to ``--out`` (default ``heads/``): ``maps.png`` (the layer x head grid of the text's attention
-maps), ``roles.png`` and ``roles.md`` (each head's role and Clark et al.'s statistics, measured on the
-text and ``--texts`` standard-library docstrings) and ``head_L_H.png`` per ``--head L.H`` (one map with
-its tokens). Prints the role grid (or, with ``--json``, the table and the files).
+Writes to ``--out`` (default ``multihead-heads/``): ``maps.png`` (the layer x head grid of the text's
+attention maps), ``roles.png`` and ``roles.md`` (each head's role and Clark et al.'s statistics,
+measured on the text and ``--texts`` standard-library docstrings) and ``head_L_H.png`` per ``--head L.H``
+(one map with its tokens). Prints the role grid (or, with ``--json``, the table and the files).
 """
 
 from __future__ import annotations
@@ -105,7 +105,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=32,
         help="standard-library docstrings added to the role statistics; 0: the text only (default 32)",
     )
-    p.add_argument("--out", default="heads", help="directory for the PNGs and roles.md (default heads/)")
+    p.add_argument(
+        "--out",
+        default="multihead-heads",
+        help="directory for the PNGs and roles.md (default multihead-heads/)",
+    )
     p.add_argument(
         "--head",
         type=_head_arg,

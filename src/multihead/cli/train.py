@@ -16,6 +16,15 @@ import json
 __all__ = ["register"]
 
 
+def _choices() -> list[str]:
+    """Every valid ``--attention``: exact, the head designs, the approximations of ``multihead approx``."""
+    from ..bench import approx as measure
+    from ..variants import NAMES
+
+    methods = [m.name.split("(")[0] for m in measure.METHODS if not m.name.startswith("exact")]
+    return ["exact", *NAMES, *methods]
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -24,6 +33,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from ..train.trainer import TrainConfig, train_mqar
     from ..variants import NAMES
 
+    valid = _choices()
+    if args.attention not in valid and not any(args.attention == m.name for m in measure.METHODS):
+        raise ValueError(
+            f"--attention {args.attention!r} is not known; choose one of {valid} (exact attention, a head "
+            "design of multihead.variants, or an approximation of `multihead approx`)"
+        )
     cfg = TrainConfig(
         seq_len=args.seq_len,
         n_pairs=args.pairs,
@@ -73,17 +88,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     from .console import positive_int
 
     d = TrainConfig()
+    choices = _choices()
     p = sub.add_parser(
         "train",
         help="train a 2-layer TransformerLM on MQAR (associative recall) with exact or approximate attention",
         description="Train a small TransformerLM on fresh MQAR batches (Zoology's generator) "
         "and report held-out accuracy. --attention takes 'exact', a head design of multihead.variants "
-        "(mha, gqa, mqa, moh, dcmha, mohsa, collab, talking, gated) or a method of `multihead approx` "
-        "(TopK, Threshold, local, local_global, Linformer, Nystrom, LowRank, LinearAttention, Performer).",
+        f"or a method of `multihead approx`: {', '.join(choices)}.",
     )
     p.add_argument("--task", choices=["mqar"], default="mqar", help="the task (default mqar)")
     p.add_argument(
-        "--attention", default="exact", metavar="NAME", help="exact or an approximation (default exact)"
+        "--attention",
+        default="exact",
+        metavar="NAME",
+        help=f"exact, a head design or an approximation (default exact): {', '.join(choices)}",
     )
     p.add_argument("--steps", type=positive_int, default=d.steps, help=f"training steps (default {d.steps})")
     p.add_argument("--batch", type=positive_int, default=d.batch, help=f"batch size (default {d.batch})")

@@ -186,10 +186,19 @@ class TransformerLM(nn.Module):
 
     def check_ids(self, ids: Any) -> None:
         """Raise ValueError unless ``ids`` is an integer (B, N) tensor, N >= 1, of ids in [0, vocab_size)."""
-        integer = isinstance(ids, Tensor) and not ids.is_floating_point() and ids.dtype != torch.bool
-        if not integer or ids.dim() != 2:
-            shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
-            raise ValueError(f"ids must be an integer tensor of shape (B, N), got {shape}; add a batch dim")
+        if not isinstance(ids, Tensor):
+            raise ValueError(
+                f"ids must be an integer tensor of shape (B, N), got a {type(ids).__name__}; "
+                "pass torch.tensor([token_ids])"
+            )
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(
+                f"ids must hold integer token ids, got dtype {ids.dtype} of shape {tuple(ids.shape)}; "
+                "convert them with ids.long() (token ids are indices into the vocabulary)"
+            )
+        if ids.dim() != 2:
+            fix = "add a batch dim: ids[None]" if ids.dim() == 1 else "pass a (batch, tokens) tensor"
+            raise ValueError(f"ids must have shape (B, N), got {tuple(ids.shape)}; {fix}")
         if ids.shape[1] == 0:
             raise ValueError("ids has N=0 tokens; give at least one token")
         lo, hi = int(ids.min()), int(ids.max())

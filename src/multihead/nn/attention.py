@@ -107,7 +107,8 @@ class MultiHeadAttention(nn.Module):
             Given explicitly it is used as is, so ``Hq * D`` may differ from d_model.
         bias: biases on the projections (LLaMA / PaLM: none).
         dropout: attention-weight dropout and output dropout (after W^O), training only.
-        rotary: a ``RotaryEmbedding`` applied to q and k in self-attention (not to cross-attention).
+        rotary: a ``RotaryEmbedding(head_dim)`` applied to q and k in self-attention (not to
+            cross-attention), or any module with ``forward(x, positions)``.
         backend: passed to :func:`multihead.attention`: "auto" (picks per call), a backend name, or a
             backend object such as an approximation from :mod:`multihead.approx`; one that is an
             ``nn.Module`` is the submodule ``approx``, so a learned Linformer's projections are parameters
@@ -161,6 +162,11 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.dropout = check_dropout(dropout)
         self.backend = backend  # validated by the setter; an nn.Module backend becomes ``self.approx``
+        if isinstance(rotary, RotaryEmbedding) and rotary.head_dim != head_dim:
+            raise ValueError(
+                f"{owner} rotary rotates {rotary.head_dim} features per head but head_dim is {head_dim}; "
+                f"build it as RotaryEmbedding({head_dim})"
+            )
         self.rotary = rotary
         fk = {"bias": bias, "device": device, "dtype": dtype}
         self.qkv_proj = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * head_dim, **fk)  # W^Q|W^K|W^V

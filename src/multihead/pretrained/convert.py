@@ -7,7 +7,6 @@ Everything here works on plain dicts and tensors: transformers is never imported
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from .files import read_json, read_safetensors
 
 __all__ = [
     "Rule",
@@ -104,8 +105,8 @@ def load_converted(model: nn.Module, sd: dict[str, Tensor], what: str, like: str
     ``load_state_dict(strict=True)`` with the mismatches named in a ValueError.
 
     Raises:
-        ValueError: missing or unexpected keys, or a tensor of the wrong shape (a config that does not
-            describe this checkpoint).
+        ValueError: missing or unexpected keys, a tensor of the wrong shape (a config that does not
+            describe this checkpoint), or integer weights.
     """
     own = model.state_dict()
     missing = sorted(set(own) - set(sd))
@@ -117,6 +118,12 @@ def load_converted(model: nn.Module, sd: dict[str, Tensor], what: str, like: str
             f"the {what} checkpoint does not fit the model its config describes: missing {missing[:5]}, "
             f"unexpected {extra[:5]}, wrong shapes {wrong[:5]}; check that config and weights belong together"
         )
+    not_float = [f"{k}: {sd[k].dtype}" for k in own if not sd[k].is_floating_point()]
+    if not_float:
+        raise ValueError(
+            f"the {what} checkpoint holds non-floating-point weights {not_float[:5]}; multihead loads "
+            "float32/float16/bfloat16 checkpoints (dequantize an int8 checkpoint before loading)"
+        )
     model.to(device=sd[like].device, dtype=sd[like].dtype)
     model.load_state_dict(sd, strict=True)
 
@@ -127,22 +134,25 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict]:
     Returns ``(state_dict, config)`` with the config as a plain dict.
 
     Raises:
-        ValueError: the directory, its config.json or its safetensors weights are missing.
+        ValueError: the directory, its config.json or its safetensors weights are missing, or a file
+            is not what it should be (invalid JSON, truncated or corrupted safetensors); the message
+            names the file.
     """
-    from safetensors.torch import load_file
-
     root = Path(path)
     if not (root / "config.json").is_file():
         raise ValueError(
             f"{str(root)!r} is not a Hugging Face checkpoint directory: no config.json in it; "
             "save one with model.save_pretrained(DIR)"
         )
-    config = json.loads((root / "config.json").read_text())
+    config = read_json(root / "config.json")
     index = root / "model.safetensors.index.json"
     if (root / "model.safetensors").is_file():
         files = [root / "model.safetensors"]
     elif index.is_file():
-        files = [root / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        weight_map = read_json(index, "sharded index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"sharded index {str(index)!r} has no weight_map object; re-save the checkpoint")
+        files = [root / f for f in sorted(set(weight_map.values()))]
     else:
         raise ValueError(
             f"{str(root)!r} has no model.safetensors (nor a sharded index); save the weights with "
@@ -150,5 +160,5 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict]:
         )
     sd: dict[str, Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        sd.update(read_safetensors(f))
     return sd, config

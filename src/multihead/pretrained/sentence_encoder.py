@@ -23,7 +23,6 @@ Shape legend: n texts, R packed rows, N tokens per row, d hidden size (384 for M
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +33,7 @@ from torch import Tensor, nn
 
 from .bert import Bert, bert_from_state_dict
 from .convert import read_checkpoint
+from .files import read_json, read_tokenizer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -128,20 +128,16 @@ class SentenceEncoder(nn.Module):
         Raises:
             ValueError: missing files, or a pooling other than mean.
         """
-        from tokenizers import Tokenizer
-
         root = Path(path)
         sd, config = read_checkpoint(root)
         pooling = root / "1_Pooling" / "config.json"
-        if pooling.is_file() and not json.loads(pooling.read_text()).get("pooling_mode_mean_tokens", False):
+        mean = not pooling.is_file() or read_json(pooling, "pooling config").get("pooling_mode_mean_tokens")
+        if not mean:
             raise ValueError(f"{pooling} is not mean pooling; SentenceEncoder implements mean pooling only")
         st_config = root / "sentence_bert_config.json"
-        max_length = json.loads(st_config.read_text())["max_seq_length"] if st_config.is_file() else 256
-        if not (root / "tokenizer.json").is_file():
-            raise ValueError(f"{str(root)!r} has no tokenizer.json")
-        return cls(
-            bert_from_state_dict(sd, config), Tokenizer.from_file(str(root / "tokenizer.json")), max_length
-        )
+        st = read_json(st_config, "sentence-transformers config") if st_config.is_file() else {}
+        max_length = st.get("max_seq_length", 256)
+        return cls(bert_from_state_dict(sd, config), read_tokenizer(root / "tokenizer.json"), max_length)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, [CLS] ... [SEP], truncated to ``max_length``.

@@ -13,6 +13,8 @@ of the template (:mod:`multihead.nn.attention`) that it changes::
                                                                      apply_positions, attend
     TalkingHeads        Hq x Hq mixing of logits and of weights                               attend
     GatedHeads          hard-concrete head gates with an L0 penalty                           mix_heads
+    OutputGatedAttention  a sigmoid gate from x on each head's output (Qwen3-Next)           mix_heads
+    DifferentialAttention  the difference of two softmax maps, normed per head (DiffLlama)  attend, mix_heads
 
 A design that cannot serve a call says why: DynamicComposition and CollaborativeHeads refuse a
 ``KVCache`` (ValueError); every design supports masks, biases, rotary, head_mask and cross-attention.
@@ -40,17 +42,21 @@ from ..nn.attention import MultiHeadAttention
 from ..nn.layers import TransformerLayer
 from .collab import CollaborativeHeads
 from .dcmha import DynamicComposition
+from .differential import DifferentialAttention
 from .gated import GatedHeads
 from .moh import MixtureOfHeads
 from .mohsa import OverlappingHeads
+from .output_gated import OutputGatedAttention
 from .talking import TalkingHeads
 
 __all__ = [
     "NAMES",
     "CollaborativeHeads",
+    "DifferentialAttention",
     "DynamicComposition",
     "GatedHeads",
     "MixtureOfHeads",
+    "OutputGatedAttention",
     "OverlappingHeads",
     "TalkingHeads",
     "aux_loss",
@@ -58,7 +64,19 @@ __all__ = [
     "swap",
 ]
 
-NAMES = ("mha", "gqa", "mqa", "moh", "dcmha", "mohsa", "collab", "talking", "gated")
+NAMES = (
+    "mha",
+    "gqa",
+    "mqa",
+    "moh",
+    "dcmha",
+    "mohsa",
+    "collab",
+    "talking",
+    "gated",
+    "output_gated",
+    "differential",
+)
 
 _CLASSES: dict[str, type[nn.Module]] = {
     "mha": MultiHeadAttention,
@@ -70,6 +88,8 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "collab": CollaborativeHeads,
     "talking": TalkingHeads,
     "gated": GatedHeads,
+    "output_gated": OutputGatedAttention,
+    "differential": DifferentialAttention,
 }
 
 

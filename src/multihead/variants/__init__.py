@@ -13,8 +13,11 @@ of the template (:mod:`multihead.nn.attention`) that it changes::
                                                                      apply_positions, attend
     TalkingHeads        Hq x Hq mixing of logits and of weights                               attend
     GatedHeads          hard-concrete head gates with an L0 penalty                           mix_heads
-    OutputGatedAttention  a sigmoid gate from x on each head's output (Qwen3-Next)           mix_heads
-    DifferentialAttention  the difference of two softmax maps, normed per head (DiffLlama)  attend, mix_heads
+    OutputGatedAttention
+                        a sigmoid gate from x on each head's output (Qwen3-Next)              mix_heads
+    DifferentialAttention
+                        difference of two softmax maps, normed per head (DiffLlama)           attend,
+                                                                                              mix_heads
 
 A design that cannot serve a call says why: DynamicComposition and CollaborativeHeads refuse a
 ``KVCache`` (ValueError); every design supports masks, biases, rotary, head_mask and cross-attention.

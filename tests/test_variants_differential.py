@@ -207,3 +207,15 @@ def test_an_empty_row_gives_zeros_and_finite_gradients():
 def test_bad_arguments_raise(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_auto_sends_long_maps_with_wide_values_past_torchs_cpu_sdpa():
+    """A differential head's values are 2D wide; torch's CPU SDPA computes Dv != D on its math path, so
+    from 128 x 128 scores on, auto takes the tiled kernel."""
+    q, k = torch.randn(1, 2, 256, 8), torch.randn(1, 2, 256, 8)
+    wide, narrow = torch.randn(1, 2, 256, 16), torch.randn(1, 2, 256, 8)
+    assert mh.explain(q, k, wide, mask=mh.causal()).splitlines()[1].startswith("auto -> tiled")
+    assert "torch's SDPA computes Dv=16 != D=8 with its math path" in mh.explain(q, k, wide, mask=mh.causal())
+    assert mh.explain(q, k, narrow, mask=mh.causal()).splitlines()[1].startswith("auto -> sdpa")
+    short = mh.explain(q[:, :, :16], k[:, :, :16], wide[:, :, :16], mask=mh.causal())
+    assert short.splitlines()[1].startswith("auto -> sdpa")

@@ -219,3 +219,13 @@ def test_auto_sends_long_maps_with_wide_values_past_torchs_cpu_sdpa():
     assert mh.explain(q, k, narrow, mask=mh.causal()).splitlines()[1].startswith("auto -> sdpa")
     short = mh.explain(q[:, :, :16], k[:, :, :16], wide[:, :, :16], mask=mh.causal())
     assert short.splitlines()[1].startswith("auto -> sdpa")
+
+
+def test_swap_gives_each_layer_its_depth():
+    lm = mh.TransformerLM(50, d, 3, H, 2 * d, n_kv_heads=2)
+    out = V.swap(lm, "differential")
+    assert [layer.self_attn.layer_idx for layer in out.layers] == [0, 1, 2]
+    assert [layer.self_attn.lambda_init for layer in out.layers] == [default_lambda_init(i) for i in range(3)]
+    assert {layer.self_attn.layer_idx for layer in V.swap(lm, "differential", layer_idx=5).layers} == {5}
+    ids = torch.randint(0, 50, (2, 6))
+    assert torch.equal(out.generate(ids, 4), out.generate(ids, 4, cache=None))

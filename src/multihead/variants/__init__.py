@@ -152,7 +152,9 @@ def swap(
     the design's own arguments and may override those. The new modules are freshly initialised (their own
     default initialisation, then ``init`` applied to each new module's submodules when given, e.g.
     ``TransformerLM._init_weights``). A TransformerLM also gets the new ``n_kv_heads``, which sizes the
-    caches of its ``generate``. Cross-attention sub-layers are kept.
+    caches of its ``generate``. Cross-attention sub-layers are kept. A design whose depth matters (a
+    ``layer_idx`` argument: differential attention's lambda_init) gets each layer's index, counted in
+    module order, unless ``kw`` sets it.
 
     Raises:
         ValueError: a model without TransformerLayer, and what :func:`build` raises.
@@ -164,13 +166,15 @@ def swap(
             f"{type(model).__name__} contains no multihead.TransformerLayer whose self_attn to swap"
         )
     kv_counts: set[int] = set()
-    for layer in layers:
+    by_depth = name in _CLASSES and "layer_idx" in inspect.signature(_CLASSES[name].__init__).parameters
+    for i, layer in enumerate(layers):
         old = layer.self_attn
         inherited = {
             "bias": getattr(old.o_proj, "bias", None) is not None,
             "dropout": old.dropout,
             "rotary": old.rotary,
             "backend": old.backend,
+            **({"layer_idx": i} if by_depth else {}),
         }
         new = build(name, old.d_model, old.n_heads, **{**inherited, **kw})
         if init is not None:

@@ -23,6 +23,10 @@ MAX_MASK_BYTES = 256 << 20
 MAX_BIAS_BYTES = 16 << 20
 # Leave a mask to `tiled` when it empties more than this fraction of the 64 x 64 tiles.
 MAX_EMPTY_FRACTION = 0.2
+# On CPU, torch's SDPA serves a value width Dv != D with its math path (the (Nq, Nk) scores in full):
+# leave such calls to `tiled` from this many scores per head on (measured fp32, D=32, Dv=64, 1 thread:
+# SDPA 2x slower at 256 x 256, 4.5x at 1024 x 1024; faster below 64 x 64).
+MAX_UNEQUAL_DV_SCORES = 128 * 128
 
 
 class SdpaBackend:
@@ -51,6 +55,11 @@ class SdpaBackend:
 
     def _why_slower(self, p: Problem) -> str | None:
         """Calls SDPA could serve, but `tiled` serves faster (it skips what SDPA would compute)."""
+        if p.Dv != p.D and p.q.device.type == "cpu" and p.Nq * p.Nk >= MAX_UNEQUAL_DV_SCORES:
+            return (
+                f"on CPU, torch's SDPA computes Dv={p.Dv} != D={p.D} with its math path, all "
+                f"{p.Nq}x{p.Nk} scores at once; tiled keeps its fused tiles"
+            )
         if p.bias is not None and p.B * p.Hq * p.Nq * p.Nk * 4 > MAX_BIAS_BYTES:
             mib = p.B * p.Hq * p.Nq * p.Nk * 4 / 2**20
             return f"SDPA needs the bias as a dense {mib:.0f} MiB tensor; tiled builds it a tile at a time"

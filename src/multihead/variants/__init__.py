@@ -13,6 +13,11 @@ of the template (:mod:`multihead.nn.attention`) that it changes::
                                                                      apply_positions, attend
     TalkingHeads        Hq x Hq mixing of logits and of weights                               attend
     GatedHeads          hard-concrete head gates with an L0 penalty                           mix_heads
+    OutputGatedAttention
+                        a sigmoid gate from x on each head's output (Qwen3-Next)              mix_heads
+    DifferentialAttention
+                        difference of two softmax maps, normed per head (DiffLlama)           attend,
+                                                                                              mix_heads
 
 A design that cannot serve a call says why: DynamicComposition and CollaborativeHeads refuse a
 ``KVCache`` (ValueError); every design supports masks, biases, rotary, head_mask and cross-attention.
@@ -40,17 +45,21 @@ from ..nn.attention import MultiHeadAttention
 from ..nn.layers import TransformerLayer
 from .collab import CollaborativeHeads
 from .dcmha import DynamicComposition
+from .differential import DifferentialAttention
 from .gated import GatedHeads
 from .moh import MixtureOfHeads
 from .mohsa import OverlappingHeads
+from .output_gated import OutputGatedAttention
 from .talking import TalkingHeads
 
 __all__ = [
     "NAMES",
     "CollaborativeHeads",
+    "DifferentialAttention",
     "DynamicComposition",
     "GatedHeads",
     "MixtureOfHeads",
+    "OutputGatedAttention",
     "OverlappingHeads",
     "TalkingHeads",
     "aux_loss",
@@ -58,7 +67,19 @@ __all__ = [
     "swap",
 ]
 
-NAMES = ("mha", "gqa", "mqa", "moh", "dcmha", "mohsa", "collab", "talking", "gated")
+NAMES = (
+    "mha",
+    "gqa",
+    "mqa",
+    "moh",
+    "dcmha",
+    "mohsa",
+    "collab",
+    "talking",
+    "gated",
+    "output_gated",
+    "differential",
+)
 
 _CLASSES: dict[str, type[nn.Module]] = {
     "mha": MultiHeadAttention,
@@ -70,6 +91,8 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "collab": CollaborativeHeads,
     "talking": TalkingHeads,
     "gated": GatedHeads,
+    "output_gated": OutputGatedAttention,
+    "differential": DifferentialAttention,
 }
 
 
@@ -129,7 +152,9 @@ def swap(
     the design's own arguments and may override those. The new modules are freshly initialised (their own
     default initialisation, then ``init`` applied to each new module's submodules when given, e.g.
     ``TransformerLM._init_weights``). A TransformerLM also gets the new ``n_kv_heads``, which sizes the
-    caches of its ``generate``. Cross-attention sub-layers are kept.
+    caches of its ``generate``. Cross-attention sub-layers are kept. A design whose depth matters (a
+    ``layer_idx`` argument: differential attention's lambda_init) gets each layer's index, counted in
+    module order, unless ``kw`` sets it.
 
     Raises:
         ValueError: a model without TransformerLayer, and what :func:`build` raises.
@@ -141,13 +166,15 @@ def swap(
             f"{type(model).__name__} contains no multihead.TransformerLayer whose self_attn to swap"
         )
     kv_counts: set[int] = set()
-    for layer in layers:
+    by_depth = name in _CLASSES and "layer_idx" in inspect.signature(_CLASSES[name].__init__).parameters
+    for i, layer in enumerate(layers):
         old = layer.self_attn
         inherited = {
             "bias": getattr(old.o_proj, "bias", None) is not None,
             "dropout": old.dropout,
             "rotary": old.rotary,
             "backend": old.backend,
+            **({"layer_idx": i} if by_depth else {}),
         }
         new = build(name, old.d_model, old.n_heads, **{**inherited, **kw})
         if init is not None:

@@ -12,8 +12,12 @@ GQA without repeated K/V: a rect piece over all query rows folds the G query hea
 row dimension (a free view); other rect pieces use the kernel's own grouping; a band runs one call per
 group member g over strided views (B*Hkv, nb, ., D) of q, K and V, so nothing is copied.
 
+Attention sinks are merged in last, as one more partial with lse ``sink_h`` and output 0.
+
 Backward (FlashAttention-2): every piece is differentiated on its own with the *final* output and
 log-sum-exp, ``P = exp(s - lse)``, ``dS = P * (dP - rowsum(dO * O))``; the pieces' dq, dk, dv add up.
+With sinks the final lse includes them, so the same formula holds for the keys, and the sinks get
+``-sum exp(sink - lse) * rowsum(dO * O)`` (:func:`multihead.core.numerics.sink_grad`).
 Half-precision inputs run the backward in fp32.
 """
 
@@ -24,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...core.numerics import acc_dtype
+from ...core.numerics import acc_dtype, sink_grad
 from ...core.problem import Problem
 from ..dense import modify_scores
 from .merge import Merger
@@ -146,7 +150,8 @@ def band_lse_view(t: Tensor, p: Problem, pc: Piece, g: int) -> Tensor:
 
 
 def forward(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
-    """Run every piece and merge: out (B, Hq, Nq, Dv) in the input dtype, lse (B, Hq, Nq) fp32/fp64."""
+    """Run every piece and merge (``p``'s sinks last): out (B, Hq, Nq, Dv) in the input dtype, lse
+    (B, Hq, Nq) fp32/fp64, sinks included."""
     acc = acc_dtype(p.dtype)
     ops, shared = {False: _operands(p)}, _shared_rows(p, plan)
     X = ops[False][0].shape[-1]  # the common head size
@@ -178,15 +183,18 @@ def forward(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
         else:
             o, lse = FLASH_FWD(q[:, :, rows], ks, vs, 0.0, causal, attn_mask=m, scale=p.scale)
         merger.add(rows, slice(None), o, lse, has, last=True)
-    return merger.result(p.dtype, p.Dv)
+    return merger.result(p.dtype, p.Dv, p.sinks)
 
 
 def _shared_rows(p: Problem, plan: list[Piece]) -> bytearray:
     """Rows covered by more than one piece, for half inputs only: those pieces run in fp32, so that no
-    half-precision partial output is rounded before the merge (one rounding, like the matrix path)."""
+    half-precision partial output is rounded before the merge (one rounding, like the matrix path).
+    With sinks every row is merged with its sink, so every row counts as shared."""
     count = [0] * p.Nq
     if p.dtype not in (torch.float16, torch.bfloat16):
         return bytearray(p.Nq)
+    if p.sinks is not None:
+        return bytearray(b"\x01" * p.Nq)
     for pc in plan:
         for r in range(pc.r0, pc.r1):
             count[r] += 1
@@ -266,10 +274,11 @@ def _band_backward(p: Problem, pc: Piece, t, grads, m: Tensor | None, causal: bo
 
 
 class _FusedAttention(torch.autograd.Function):
-    """The fused piece engine under autograd; the problem's q, k, v are the differentiable inputs."""
+    """The fused piece engine under autograd; the problem's q, k, v (and sinks) are the differentiable
+    inputs."""
 
     @staticmethod
-    def forward(ctx, p: Problem, plan: list[Piece], q, k, v):
+    def forward(ctx, p: Problem, plan: list[Piece], q, k, v, sinks):
         out, lse = forward(p, plan)
         ctx.p, ctx.plan = p, plan
         ctx.save_for_backward(out, lse)
@@ -279,13 +288,20 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(ctx.p, ctx.plan, out, lse, dout)
-        return None, None, dq, dk, dv
+        p = ctx.p
+        dq = dk = dv = dsinks = None
+        if any(ctx.needs_input_grad[2:5]):
+            dq, dk, dv = backward(p, ctx.plan, out, lse, dout)
+        if p.sinks is not None and ctx.needs_input_grad[5]:
+            acc = acc_dtype(p.dtype)
+            delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # (B, Hq, Nq): rowsum(dO * O)
+            dsinks = sink_grad(p.sinks, lse, delta)  # (Hq,)
+        return None, None, dq, dk, dv, dsinks
 
 
 def run_fused(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
     """Run a fused plan, under autograd when ``p`` needs gradients: out (B, Hq, Nq, Dv), lse (B, Hq, Nq)."""
     if p.needs_grad:
-        return _FusedAttention.apply(p, plan, p.q, p.k, p.v)
+        return _FusedAttention.apply(p, plan, p.q, p.k, p.v, p.sinks)
     with torch.no_grad():
         return forward(p, plan)

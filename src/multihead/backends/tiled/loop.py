@@ -42,6 +42,7 @@ from ...core.numerics import acc_dtype, add_sink, sink_grad
 from ...core.problem import Problem
 from ...core.tiles import Grid
 from ..dense import modify_scores
+from .fused import keeps_acc_output
 
 __all__ = ["run_loop"]
 
@@ -104,11 +105,14 @@ def _q_block(p: Problem, t: Tensor, q0: int, q1: int, acc) -> Tensor:
     return t[:, :, q0:q1].to(acc).reshape(p.B, p.Hkv, p.G * (q1 - q0), x)  # (B, Hkv, G*nq, X)
 
 
-def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """The online softmax over the plan's non-empty tiles: out (B, Hq, Nq, Dv), lse (B, Hq, Nq)."""
+def _forward(
+    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """The online softmax over the plan's non-empty tiles: out (B, Hq, Nq, Dv) in ``out_dtype`` (default
+    the input dtype), lse (B, Hq, Nq)."""
     p = plan.p
     acc = acc_dtype(p.dtype)
-    out = torch.empty(p.B, p.Hq, p.Nq, p.Dv, dtype=p.dtype, device=q.device)
+    out = torch.empty(p.B, p.Hq, p.Nq, p.Dv, dtype=out_dtype or p.dtype, device=q.device)
     lse = torch.empty(p.B, p.Hq, p.Nq, dtype=acc, device=q.device)
     n_kb = len(plan.grid.k_edges) - 1
     for qi, (q0, q1) in plan.tiles_q():
@@ -137,7 +141,7 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
         l4 = (m + torch.log(l)).view(p.B, p.Hq, nq)  # (B, Hq, nq): -inf on empty rows
         if p.sinks is not None:
             o4, l4 = add_sink(o4, l4, p.sinks)  # empty rows: output 0, lse = sink
-        out[:, :, q0:q1] = o4.to(p.dtype)
+        out[:, :, q0:q1] = o4.to(out.dtype)
         lse[:, :, q0:q1] = l4
     return out, lse
 
@@ -221,11 +225,12 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: _Plan, q, k, v, sinks, *bias_tensors):
-        out, lse = _forward(plan, q, k, v)
+        keep = keeps_acc_output(plan.p)
+        out, lse = _forward(plan, q, k, v, acc_dtype(q.dtype) if keep else None)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse, *bias_tensors)
+        ctx.save_for_backward(q, k, v, out, lse, *bias_tensors)  # out unrounded with sinks on half inputs
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return (out.to(q.dtype) if keep else out), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):

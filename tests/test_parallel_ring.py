@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import multihead as mh
 from multihead.parallel import CommError, launch, ring_attention, shard, shard_ranges, unshard
@@ -53,6 +54,24 @@ def _compare(rank, world, layout, n, mask, bias, dtype=torch.float64, oracle="re
     assert isinstance(out, torch.Tensor)
     got = [out, *torch.autograd.grad(out, local, shard(do, layout=layout))]
     return max((a - shard(b.detach(), layout=layout)).abs().max().item() for a, b in zip(got, want))
+
+
+def _compare_sinks(rank, world, layout, n, mask) -> float:
+    """Ring with attention sinks vs the float64 reference: out, dq, dk, dv on this rank's rows and the
+    sinks' gradient summed over the ranks (each rank holds its rows' share)."""
+    q, k, v, do = _problem(n)
+    sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref = mh.attention(*leaves[:3], mask=mask, sinks=leaves[3], backend="reference")
+    want = [ref, *torch.autograd.grad(ref, leaves, do)]
+    local = [shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+    s = sinks.clone().requires_grad_()
+    out = ring_attention(*local, mask=mask, layout=layout, timeout=30, sinks=s)
+    assert isinstance(out, torch.Tensor)
+    got = list(torch.autograd.grad(out, [*local, s], shard(do, layout=layout)))
+    dist.all_reduce(got[3])  # the sinks' gradient: each rank's rows' share
+    errs = [(a - shard(b.detach(), layout=layout)).abs().max().item() for a, b in zip([out, *got[:3]], want)]
+    return max([*errs, (got[3] - want[4]).abs().max().item()])
 
 
 def _bf16_ratio(rank: int, world: int, n: int) -> float:
@@ -131,6 +150,11 @@ def _ring_worker(rank: int, world: int) -> dict[str, object]:
         for t, lay in ((q, "zigzag"), (q[:, :, : n - 1], "contiguous"))  # uneven shards come back too
     )
     res["bfloat16 causal zigzag"] = _bf16_ratio(rank, world, n)
+    empty_rows = torch.rand(B, 1, n, n, generator=torch.Generator().manual_seed(6)) > 0.3
+    empty_rows[:, :, ::3] = False  # every third query row sees no key: only its sink
+    for layout in ("contiguous", "zigzag"):
+        res[f"{layout} / sinks, causal"] = _compare_sinks(rank, world, layout, n, mh.causal())
+        res[f"{layout} / sinks, empty rows"] = _compare_sinks(rank, world, layout, n, empty_rows)
     res.update(_errors(rank, world))
     return res
 
@@ -143,6 +167,7 @@ def ring_results(request):
 
 CASES = [f"{lay} / {name}" for lay in ("contiguous", "zigzag") for name in _cases(8)]
 CASES += ["uneven contiguous / causal + alibi", "lse", "unshard round trip"]
+CASES += [f"{lay} / sinks, {m}" for lay in ("contiguous", "zigzag") for m in ("causal", "empty rows")]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -48,6 +48,9 @@ def _grad_errors(tp: nn.Module, ref: nn.Module, rank: int, world: int) -> float:
         elif mod_name in attn and owner.endswith("o_proj") and leaf == "weight":
             cols = want.shape[1] // world
             want = want[:, rank * cols : (rank + 1) * cols]
+        elif owner in attn and leaf == "sinks":  # one sink per query head: this rank's heads
+            hq = want.shape[0] // world
+            want = want[rank * hq : (rank + 1) * hq]
         assert g is not None and g.shape == want.shape, (name, g, want.shape)
         worst = max(worst, (g - want).abs().max().item())
     return worst
@@ -84,9 +87,12 @@ def _tp_worker(rank: int, world: int) -> dict[str, object]:
         ("MHA causal", None, {"mask": mh.causal()}),
         ("GQA rotary causal", h // 2, {"mask": mh.causal()}),
         ("MHA alibi", None, {"bias": mh.alibi(h)}),
+        ("GQA sinks causal", h // 2, {"mask": mh.causal()}),
     ):
         rot = mh.RotaryEmbedding(32 // h) if "rotary" in name else None
-        m = mh.MultiHeadAttention(32, h, kv, rotary=rot)
+        m = mh.MultiHeadAttention(32, h, kv, rotary=rot, sinks="sinks" in name)
+        if m.sinks is not None:
+            nn.init.normal_(m.sinks)
         ref = copy.deepcopy(m)
         want_out, want_gx = input_grad(ref, **kw)
         tensor_parallel(m)
@@ -152,6 +158,7 @@ MODELS = [
     "MHA causal",
     "GQA rotary causal",
     "MHA alibi",
+    "GQA sinks causal",
     "GQA cross-attention",
     "TransformerLayer post-LN relu",
     "TransformerLayer pre-LN swiglu rmsnorm",

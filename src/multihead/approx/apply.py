@@ -43,7 +43,8 @@ def apply(model: nn.Module, approx: Approximation) -> nn.Module:
         the modified copy; ``model`` is not changed.
 
     Raises:
-        ValueError: ``approx`` is not an approximation, or the model has no MultiHeadAttention.
+        ValueError: ``approx`` is not an approximation, the model has no MultiHeadAttention, or one of
+            them has learned attention sinks (no approximation has a sink term).
     """
     if not isinstance(approx, Approximation):
         raise ValueError(
@@ -54,6 +55,17 @@ def apply(model: nn.Module, approx: Approximation) -> nn.Module:
     found = [m for m in out.modules() if isinstance(m, MultiHeadAttention) and m.textbook]
     if not found:
         raise ValueError(f"{type(model).__name__} contains no multihead.MultiHeadAttention to approximate")
+    with_sinks = [
+        name
+        for name, m in out.named_modules()
+        if isinstance(m, MultiHeadAttention) and m.textbook and m.sinks is not None
+    ]
+    if with_sinks:
+        raise ValueError(
+            f"{approx.name} cannot serve attention with learned sinks (MultiHeadAttention(sinks=True)): "
+            f"{', '.join(n or '<model>' for n in with_sinks)}; approximations have no sink term, keep an "
+            "exact backend for those layers"
+        )
     owns_params = any(True for _ in approx.parameters())
     for m in found:
         m.backend = copy.deepcopy(approx) if owns_params else approx

@@ -7,8 +7,9 @@ An approximation is a backend of the functional core that is also an ``nn.Module
     m = mh.MultiHeadAttention(512, 8, backend=approx.Linformer(64, 1024, learned=True))  # trains with m
 
 It has a ``name`` (its constructor call, ``TopK(64)``), a one-line ``summary``, ``why_not(problem)`` (what
-it cannot serve: weights or lse, a mask, bias or dropout it has no form for) and ``run(problem)``, which
-receives the :class:`~multihead.core.problem.Problem` that :func:`multihead.attention` validated once.
+it cannot serve: weights or lse, attention sinks, a mask, bias or dropout it has no form for) and
+``run(problem)``, which receives the :class:`~multihead.core.problem.Problem` that
+:func:`multihead.attention` validated once.
 Approximations are not registered by name (they have parameters) and ``auto`` never picks one.
 
 Conventions are the core's: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), ``Hq % Hkv == 0``
@@ -143,6 +144,12 @@ class Approximation(nn.Module):
                 "exact backend ('matrix' returns weights, 'tiled' the lse)"
             )
         name = type(self).__name__
+        if p.sinks is not None:
+            return (
+                f"{self.name} has no attention-sink term: it approximates softmax(q k^T) v without the extra "
+                "per-head column that sinks=... adds to each row's denominator; pass sinks=None, or use an "
+                "exact backend ('auto', 'tiled', 'matrix')"
+            )
         if p.bias is not None and not self.supports_any_mask:
             return (
                 f"{name} cannot add a bias ({p.bias!r}) to scores it never forms; "

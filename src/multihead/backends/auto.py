@@ -19,8 +19,8 @@ __all__ = ["AUTO_ORDER", "choose", "explain", "first_fit"]
 # The order `auto` tries the backends in; each backend's `why_not` says when it cannot or should not serve
 # a call (see backends/*.py), so the first that has no objection is the fastest correct path:
 #   decode  1-16 query rows against >= 128 keys: GQA folded into rows, memory-bound
-#   sdpa    no mask or plain causal, small masks/biases that empty few tiles
-#   tiled   masks that empty tiles, large biases, soft-capping, lse, half-precision training
+#   sdpa    no mask or plain causal, small masks/biases that empty few tiles (no attention sinks)
+#   tiled   masks that empty tiles, large biases, soft-capping, lse, sinks, half-precision training
 #   matrix  the attention weights
 # `reference` is the test oracle and is never chosen automatically; `flex` (where registered) neither.
 AUTO_ORDER = ("decode", "sdpa", "tiled", "matrix")
@@ -68,6 +68,7 @@ def explain(
     backend: str | registry.Backend = "auto",
     return_weights: bool = False,
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> str:
     """Say which backend ``attention(...)`` with the same arguments uses, and why the others were not.
 
@@ -89,6 +90,7 @@ def explain(
         dropout_p=dropout_p,
         return_weights=return_weights,
         return_lse=return_lse,
+        sinks=sinks,
     )
     lines = [f"problem: {p.describe()}"]
     if chosen is not None and not (chosen.name in registry.names() and registry.get(chosen.name) is chosen):

@@ -14,7 +14,8 @@ bandwidth. Two things keep it there:
   equal chunks that run as extra "heads" of one kernel call and are merged by their log-sum-exp.
 
 The mask is planned as in ``tiled`` with a single query block: a causal decode is one unmasked pass over
-the cache plus an Nq x Nq causal corner, a sliding window reads only the window.
+the cache plus an Nq x Nq causal corner, a sliding window reads only the window. Attention sinks are one
+more partial of the final merge (lse ``sink_h``, output 0), added once.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..core.masks import Causal
-from ..core.numerics import acc_dtype, merge_partials
+from ..core.numerics import acc_dtype, add_sink, merge_partials
 from ..core.problem import AttentionOutput, Problem
 from .tiled import backend as tiled
 from .tiled import fused
@@ -101,13 +102,24 @@ def _all_keys(p: Problem) -> AttentionOutput:
         o, lse = _chunked(p, 0, p.Nk // n, n)  # (B, Hq, Nq, D), (B, Hq, Nq) over the first n*c keys
         if p.Nk % n:
             o, lse = _merge_tail(p, o, lse, (p.Nk // n) * n)
+        o, lse = _with_sinks(p, o, lse)
         return AttentionOutput(o.to(p.dtype), None, lse if p.return_lse else None)
-    q = p.q.contiguous().view(B, Hkv, G * Nq, D)  # (B, Hkv, G*Nq, D): groups folded into rows
-    k, v = p.k.contiguous(), p.v.contiguous()
+    # with sinks the kernel's output is merged once more: half inputs then run in fp32 (one rounding)
+    work = acc_dtype(p.dtype) if p.sinks is not None else p.dtype
+    q = p.q.to(work).contiguous().view(B, Hkv, G * Nq, D)  # (B, Hkv, G*Nq, D): groups folded into rows
+    k, v = p.k.to(work).contiguous(), p.v.to(work).contiguous()
     o, lse = fused.FLASH_FWD(q, k, v, 0.0, False, scale=p.scale)  # (B, Hkv, G*Nq, D), (B, Hkv, G*Nq)
     o = o.reshape(B, p.Hq, Nq, D)  # unfold
     lse = lse.reshape(B, p.Hq, Nq).to(acc_dtype(p.dtype))  # unfold
+    if p.sinks is not None:
+        o, lse = _with_sinks(p, o.to(lse.dtype), lse)
+        o = o.to(p.dtype)
     return AttentionOutput(o, None, lse if p.return_lse else None)
+
+
+def _with_sinks(p: Problem, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """(o, lse) of every key with ``p``'s sinks merged in (unchanged without sinks)."""
+    return (o, lse) if p.sinks is None else add_sink(o, lse, p.sinks)
 
 
 def _merge_tail(p: Problem, o: Tensor, lse: Tensor, k0: int) -> tuple[Tensor, Tensor]:
@@ -132,7 +144,8 @@ def n_chunks(p: Problem, length: int) -> int:
 
 
 def _forward_split(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
-    """The fused forward, with the long unmasked span cut into chunks that run side by side."""
+    """The fused forward, with the long unmasked span cut into chunks that run side by side (the sinks
+    merged in once: by ``fused.forward`` when it runs, else here)."""
     big = [pc for pc in plan if pc.kind == "full" and pc.nb == 1 and n_chunks(p, pc.k1 - pc.k0) > 1]
     if not big or p.D != p.Dv:
         return fused.forward(p, plan)
@@ -144,8 +157,9 @@ def _forward_split(p: Problem, plan: list[Piece]) -> tuple[Tensor, Tensor]:
         rest.append(Piece(pc.r0, pc.bq, 1, pc.k0 + n * c, pc.k1, "full"))
     o, lse = _chunked(p, pc.k0, c, n)  # (B, Hq, Nq, Dv), (B, Hq, Nq)
     if not rest:
+        o, lse = _with_sinks(p, o, lse)
         return o.to(p.dtype), lse
-    o2, lse2 = fused.forward(p, rest)
+    o2, lse2 = fused.forward(p, rest)  # the sinks come in with this partial
     out, lse = merge_partials(o, lse, o2, lse2)  # (B, Hq, Nq, Dv), (B, Hq, Nq)
     return out.to(p.dtype), lse
 

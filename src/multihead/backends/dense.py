@@ -76,15 +76,25 @@ def _leaf_bias(
     return s
 
 
-def safe_softmax(s: Tensor) -> tuple[Tensor, Tensor]:
+def safe_softmax(s: Tensor, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Softmax over the last dim that returns zeros (and zero gradients) for rows with no finite score.
 
-    Returns ``(weights, lse)`` with lse = -inf on empty rows.
+    Args:
+        s: (B, H, Nq, Nk) modified scores, -inf where masked.
+        sinks: None, or (H,) attention-sink logits: each joins its head's row denominators as one more
+            column whose weight is not returned (the rows then sum to ``1 - p_sink``).
+
+    Returns ``(weights, lse)`` with lse = -inf on empty rows (``sink_h`` with a sink; the sink included).
     """
     m = s.amax(dim=-1, keepdim=True)  # (..., 1)
+    col = None if sinks is None else sinks.to(s.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    if col is not None:
+        m = torch.maximum(m, col)  # (B, H, Nq, 1)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)  # (..., 1)
+    if col is not None:
+        denom = denom + torch.exp(col - m)  # (B, H, Nq, 1): the sink's column
     w = e / torch.where(denom > 0, denom, torch.ones_like(denom))
     lse = (torch.log(denom) + m).squeeze(-1)  # (...,); log(0) = -inf on empty rows
     return w, lse

@@ -12,6 +12,11 @@ flex compiles one kernel per mask/score function and shape (about 30 s on a 2-co
 backward in every torch build and was not measured faster than ``tiled`` on CPU, so ``auto`` never picks
 it; ask for it with ``backend="flex"``. It is registered only where it can be useful: with CUDA, or on
 CPU when ``MULTIHEAD_FLEX=1`` is set (so that tests and the study do not compile on every machine).
+
+Attention sinks have no mask_mod / score_mod form (they are a column that no key holds), so they are
+merged from flex's returned log-sum-exp, in torch ops that autograd differentiates
+(:func:`multihead.core.numerics.add_sink`): ``lse' = logaddexp(lse, sink_h)``, ``out' = out *
+exp(lse - lse')``. Compiled flex on CPU returns no lse, so there sinks are refused.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..core.numerics import acc_dtype, add_sink
 from ..core.problem import AttentionOutput, Problem
 
 
@@ -31,6 +37,11 @@ def _compiled() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
+
+
+def returns_lse(device: torch.device) -> bool:
+    """Whether compiled flex_attention returns the log-sum-exp on ``device`` (not on CPU)."""
+    return device.type != "cpu"
 
 
 class FlexBackend:
@@ -60,8 +71,13 @@ class FlexBackend:
             return "flex_attention has no dropout"
         if p.q.device.type == "cpu" and p.needs_grad:
             return "flex_attention compiled on CPU supports inference only (no backward)"
-        if p.q.device.type == "cpu" and p.return_lse:
+        if p.return_lse and not returns_lse(p.q.device):
             return "flex_attention compiled on CPU cannot return the log-sum-exp"
+        if p.sinks is not None and not returns_lse(p.q.device):
+            return (
+                "flex_attention compiled on CPU returns no log-sum-exp, and the attention sinks are merged "
+                "through it; use backend='tiled' (or 'auto') for sinks on CPU"
+            )
         return None
 
     def run(self, p: Problem) -> AttentionOutput:
@@ -90,16 +106,21 @@ class FlexBackend:
             def score_mod(score, b, h, q_idx, kv_idx):
                 return bias.apply(score, b, h, q_idx, kv_idx, ctx)
 
+        want_lse = p.return_lse or p.sinks is not None
         res = _compiled()(
             p.q, p.k, p.v, score_mod=score_mod, block_mask=block_mask, scale=p.scale,
-            enable_gqa=p.Hq != p.Hkv, return_lse=p.return_lse,
+            enable_gqa=p.Hq != p.Hkv, return_lse=want_lse,
         )  # fmt: skip
-        out, lse = res if p.return_lse else (res, None)
+        out, lse = res if want_lse else (res, None)
         out = torch.nan_to_num(out, nan=0.0)  # a row with no allowed key returns zeros
         if lse is not None:
             out = out.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
-            lse = lse.float() if p.dtype != torch.float64 else lse
-        return AttentionOutput(out, None, lse)
+            lse = lse.to(acc_dtype(p.dtype))
+        if p.sinks is not None:
+            assert lse is not None
+            o, lse = add_sink(out.to(lse.dtype), lse, p.sinks)  # (B, Hq, Nq, Dv), (B, Hq, Nq)
+            out = o.to(p.dtype)
+        return AttentionOutput(out, None, lse if p.return_lse else None)
 
 
 BACKEND = FlexBackend()

@@ -4,7 +4,8 @@
 
 Scores and softmax are computed in fp32 (float64 stays float64); P is cast back to the input dtype for
 the P @ V matmul, as FlashAttention does. GQA is a broadcasted matmul over a (Hkv, G) split of the query
-heads, so K and V are never repeated. Memory is O(B * Hq * Nq * Nk).
+heads, so K and V are never repeated. Memory is O(B * Hq * Nq * Nk). Attention sinks join each row's
+softmax denominator (:func:`~.dense.safe_softmax`); autograd differentiates them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class MatrixBackend:
         s = torch.matmul(q, p.k.to(acc).transpose(-1, -2))  # (B, Hkv, G*Nq, Nk)
         s = s.reshape(B, Hq, Nq, Nk) * p.scale  # (B, Hq, Nq, Nk)
         s = modify_scores(s, p)
-        w, lse = safe_softmax(s)
+        w, lse = safe_softmax(s, p.sinks)  # the sinks join each row's denominator
         if p.dropout_p > 0.0:
             w = F.dropout(w, p=p.dropout_p)
         wv = w.to(p.dtype).reshape(B, Hkv, G * Nq, Nk)  # (B, Hkv, G*Nq, Nk)

@@ -2,6 +2,10 @@
 
     head_i = softmax(mask(Q^i K^iT / sqrt(d_k))) V^i            (seed 000, eq. 9.34)
 
+Attention sinks (OpenAI 2025, gpt-oss model card) are written literally: head i's logit ``sink_i`` is
+appended to every row of its scores as one more column, the softmax runs over the widened row, and the
+sink's column is dropped before P V (it takes probability mass, it has no value).
+
 Slow and memory-hungry on purpose: it is the readable definition, never picked by ``auto``.
 """
 
@@ -31,7 +35,12 @@ class ReferenceBackend:
             heads.append(s)
         s = torch.stack(heads, dim=1)  # (B, Hq, Nq, Nk)
         s = modify_scores(s, p)
-        w, lse = safe_softmax(s)
+        if p.sinks is None:
+            w, lse = safe_softmax(s)
+        else:
+            sink = p.sinks.to(torch.float64).view(1, p.Hq, 1, 1).expand(p.B, p.Hq, p.Nq, 1)  # (B, Hq, Nq, 1)
+            w_ext, lse = safe_softmax(torch.cat([s, sink], dim=-1))  # (B, Hq, Nq, Nk + 1): the sink column
+            w = w_ext[..., :-1]  # (B, Hq, Nq, Nk): the sink's column dropped
         if p.dropout_p > 0.0:
             w = F.dropout(w, p=p.dropout_p)
         for i in range(p.Hq):

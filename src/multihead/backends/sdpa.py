@@ -7,6 +7,8 @@
 * GQA through ``enable_gqa=True`` (query head i reads kv head i // G, like ours) - no repeated K/V.
 * Rows with no allowed key: torch >= 2.5 returns zeros there; we additionally zero them explicitly so the
   convention does not hang on a torch version.
+* Attention sinks: SDPA has no sink term and does not return the log-sum-exp that would let us add one
+  afterwards, so calls with ``sinks`` are refused (``auto`` then takes ``decode`` or ``tiled``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class SdpaBackend:
             return "SDPA cannot return the attention weights"
         if p.return_lse:
             return "SDPA does not expose the log-sum-exp"
+        if p.sinks is not None:
+            return "SDPA has no sink term (and no public log-sum-exp to add one exactly afterwards)"
         if p.bias is not None and not p.bias.is_additive:
             return f"{p.bias!r} is not an additive bias, SDPA has no hook for it"
         if p.dtype in (torch.float16, torch.bfloat16) and p.needs_grad:
@@ -78,6 +82,11 @@ class SdpaBackend:
             raise ValueError("backend 'sdpa' cannot return weights or lse; use 'matrix' or 'tiled'")
         if p.bias is not None and not p.bias.is_additive:
             raise ValueError(f"backend 'sdpa' cannot apply {p.bias!r}; use 'tiled' or 'matrix'")
+        if p.sinks is not None:
+            raise ValueError(
+                "backend 'sdpa' cannot apply sinks: torch SDPA has no sink term and hides its log-sum-exp; "
+                "use backend='auto' (it picks 'tiled' or 'decode'), 'tiled' or 'matrix'"
+            )
         ctx = p.ctx
         attn_mask = None
         is_causal = False

@@ -34,8 +34,18 @@ def attention(
     backend: str | Backend = "auto",
     return_weights: bool = False,
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | AttentionOutput:
     """Multi-head scaled dot-product attention, ``softmax(mask(q k^T * scale + bias)) v`` (eq. 9.32).
+
+    With ``sinks`` (learned attention sinks, OpenAI 2025, gpt-oss model card; why models need somewhere
+    to put attention: Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks"),
+    head h's logit ``sink_h`` joins every row's softmax denominator as one more column whose value is 0.
+    For the row scores ``s_j`` after scale, bias and mask::
+
+        p_j = exp(s_j) / (exp(sink_h) + sum_j exp(s_j)),     out = sum_j p_j v_j
+
+    The sink takes probability mass but adds nothing to the output, so a head can attend "nowhere".
 
     Args:
         q: (B, Hq, Nq, D) queries.
@@ -53,17 +63,24 @@ def attention(
             (it returns the output only: no weights, no lse), or any object with ``name``, ``summary``,
             ``why_not(problem)`` and ``run(problem)``.
         return_weights: also return the (B, Hq, Nq, Nk) weights (``matrix`` / ``reference`` only).
-        return_lse: also return the (B, Hq, Nq) log-sum-exp of the scores (fp32; float64 for float64).
+        return_lse: also return the (B, Hq, Nq) log-sum-exp of the scores (fp32; float64 for float64);
+            with ``sinks`` it includes the sink: ``logaddexp(lse_scores, sink_h)``.
+        sinks: None, or a floating (Hq,) tensor on q's device: one learned logit per query head (see
+            above), differentiable. ``-inf`` for a head is the same as no sink. Every exact backend except
+            ``sdpa`` (which has no sink term) takes it; ``auto`` picks one that does.
 
     Returns:
         out (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, weights, lse)`` when
-        ``return_weights`` or ``return_lse`` is set. A row with no allowed key gives zeros (lse = -inf).
+        ``return_weights`` or ``return_lse`` is set. A row with no allowed key gives zeros (lse = -inf);
+        with a sink it also gives zeros (the sink takes all the mass) and lse = sink_h. With sinks the
+        weights are the ``p_j`` above, so a row sums to ``1 - p_sink`` < 1.
 
     Raises:
         ValueError: bad shapes, dtypes, head counts, masks/biases that do not broadcast, a ``backend``
             that is neither "auto", a registered name nor a backend object, a backend that cannot serve
             the request (an approximation asked for weights or lse, or given a mask or bias it cannot
-            apply), ``dropout_p`` outside [0, 1).
+            apply, or given sinks), ``dropout_p`` outside [0, 1), ``sinks`` that is not a floating (Hq,)
+            tensor on q's device, sinks forced onto ``backend="sdpa"``.
     """
     chosen = registry.resolve(backend)
     p = make_problem(
@@ -76,6 +93,7 @@ def attention(
         dropout_p=dropout_p,
         return_weights=return_weights,
         return_lse=return_lse,
+        sinks=sinks,
     )
     res = (registry.get(first_fit(p)) if chosen is None else chosen).run(p)
     if return_weights or return_lse:

@@ -37,6 +37,8 @@ class Problem:
     dropout_p: float
     return_weights: bool
     return_lse: bool
+    #: (Hq,) learned attention-sink logits (one extra softmax column per query head, value 0) or None
+    sinks: Tensor | None = None
     #: tile grids by (bq, bk), classified on first use (:meth:`grid`); None = no analytic form
     grids: dict[tuple[int, int], Grid | None] = field(default_factory=dict, repr=False, compare=False)
 
@@ -83,6 +85,8 @@ class Problem:
     @property
     def needs_grad(self) -> bool:
         tensors = [self.q, self.k, self.v] + (self.bias.tensors() if self.bias else [])
+        if self.sinks is not None:
+            tensors.append(self.sinks)
         return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
     def grid(self, bq: int, bk: int) -> Grid:
@@ -108,6 +112,7 @@ class Problem:
         return (
             f"B={self.B} Hq={self.Hq} Hkv={self.Hkv} Nq={self.Nq} Nk={self.Nk} D={self.D} Dv={self.Dv} "
             f"dtype={str(self.dtype).replace('torch.', '')} mask={self.mask!r} bias={self.bias!r}"
+            + ("" if self.sinks is None else f" sinks=({self.Hq},)")
         )
 
 
@@ -148,6 +153,34 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError("head dim D=0: q and k need at least one feature")
 
 
+def check_sinks(sinks: object, q: Tensor) -> None:
+    """Raise ValueError unless ``sinks`` is a floating tensor of shape (Hq,) on q's device.
+
+    Raises:
+        ValueError: naming ``sinks``, what it got and the fix.
+    """
+    Hq = q.shape[1]
+    if not isinstance(sinks, Tensor):
+        raise ValueError(
+            f"sinks must be a float tensor of shape (Hq,) = ({Hq},), one logit per query head, got "
+            f"{type(sinks).__name__}; pass e.g. torch.zeros({Hq}) or None for no sinks"
+        )
+    if not sinks.is_floating_point():
+        raise ValueError(
+            f"sinks must be a floating tensor (one logit per query head), got dtype {sinks.dtype}; "
+            "cast it with sinks.float()"
+        )
+    if tuple(sinks.shape) != (Hq,):
+        raise ValueError(
+            f"sinks must have shape (Hq,) = ({Hq},), one logit per query head, got {tuple(sinks.shape)}; "
+            "pass one value per query head (it is shared over batch and rows, never broadcast)"
+        )
+    if sinks.device != q.device:
+        raise ValueError(
+            f"sinks is on {sinks.device} but q is on {q.device}; move it with sinks.to(q.device)"
+        )
+
+
 def make_problem(
     q: Tensor,
     k: Tensor,
@@ -159,14 +192,18 @@ def make_problem(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Problem:
     """Validate the public arguments of :func:`multihead.attention` and bundle them.
 
     Raises:
         ValueError: on wrong ranks, dtypes, devices, head counts, masks or biases that do not broadcast
-            to (B, Hq, Nq, Nk), a non-finite scale, or ``dropout_p`` outside [0, 1).
+            to (B, Hq, Nq, Nk), a non-finite scale, ``dropout_p`` outside [0, 1), or ``sinks`` that is not
+            a floating (Hq,) tensor on q's device.
     """
     _check_qkv(q, k, v)
+    if sinks is not None:
+        check_sinks(sinks, q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -175,7 +212,7 @@ def make_problem(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     m = None if mask is None else as_mask(mask)
     bb = None if bias is None else as_bias(bias)
-    p = Problem(q, k, v, m, bb, float(scale), float(dropout_p), bool(return_weights), bool(return_lse))
+    p = Problem(q, k, v, m, bb, float(scale), float(dropout_p), bool(return_weights), bool(return_lse), sinks)
     if m is not None:
         m.validate(p.ctx)
     if bb is not None:

@@ -152,9 +152,12 @@ def rebuild_attention(
     n_kv_heads: int,
     qkv: tuple[Tensor, Tensor | None],
     o: tuple[Tensor, Tensor | None],
+    heads: Sequence[int] | None = None,
 ) -> MultiHeadAttention:
     """A MultiHeadAttention like ``attn`` (width, head dim, rotary, backend, dropout, mode) with new head
-    counts and the given fused qkv (weight, bias) and W^O (weight, bias); a bias is kept where given."""
+    counts and the given fused qkv (weight, bias) and W^O (weight, bias); a bias is kept where given.
+    ``heads``: the query heads of ``attn`` that the new module keeps, in order (default all); its
+    attention sinks, when it has them, follow those heads."""
     new = MultiHeadAttention(
         attn.d_model,
         n_heads,
@@ -164,11 +167,16 @@ def rebuild_attention(
         dropout=attn.dropout,
         rotary=attn.rotary,
         backend=attn.backend,
+        sinks=attn.sinks is not None,
         device=qkv[0].device,
         dtype=qkv[0].dtype,
     )
     new.qkv_proj = _linear(*qkv)
     new.o_proj = _linear(*o)
+    if attn.sinks is not None and new.sinks is not None:
+        kept = list(range(attn.n_heads)) if heads is None else list(heads)
+        with torch.no_grad():
+            new.sinks.copy_(attn.sinks[torch.as_tensor(kept, dtype=torch.long, device=attn.sinks.device)])
     return new.train(attn.training)
 
 

@@ -99,7 +99,7 @@ def _pruned(attn: MultiHeadAttention, drop: set[int]) -> MultiHeadAttention | Em
     with torch.no_grad():
         qkv = (w[rows], None if b is None else b[rows])
         o = (attn.o_proj.weight[:, cols], None if ob is None else ob.clone())
-    return rebuild_attention(attn, len(keep), len(kv), qkv, o)
+    return rebuild_attention(attn, len(keep), len(kv), qkv, o, keep)  # the sinks of the kept heads
 
 
 def _check_heads(heads: Any, counts: list[int]) -> dict[int, set[int]]:

@@ -14,6 +14,12 @@ keys (Hugging Face LLaMA style) load through a pre-hook that fuses them, and
 GQA / MQA: ``n_kv_heads`` kv heads shared by groups of ``G = Hq // Hkv`` query heads; query head i reads
 kv head ``i // G``. K/V are never repeated here, the core handles the grouping.
 
+Learned attention sinks (``sinks=True``; OpenAI 2025, gpt-oss model card): a parameter ``sinks`` of one
+logit per query head that joins each row's softmax denominator as an extra column with value 0
+(``p_j = exp(s_j) / (exp(sink_h) + sum_j exp(s_j))``), so a head can put attention "nowhere" instead of
+on the first tokens (the attention-sink phenomenon of Xiao et al. 2024, "Efficient Streaming Language
+Models with Attention Sinks"). :meth:`attend` passes it to the core on every call, cached decode included.
+
 **A template of named steps.** :meth:`~MultiHeadAttention.forward` reads as the equations::
 
     check_call(x, context, cache, positions, head_mask)       the arguments, before any work
@@ -29,8 +35,7 @@ A head design subclasses this module and overrides only the steps it changes (as
 :mod:`multihead.variants` do)::
 
     attend           the scores or the weights: talking heads, DCMHA, overlapping heads, differential
-                     attention (a difference of two softmax maps), learned attention sinks (an extra
-                     per-head logit passed to the core)
+                     attention (a difference of two softmax maps)
     mix_heads        a gate or a mix of the head outputs computed from x: hard-concrete head gates,
                      output-gated attention (a sigmoid gate from x on each head before W^O)
     project          other projections: collaborative heads, multi-head latent attention (with
@@ -113,11 +118,15 @@ class MultiHeadAttention(nn.Module):
             backend object such as an approximation from :mod:`multihead.approx`; one that is an
             ``nn.Module`` is the submodule ``approx``, so a learned Linformer's projections are parameters
             of this module (``approx.proj_k``). :func:`multihead.approx.apply` sets it on a whole model.
+        sinks: learn attention sinks (gpt-oss): a parameter ``sinks`` of shape (n_heads,), initialised to
+            zeros (pretrained values are loaded over it; state-dict key ``sinks``), passed as
+            ``mh.attention(..., sinks=self.sinks)``. False (the default): ``self.sinks`` is None.
 
     Raises:
         ValueError: head counts that do not divide, a d_model not divisible by n_heads without an
             explicit head_dim, dropout outside [0, 1), a backend that is neither "auto", a registered
-            name nor a backend object.
+            name nor a backend object, ``sinks`` not a bool, or ``sinks=True`` on a subclass that
+            overrides :meth:`attend` (it computes its own weights, with no sink term).
     """
 
     #: True when q, k, v come from ``qkv_proj`` and the heads are the attention of eq. 9.34 (only
@@ -138,11 +147,22 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
         backend: str | registry.Backend = "auto",
+        sinks: bool = False,
         device=None,
         dtype=None,
     ):
         super().__init__()
         owner = type(self).__name__
+        if not isinstance(sinks, bool):
+            raise ValueError(
+                f"{owner} sinks must be True or False (learn one attention-sink logit per head), got "
+                f"{sinks!r}; load pretrained values into module.sinks after building with sinks=True"
+            )
+        if sinks and type(self).attend is not MultiHeadAttention.attend:
+            raise ValueError(
+                f"{owner} overrides attend() and computes its own attention weights, which have no sink "
+                "term; build it with sinks=False (sinks=True is for the textbook attend step)"
+            )
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         for name, val in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             check_int(name, val, 1, owner=owner)
@@ -171,6 +191,9 @@ class MultiHeadAttention(nn.Module):
         fk = {"bias": bias, "device": device, "dtype": dtype}
         self.qkv_proj = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * head_dim, **fk)  # W^Q|W^K|W^V
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, **fk)  # W^O of eq. 9.35
+        self.sinks: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(n_heads, device=device, dtype=dtype)) if sinks else None
+        )  # (Hq,) attention-sink logits
         self.out_dropout = nn.Dropout(self.dropout)
         self.register_load_state_dict_pre_hook(_fuse_split_qkv)
 
@@ -392,7 +415,8 @@ class MultiHeadAttention(nn.Module):
         x: Tensor | None = None,
         context: Tensor | None = None,
     ) -> Tensor:
-        """eq. 9.32 / 9.34 per head, ``softmax(q k^T * scale + bias) v`` over the keys the mask allows.
+        """eq. 9.32 / 9.34 per head, ``softmax(q k^T * scale + bias) v`` over the keys the mask allows
+        (with :attr:`sinks`, each head's sink joins every row's softmax denominator).
 
         Args:
             q: (B, Hq, N, D); k: (B, Hkv, L, D); v: (B, Hkv, L, Dv); GQA grouped by the core.
@@ -412,6 +436,7 @@ class MultiHeadAttention(nn.Module):
             scale=self.score_scale,
             dropout_p=self.attention_dropout(),
             backend=self.backend,
+            sinks=self.sinks,
         )  # (B, Hq, N, Dv): head_i of eq. 9.34 (or its approximation)
         assert isinstance(a, Tensor)
         return a
@@ -470,4 +495,5 @@ class MultiHeadAttention(nn.Module):
             f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, dropout={self.dropout}, "
             + (f"backend={b!r}" if isinstance(b, str) else f"backend={b.name}")
+            + (", sinks=True" if self.sinks is not None else "")
         )

@@ -15,10 +15,14 @@ mask through a wrapper that maps local indices to global ones and passes the glo
 (B, Hq, N, N), so ``causal``, ``sliding_window``, ``document``, ``alibi`` ... mean what they mean on
 one process.
 
+Attention sinks (gpt-oss) are one more term of the same merge, added once after the last step:
+``lse = logaddexp(lse, sink_h)``, ``o = o * exp(lse_old - lse)``.
+
 Backward (FlashAttention-2 style, no N x N and no other rank's activations kept): the K/V shards make the
 same trip again; each rank recomputes ``P = exp(s - lse)`` against the saved global lse and output,
 ``dS = P * (dP - rowsum(dO * O))``, keeps dQ and adds its dK/dV contribution to an accumulator that
-travels one step behind its K/V shard and ends at the shard's owner.
+travels one step behind its K/V shard and ends at the shard's owner. The sinks' gradient,
+``-sum exp(sink - lse) * rowsum(dO * O)`` over this rank's rows, is computed once from the final lse.
 
 Per rank: O(N/W) memory (own q, k, v, out, two K/V shards in flight), (W-1)/W of the K/V sent per
 call (2x that, plus the dK/dV, in the backward). The pieces (global-position masks, messaging, merge,
@@ -36,7 +40,7 @@ from torch import Tensor
 from ..core.biases import Bias, as_bias
 from ..core.functional import attention, backends
 from ..core.masks import Mask, MaskContext, as_mask
-from ..core.numerics import acc_dtype, merge_partials_
+from ..core.numerics import acc_dtype, add_sink_, merge_partials_, sink_grad
 from ..core.problem import AttentionOutput, make_problem
 from .comm import DEFAULT_TIMEOUT, all_gather_ints, check_timeout, resolve_group
 from .layout import check_layout, ranges_from_lengths
@@ -72,6 +76,8 @@ def _ring_forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, 
             ring.finish(posted)
             k_s, v_s = k_n, v_n
     assert o_acc is not None and lse_acc is not None
+    if ring.sinks is not None:
+        add_sink_(o_acc, lse_acc, ring.sinks)  # the sinks: one more term of the merge, added once
     return o_acc.to(q.dtype), lse_acc
 
 
@@ -120,7 +126,7 @@ def _ring_backward(ring: Ring, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor,
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ring: Ring, q, k, v):
+    def forward(ctx, ring: Ring, q, k, v, sinks):
         out, lse = _ring_forward(ring, q, k, v)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, out, lse)
@@ -130,11 +136,17 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, dout.contiguous())
-        return None, dq, dk, dv
+        dout = dout.contiguous()
+        dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, dout)
+        dsinks = None
+        if ctx.ring.sinks is not None and ctx.needs_input_grad[4]:
+            acc = acc_dtype(q.dtype)
+            delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # (B, Hq, n): rowsum(dO * O), this rank's rows
+            dsinks = sink_grad(ctx.ring.sinks, lse, delta)  # (Hq,): this rank's share
+        return None, dq, dk, dv, dsinks
 
 
-def _make_ring(q, k, v, mask, bias, scale, group, layout, backend, timeout) -> Ring:
+def _make_ring(q, k, v, mask, bias, scale, group, layout, backend, timeout, sinks=None) -> Ring:
     """Validate the call (locally, then the shapes every rank reports) and bundle it as a :class:`Ring`."""
     check_layout(layout)
     timeout = check_timeout(timeout)
@@ -143,7 +155,7 @@ def _make_ring(q, k, v, mask, bias, scale, group, layout, backend, timeout) -> R
             f"ring_attention backend must be 'auto' or a backend that returns the log-sum-exp (tiled, "
             f"matrix, reference), got {backend!r}: the partial outputs merge through their lse"
         )
-    p = make_problem(q, k, v, scale=scale)  # local shapes, dtypes, heads, scale
+    p = make_problem(q, k, v, scale=scale, sinks=sinks)  # local shapes, dtypes, heads, scale, sinks
     if q.shape[2] != k.shape[2]:
         raise ValueError(
             f"ring_attention is self-attention over one sharded sequence: q and k must hold the same "
@@ -173,7 +185,9 @@ def _make_ring(q, k, v, mask, bias, scale, group, layout, backend, timeout) -> R
                 "ring_attention routes gradients to q, k and v only, but the bias tensor requires grad; "
                 "pass bias.detach(), or use a Bias such as mh.alibi(Hq)"
             )
-    return Ring(pg, rank, world, ranges, m, b, p.scale, backend, timeout, gctx)
+    ring = Ring(pg, rank, world, ranges, m, b, p.scale, backend, timeout, gctx)
+    ring.sinks = sinks
+    return ring
 
 
 def ring_attention(
@@ -189,6 +203,7 @@ def ring_attention(
     backend: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | AttentionOutput:
     """Exact self-attention over a sequence sharded across the ranks of ``group``; forward and backward.
 
@@ -212,7 +227,10 @@ def ring_attention(
         backend: the per-step backend, "auto" (picks "tiled": it returns the lse and skips empty tiles),
             "tiled", "matrix" or "reference". The backward recomputes tile by tile (FlashAttention-2).
         timeout: seconds to wait for any one message before raising :class:`CommError`.
-        return_lse: also return the (B, Hq, n) fp32 log-sum-exp of the global rows.
+        return_lse: also return the (B, Hq, n) fp32 log-sum-exp of the global rows (sinks included).
+        sinks: None or the (Hq,) attention-sink logits (as :func:`multihead.attention`), the same on
+            every rank. Its gradient on each rank is the share of that rank's query rows: sum it over the
+            group (``all_reduce``), as for any parameter every rank holds.
 
     Returns:
         out (B, Hq, n, Dv), or ``AttentionOutput(out, None, lse)`` with ``return_lse``.
@@ -221,13 +239,14 @@ def ring_attention(
         ValueError: bad local shapes or dtypes (as :func:`multihead.attention`), q and k holding different
             positions, shapes or dtypes that differ between ranks, shard lengths the layout cannot hold,
             masks/biases that do not fit (B, Hq, N, N), a grad-requiring tensor bias, an unknown layout or
-            backend, a non-positive timeout.
+            backend, a non-positive timeout, ``sinks`` that is not a floating (Hq,) tensor on q's device.
         CommError: a peer rank died or stalled (nothing is returned then).
         RuntimeError: torch.distributed is not initialised.
     """
-    ring = _make_ring(q, k, v, mask, bias, scale, group, layout, backend, timeout)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _RingAttention.apply(ring, q.contiguous(), k.contiguous(), v.contiguous())
+    ring = _make_ring(q, k, v, mask, bias, scale, group, layout, backend, timeout, sinks)
+    wrt = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in wrt):
+        out, lse = _RingAttention.apply(ring, q.contiguous(), k.contiguous(), v.contiguous(), sinks)
     else:
         with torch.no_grad():
             out, lse = _ring_forward(ring, q.contiguous(), k.contiguous(), v.contiguous())

@@ -63,6 +63,7 @@ class Ring:
         self.group, self.rank, self.world, self.ranges = group, rank, world, ranges
         self.mask, self.bias, self.scale, self.backend, self.timeout = mask, bias, scale, backend, timeout
         self.gctx = gctx
+        self.sinks: Tensor | None = None  # (Hq,) attention sinks, merged once after the last step
         self._pos: dict[int, Tensor] = {}
 
     def pos(self, r: int, device) -> Tensor:

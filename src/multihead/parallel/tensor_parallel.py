@@ -195,6 +195,8 @@ def _shard_attention(m: MultiHeadAttention, rank: int, world: int, group: dist.P
         if m.qkv_proj.bias is not None:
             m.qkv_proj.bias = nn.Parameter(m.qkv_proj.bias[rows].clone())
     m.qkv_proj.out_features = rows.numel()
+    if m.sinks is not None:  # attention sinks: one per query head, so this rank keeps its heads' (hq,)
+        m.sinks = nn.Parameter(m.sinks.detach()[rank * hq : (rank + 1) * hq].clone())
     m.o_proj = RowParallelLinear(m.o_proj, slice(rank * hq * D, (rank + 1) * hq * D), group)
     m.n_heads, m.n_kv_heads = hq, hkv
     m.register_forward_pre_hook(_attention_hook(rank, Hq, hq, group), with_kwargs=True)

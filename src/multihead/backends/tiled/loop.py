@@ -13,6 +13,9 @@ FlashAttention 2022). Per key block j:
     o       = o * exp(m - m') + exp(s_j - m') v_j
     out     = o / l,  lse = m + log(l)
 
+Attention sinks are merged into each finished row block as one more partial (lse ``sink_h``, output
+0; :func:`multihead.core.numerics.add_sink`), in the accumulation dtype.
+
 The tiles come classified from the problem's grid: EMPTY tiles are skipped, FULL tiles need no
 per-element mask. This engine serves what the fused engine (:mod:`.fused`) cannot: dropout,
 soft-capping, gradients into a tensor bias, non-CPU devices (:mod:`.backend` chooses).
@@ -21,7 +24,8 @@ GQA: no repeated K/V. The backward recomputes each tile from the saved log-sum-e
 
     P = exp(s - lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ += dS K, dK += dS^T Q
 
-with the same tile skipping. Extra memory is O(B * H * (Nq + Nk) * D) plus one tile.
+with the same tile skipping; with sinks ``lse`` includes them and the sinks get
+``-sum exp(sink - lse) * rowsum(dO * O)``. Extra memory is O(B * H * (Nq + Nk) * D) plus one tile.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ from torch import Tensor
 
 from ...core.biases import TensorBias, bias_parts
 from ...core.masks import EMPTY, FULL
-from ...core.numerics import acc_dtype
+from ...core.numerics import acc_dtype, add_sink, sink_grad
 from ...core.problem import Problem
 from ...core.tiles import Grid
 from ..dense import modify_scores
+from .fused import keeps_acc_output
 
 __all__ = ["run_loop"]
 
@@ -100,11 +105,14 @@ def _q_block(p: Problem, t: Tensor, q0: int, q1: int, acc) -> Tensor:
     return t[:, :, q0:q1].to(acc).reshape(p.B, p.Hkv, p.G * (q1 - q0), x)  # (B, Hkv, G*nq, X)
 
 
-def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """The online softmax over the plan's non-empty tiles: out (B, Hq, Nq, Dv), lse (B, Hq, Nq)."""
+def _forward(
+    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """The online softmax over the plan's non-empty tiles: out (B, Hq, Nq, Dv) in ``out_dtype`` (default
+    the input dtype), lse (B, Hq, Nq)."""
     p = plan.p
     acc = acc_dtype(p.dtype)
-    out = torch.empty(p.B, p.Hq, p.Nq, p.Dv, dtype=p.dtype, device=q.device)
+    out = torch.empty(p.B, p.Hq, p.Nq, p.Dv, dtype=out_dtype or p.dtype, device=q.device)
     lse = torch.empty(p.B, p.Hq, p.Nq, dtype=acc, device=q.device)
     n_kb = len(plan.grid.k_edges) - 1
     for qi, (q0, q1) in plan.tiles_q():
@@ -129,13 +137,18 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
             m = m_new
         has = l > 0
         o = torch.where(has, o / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(o))
-        out[:, :, q0:q1] = o.view(p.B, p.Hq, nq, p.Dv).to(p.dtype)  # (B, Hq, nq, Dv)
-        lse[:, :, q0:q1] = (m + torch.log(l)).view(p.B, p.Hq, nq)  # -inf on empty rows
+        o4 = o.view(p.B, p.Hq, nq, p.Dv)  # (B, Hq, nq, Dv)
+        l4 = (m + torch.log(l)).view(p.B, p.Hq, nq)  # (B, Hq, nq): -inf on empty rows
+        if p.sinks is not None:
+            o4, l4 = add_sink(o4, l4, p.sinks)  # empty rows: output 0, lse = sink
+        out[:, :, q0:q1] = o4.to(out.dtype)
+        lse[:, :, q0:q1] = l4
     return out, lse
 
 
 def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
-    """Gradients (dq, dk, dv, [d bias tensor or None]) recomputed tile by tile from the saved lse."""
+    """Gradients (dq, dk, dv, d sinks or None, [d bias tensor or None]) recomputed tile by tile from the
+    saved lse (sinks included)."""
     p = plan.p
     acc = acc_dtype(p.dtype)
     dq = torch.zeros(p.B, p.Hq, p.Nq, p.D, dtype=acc, device=q.device)
@@ -189,7 +202,8 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, bias_tensors):
         None if g is None else g.reshape(t.shape).to(t.dtype)  # each bias tensor's own shape
         for g, t in zip(dbias, bias_tensors)
     ]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias_out
+    dsinks = None if p.sinks is None else sink_grad(p.sinks, lse, delta)  # (Hq,)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dbias_out
 
 
 def _accumulate_bias(dbias, grads, q0, q1, k0, k1) -> None:
@@ -210,27 +224,28 @@ class _TiledAttention(torch.autograd.Function):
     """The loop engine under autograd (tensor-bias gradients enter as extra inputs)."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, q, k, v, *bias_tensors):
-        out, lse = _forward(plan, q, k, v)
+    def forward(ctx, plan: _Plan, q, k, v, sinks, *bias_tensors):
+        keep = keeps_acc_output(plan.p)
+        out, lse = _forward(plan, q, k, v, acc_dtype(q.dtype) if keep else None)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse, *bias_tensors)
+        ctx.save_for_backward(q, k, v, out, lse, *bias_tensors)  # out unrounded with sinks on half inputs
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return (out.to(q.dtype) if keep else out), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *bias_tensors = ctx.saved_tensors
-        dq, dk, dv, dbias = _backward(ctx.plan, q, k, v, out, lse, dout, bias_tensors)
-        return (None, dq, dk, dv, *dbias)
+        dq, dk, dv, dsinks, dbias = _backward(ctx.plan, q, k, v, out, lse, dout, bias_tensors)
+        return (None, dq, dk, dv, dsinks, *dbias)
 
 
 def run_loop(p: Problem, grid: Grid) -> tuple[Tensor, Tensor]:
-    """Run ``p`` tile by tile over ``grid``, under autograd when ``p`` needs gradients (tensor biases that
-    require grad get theirs): out (B, Hq, Nq, Dv) in the input dtype, lse (B, Hq, Nq) fp32/fp64."""
+    """Run ``p`` tile by tile over ``grid``, under autograd when ``p`` needs gradients (tensor biases and
+    sinks that require grad get theirs): out (B, Hq, Nq, Dv) in the input dtype, lse (B, Hq, Nq) fp32/fp64."""
     seed = int(torch.randint(0, 2**62, (1,)).item()) if p.dropout_p > 0 else 0
     plan = _Plan(p, grid, seed)
     if p.needs_grad:
         bias_tensors = [part.t for part in bias_parts(p.bias) if isinstance(part, TensorBias)]
-        return _TiledAttention.apply(plan, p.q, p.k, p.v, *bias_tensors)
+        return _TiledAttention.apply(plan, p.q, p.k, p.v, p.sinks, *bias_tensors)
     with torch.no_grad():
         return _forward(plan, p.q, p.k, p.v)

@@ -9,7 +9,9 @@ A row covered by several pieces is merged exactly (FlashAttention's split-K rule
     lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
 The first piece that covers everything becomes the accumulator without a copy; a row's first piece is
-copied in; only rows that several pieces share are merged.
+copied in; only rows that several pieces share are merged. Attention sinks are one more term of the same
+merge, added once at the end (:func:`multihead.core.numerics.add_sink_`: a partial with lse ``sink_h``
+and output 0).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...core.numerics import merge_partials_
+from ...core.numerics import add_sink_, merge_partials_
 from ...core.problem import Problem
 
 __all__ = ["Merger"]
@@ -72,9 +74,15 @@ class Merger:
         if last:
             self.touched[rows] = b"\x01" * (rows.stop - rows.start)
 
-    def result(self, dtype: torch.dtype, dv: int) -> tuple[Tensor, Tensor]:
-        """The merged (out (B, Hq, Nq, dv) in ``dtype``, lse (B, Hq, Nq)); rows no key reached are zero."""
-        out = self.out
+    def result(self, dtype: torch.dtype, dv: int, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The merged (out (B, Hq, Nq, dv) in ``dtype``, lse (B, Hq, Nq)); rows no key reached are zero.
+
+        ``sinks`` (Hq,), when given, are merged in last (in the accumulation dtype, before the cast): the
+        lse then includes them, and rows no key reached get lse = sink_h.
+        """
+        out, lse = self.out, self.lse
         if self.some_row_may_see_nothing or self.touched.count(0):
-            out.masked_fill_(torch.isinf(self.lse).unsqueeze(-1), 0.0)  # rows with no key -> 0
-        return out[..., :dv].to(dtype), self.lse
+            out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)  # rows with no key -> 0
+        if sinks is not None:
+            add_sink_(out, lse, sinks)
+        return out[..., :dv].to(dtype), lse

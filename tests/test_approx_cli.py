@@ -33,7 +33,7 @@ def test_train_cli_json():
 
 def test_train_cli_unknown_attention_is_an_error(capsys):
     assert main(["train", "--attention", "Reformer", "--steps", "1"]) == 2
-    assert "unknown approximation 'Reformer'" in capsys.readouterr().err
+    assert "--attention 'Reformer' is not known; choose one of ['exact'" in capsys.readouterr().err
 
 
 def test_approx_cli_json_and_table(tmp_path):

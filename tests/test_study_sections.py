@@ -12,6 +12,7 @@ from multihead.pretrained import minilm_dir
 from multihead.study.context import Section, StudyContext, Table
 from multihead.study.sections import designs as designs_section
 from multihead.study.sections import heads as heads_section
+from multihead.train.text import TextConfig
 from multihead.train.trainer import TrainConfig
 from multihead.variants import NAMES
 
@@ -129,11 +130,31 @@ TINY_MQAR = TrainConfig(
 )
 
 
+TINY_TEXT = TextConfig(seq_len=16, d_model=32, n_heads=4, d_ff=16, steps=2, batch=2, docs=40, decode_tokens=2)
+
+
+@pytest.fixture(autouse=True)
+def _tiny_text(monkeypatch):
+    monkeypatch.setattr(designs_section, "TEXT_QUICK", TINY_TEXT)
+    monkeypatch.setattr(designs_section, "TEXT_FULL", replace(TINY_TEXT, steps=3))
+
+
 def test_designs_section_trains_every_design(monkeypatch, tmp_path):
     monkeypatch.setattr(designs_section, "QUICK", TINY_MQAR)
     section, steps = _run(designs_section.designs, tmp_path)
-    assert section.key == "designs" and len(steps) >= len(NAMES)
-    (table,) = section.tables
+    assert section.key == "designs" and len(steps) >= 2 * len(NAMES)
+    table, text = section.tables
+    assert [row[0] for row in text.rows] == list(NAMES)
+    assert all(0 < b < 16 for b in _numbers(text, "held-out bits/byte"))  # ~8 bits untrained (uniform)
+    kv = dict(zip(NAMES, _numbers(text, "KV bytes/token")))
+    assert kv["mqa"] < kv["gqa"] < kv["mha"] == kv["sinks"] == kv["output_gated"]
+    lm = {r["design"]: r for r in section.data["text_lm"]["rows"]}
+    for name in ("mha", "sinks", "output_gated"):  # recorded, a weight in [0, 1]
+        assert 0 <= lm[name]["first_token_share"] <= 1
+    assert all(r["decode_tok_s"] > 0 for r in lm.values())
+    assert not lm["dcmha"]["decode_cached"] and lm["mha"]["decode_cached"]  # dcmha needs every key's input
+    assert lm["differential"]["first_token_share"] is None  # its two maps are not recorded: "n/a"
+    assert "n/a" in [row[4] for row in text.rows]
     assert [row[0] for row in table.rows] == list(NAMES)
     assert all(0 <= a <= 100 for a in _numbers(table, "accuracy"))
     assert all(loss > 0 for loss in _numbers(table, "final loss"))
@@ -144,7 +165,7 @@ def test_designs_section_trains_every_design(monkeypatch, tmp_path):
     rows = section.data["tasks"][0]["rows"]
     assert [r["design"] for r in rows] == list(NAMES)
     assert all(r["flops"] > 0 and r["seconds"] > 0 for r in rows)
-    assert [f.file for f in section.figures] == ["designs-mqar-8.png"]
+    assert [f.file for f in section.figures] == ["designs-mqar-8.png", "designs-text-lm.png"]
     _pngs(section, tmp_path)
 
 
@@ -153,6 +174,7 @@ def test_designs_section_draws_nothing_without_a_directory(monkeypatch):
     monkeypatch.setattr(designs_section, "DESIGNS", ("mha", "mqa"))
     section, _ = _run(designs_section.designs, None)
     assert section.figures == [] and [row[0] for row in section.tables[0].rows] == ["mha", "mqa"]
+    assert [row[0] for row in section.tables[1].rows] == ["mha", "mqa"]
 
 
 def test_designs_full_study_runs_the_quick_task_then_the_long_one(monkeypatch, tmp_path):
@@ -161,8 +183,17 @@ def test_designs_full_study_runs_the_quick_task_then_the_long_one(monkeypatch, t
     monkeypatch.setattr(designs_section, "DESIGNS", ("mha", "gqa"))
     ctx = StudyContext(quick=False, out_dir=tmp_path)
     section = designs_section.designs(ctx)
-    assert [t.title.split(",")[0] for t in section.tables] == ["MQAR", "MQAR"]
+    assert [t.title.split(",")[0].split(":")[0] for t in section.tables] == [
+        "MQAR",
+        "MQAR",
+        "byte-level LM on standard-library docstrings",
+    ]
+    assert section.data["text_lm"]["config"]["steps"] == 3  # the full study's language model
     assert [task["config"]["seq_len"] for task in section.data["tasks"]] == [8, 12]
-    assert [f.file for f in section.figures] == ["designs-mqar-8.png", "designs-mqar-12.png"]
+    assert [f.file for f in section.figures] == [
+        "designs-mqar-8.png",
+        "designs-mqar-12.png",
+        "designs-text-lm.png",
+    ]
     _pngs(section, tmp_path)
     assert sum("seq_len 12, 2 pairs, 2 steps:" in n for n in section.notes) == 1

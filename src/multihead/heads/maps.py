@@ -77,7 +77,7 @@ def _uninstall() -> None:
 
 
 @contextmanager
-def capture_attention(model: nn.Module) -> Iterator[list[list[Tensor]]]:
+def capture_attention(model: nn.Module, *, designs: bool = False) -> Iterator[list[list[Tensor]]]:
     """Record the attention weights of every layer's self-attention while the context is open.
 
     Yields ``records``: ``records[l]`` collects the (B, Hq, Nq, Nk) weights of each call of layer l (in
@@ -90,6 +90,14 @@ def capture_attention(model: nn.Module) -> Iterator[list[list[Tensor]]]:
     ``multihead.nn.attention`` is swapped for one that records only inside those calls and passes
     every other call through unchanged.
 
+    Args:
+        model: a model with TransformerLayers.
+        designs: also record the head designs of :mod:`multihead.variants` (every MultiHeadAttention
+            subclass, not only those whose heads are the textbook eq. (4)): each ``mh.attention`` call
+            their template step ``attend`` makes is recorded, which for a design that mixes or gates the
+            heads after the softmax is the map before that mixing. Designs that call attention
+            elsewhere (differential attention's two maps) record nothing.
+
     Raises:
         ValueError: the model has no TransformerLayer.
     """
@@ -98,7 +106,7 @@ def capture_attention(model: nn.Module) -> Iterator[list[list[Tensor]]]:
     handles = []
     for sink, layer in zip(records, layers):
         attn = layer.self_attn
-        if isinstance(attn, MultiHeadAttention) and attn.textbook:
+        if isinstance(attn, MultiHeadAttention) and (attn.textbook or designs):
 
             def push(m: nn.Module, _args: Any, sink: list[Tensor] = sink) -> None:
                 sinks = _sinks()

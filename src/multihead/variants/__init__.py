@@ -71,6 +71,7 @@ NAMES = (
     "mha",
     "gqa",
     "mqa",
+    "sinks",
     "moh",
     "dcmha",
     "mohsa",
@@ -85,6 +86,7 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "mha": MultiHeadAttention,
     "gqa": MultiHeadAttention,
     "mqa": MultiHeadAttention,
+    "sinks": MultiHeadAttention,
     "moh": MixtureOfHeads,
     "dcmha": DynamicComposition,
     "mohsa": OverlappingHeads,
@@ -106,8 +108,10 @@ def _gqa_heads(n_heads: int) -> int:
 def _check_kwargs(name: str, cls: type[nn.Module], kw: dict[str, Any]) -> None:
     params = inspect.signature(cls.__init__).parameters
     allowed = sorted(p for p in params if p not in ("self", "d_model", "n_heads"))
-    if name in ("mha", "mqa"):
+    if name in ("mha", "mqa", "sinks"):
         allowed.remove("n_kv_heads")  # fixed by the name
+    if name == "sinks":
+        allowed.remove("sinks")
     unknown = sorted(set(kw) - set(allowed))
     if unknown:
         raise ValueError(
@@ -121,7 +125,8 @@ def build(name: str, d_model: int, n_heads: int, **kw: Any) -> nn.Module:
     Args:
         name: one of :data:`NAMES`. "mha" is MultiHeadAttention with n_kv_heads = n_heads; "gqa" uses
             n_kv_heads = n_heads // 2 (for odd n_heads the largest divisor below it; pass n_kv_heads to
-            choose); "mqa" uses one kv head.
+            choose); "mqa" uses one kv head; "sinks" is "mha" with a learned attention sink per head
+            (``sinks=True``, as in gpt-oss).
         d_model, n_heads: model width and query heads.
         **kw: the design's own constructor arguments (bias, dropout, rotary, backend, top_k, overlap, ...).
 
@@ -135,6 +140,8 @@ def build(name: str, d_model: int, n_heads: int, **kw: Any) -> nn.Module:
     _check_kwargs(name, cls, kw)
     if name == "mha":
         kw["n_kv_heads"] = n_heads
+    elif name == "sinks":
+        kw["n_kv_heads"], kw["sinks"] = n_heads, True
     elif name == "mqa":
         kw["n_kv_heads"] = 1
     elif name == "gqa":

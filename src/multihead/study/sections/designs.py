@@ -27,6 +27,7 @@ from dataclasses import asdict, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ...train.text import TextConfig, train_text_lm
 from ...train.trainer import TrainConfig, train_mqar
 from ...variants import NAMES
 
@@ -76,7 +77,16 @@ _WHAT = {
     "collab": "collaborative heads: shared W_Q / W_K",
     "talking": "talking heads: mixed logits and weights",
     "gated": "gated heads with an L0 penalty",
+    "sinks": "MHA with a learned sink logit per head",
+    "output_gated": "sigmoid gate on each head's output",
+    "differential": "difference of two softmax maps",
+    "mla": "latent attention: cache a low-rank latent",
 }
+
+#: The language-model task: bytes of the standard library's docstrings (see multihead.train.text).
+TEXT_QUICK = TextConfig(steps=150)
+#: The full study's language model: 4x the steps.
+TEXT_FULL = TextConfig(steps=600)
 
 
 def _train_all(
@@ -102,6 +112,88 @@ def _train_all(
             }
         )
     return rows
+
+
+def _train_text(
+    base: TextConfig, step: Callable[[str, float], None], done: float, share: float
+) -> list[dict[str, Any]]:
+    """Train the byte-level LM of ``base`` once per design of :data:`DESIGNS`; one JSON row each."""
+    rows = []
+    for i, name in enumerate(DESIGNS):
+        step(f"language model: {name}", done + share * i / len(DESIGNS))
+        res = train_text_lm(replace(base, attention=name))
+        rows.append(
+            {"design": name, **{k: v for k, v in res.as_dict().items() if k not in ("losses", "config")}}
+        )
+    return rows
+
+
+def _text_table(rows: list[dict[str, Any]], cfg: TextConfig) -> Table:
+    from ..context import Table
+
+    def share(r: dict[str, Any]) -> str:
+        return "n/a" if r["first_token_share"] is None else f"{100 * r['first_token_share']:.2f}%"
+
+    cells = [
+        [
+            r["design"],
+            f"{r['bits_per_byte']:.3f}",
+            f"{r['decode_tok_s']:,.0f}" + ("" if r["decode_cached"] else " (no cache)"),
+            f"{r['kv_bytes_per_token']:,}",
+            share(r),
+            f"{r['params']:,}",
+            f"{r['seconds']:.1f}",
+        ]
+        for r in rows
+    ]
+    return Table(
+        f"byte-level LM on standard-library docstrings: {cfg.steps} steps of {cfg.batch} x {cfg.seq_len} "
+        f"bytes, d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads",
+        [
+            "design",
+            "held-out bits/byte",
+            "decode tok/s",
+            "KV bytes/token",
+            "on 1st token",
+            "parameters",
+            "train s",
+        ],
+        cells,
+        align="lrrrrrr",
+    )
+
+
+def _text_plot(rows: list[dict[str, Any]], ax: Any) -> None:
+    """Held-out bits/byte against KV-cache bytes per token, one point per design."""
+    markers = "os^vDPX*<>"
+    for i, r in enumerate(rows):
+        label = f"{r['design']} ({r['bits_per_byte']:.2f})"
+        ax.scatter(
+            r["kv_bytes_per_token"],
+            r["bits_per_byte"],
+            s=40,
+            marker=markers[i % len(markers)],
+            color=f"C{i % 10}",
+            label=label,
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("KV-cache bytes per token (all layers, log scale)")
+    ax.set_ylabel("held-out bits per byte (lower is better)")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+
+
+def _text_finding(rows: list[dict[str, Any]]) -> str:
+    """One line on the language-model task, from its numbers."""
+    ranked = sorted(rows, key=lambda r: r["bits_per_byte"])
+    top = ", ".join(f"{r['design']} ({r['bits_per_byte']:.3f})" for r in ranked[:3])
+    by = {r["design"]: r for r in rows}
+    line = f"Language model: lowest held-out bits/byte {top}"
+    if "mha" in by:
+        line += f"; mha {by['mha']['bits_per_byte']:.3f}"
+    shares = {n: by[n]["first_token_share"] for n in ("mha", "sinks", "output_gated") if n in by}
+    if all(v is not None for v in shares.values()) and shares:
+        line += "; weight on the first token " + ", ".join(f"{n} {100 * v:.2f}%" for n, v in shares.items())
+    return line + "."
 
 
 def _table(rows: list[dict[str, Any]], cfg: TrainConfig) -> Table:
@@ -191,14 +283,17 @@ def designs(ctx: StudyContext) -> Section:
     from ..context import Section, one_thread
 
     configs = [QUICK] if ctx.quick else [QUICK, FULL]
+    text_cfg = TEXT_QUICK if ctx.quick else TEXT_FULL
     # share of the section's time per task, by tokens trained (the full task dominates)
     work = [c.steps * c.batch * c.seq_len for c in configs]
+    work.append(text_cfg.steps * text_cfg.batch * text_cfg.seq_len)
     tasks, done = [], 0.0
     with one_thread():
         for cfg, w in zip(configs, work):
             share = w / sum(work)
             tasks.append((cfg, _train_all(cfg, ctx.step, done, share)))
             done += share
+        text_rows = _train_text(text_cfg, ctx.step, done, work[-1] / sum(work))
     figures = []
     for cfg, rows in tasks:
         figures += ctx.figure(
@@ -208,6 +303,32 @@ def designs(ctx: StudyContext) -> Section:
             partial(_plot, rows, cfg),
             size=(7.5, 3.8),
         )
-    data = {"tasks": [{"config": asdict(cfg), "rows": rows} for cfg, rows in tasks]}
-    tables = [_table(rows, cfg) for cfg, rows in tasks]
-    return Section("designs", "Head designs on MQAR", data, tables, _notes(tasks), figures)
+    figures += ctx.figure(
+        "designs-text-lm",
+        "Byte-level language model on standard-library docstrings: held-out bits per byte against the "
+        "KV-cache bytes one token costs, one point per head design.",
+        partial(_text_plot, text_rows),
+        size=(7.5, 3.8),
+    )
+    data = {
+        "tasks": [{"config": asdict(cfg), "rows": rows} for cfg, rows in tasks],
+        "text_lm": {"config": asdict(text_cfg), "rows": text_rows},
+    }
+    tables = [_table(rows, cfg) for cfg, rows in tasks] + [_text_table(text_rows, text_cfg)]
+    notes = [*_notes(tasks), _TEXT_NOTE, _text_finding(text_rows)]
+    return Section(
+        "designs", "Head designs on MQAR and on a small language model", data, tables, notes, figures
+    )
+
+
+_TEXT_NOTE = (
+    "Language model: every design replaces the attention of the same byte-level TransformerLM (vocabulary "
+    "256, no tokenizer) trained on the UTF-8 bytes of the standard library's docstrings (90% train, the "
+    "last 10% held out) with the same batches and schedule. Decode tok/s: greedy KV-cached generation at "
+    'batch 1 after a full window of prompt, one thread ("no cache": the design needs every key\'s input '
+    "and recomputes the prefix each step). KV bytes/token: what one token adds to every "
+    "layer's cache. On 1st token: mean attention weight on each window's first byte over layers, heads and "
+    "the query rows past the first quarter - where a softmax that must sum to one parks unused mass "
+    '(an "attention sink"); a learned sink logit or an output gate gives that mass somewhere else to go. '
+    "n/a: the design's two maps are not recorded (differential attention)."
+)

@@ -13,6 +13,8 @@ of the template (:mod:`multihead.nn.attention`) that it changes::
                                                                      apply_positions, attend
     TalkingHeads        Hq x Hq mixing of logits and of weights                               attend
     GatedHeads          hard-concrete head gates with an L0 penalty                           mix_heads
+    LatentAttention     MLA: keys/values rebuilt from a cached low-rank latent (DeepSeek-V2)  project,
+                                                         apply_positions, attend, cache
 
 A design that cannot serve a call says why: DynamicComposition and CollaborativeHeads refuse a
 ``KVCache`` (ValueError); every design supports masks, biases, rotary, head_mask and cross-attention.
@@ -41,6 +43,8 @@ from ..nn.layers import TransformerLayer
 from .collab import CollaborativeHeads
 from .dcmha import DynamicComposition
 from .gated import GatedHeads
+from .latent import LatentAttention
+from .latent_cache import LatentCache
 from .moh import MixtureOfHeads
 from .mohsa import OverlappingHeads
 from .talking import TalkingHeads
@@ -50,6 +54,8 @@ __all__ = [
     "CollaborativeHeads",
     "DynamicComposition",
     "GatedHeads",
+    "LatentAttention",
+    "LatentCache",
     "MixtureOfHeads",
     "OverlappingHeads",
     "TalkingHeads",
@@ -58,7 +64,7 @@ __all__ = [
     "swap",
 ]
 
-NAMES = ("mha", "gqa", "mqa", "moh", "dcmha", "mohsa", "collab", "talking", "gated")
+NAMES = ("mha", "gqa", "mqa", "moh", "dcmha", "mohsa", "collab", "talking", "gated", "mla")
 
 _CLASSES: dict[str, type[nn.Module]] = {
     "mha": MultiHeadAttention,
@@ -70,6 +76,7 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "collab": CollaborativeHeads,
     "talking": TalkingHeads,
     "gated": GatedHeads,
+    "mla": LatentAttention,
 }
 
 

@@ -324,11 +324,17 @@ class LatentAttention(AttentionVariant):
         return super().attend(q, keys, v, **kw)  # (B, H, N, Dv)
 
     def _attend_absorbed(self, q: Tensor, k: Tensor, c_kv: Tensor, **kw: Any) -> Tensor:
-        """Queries moved into latent space, one shared latent key and value, then W_UV per head."""
+        """Queries moved into latent space, one shared latent key, then W_UV per head.
+
+        The values passed to the core are the latent keys themselves (c_kv followed by k_R) and the
+        output keeps its first r features: the weighted sum of c_kv. One tensor for keys and values lets
+        the core read the cache once, with no copy and equal key and value widths (the shape its
+        one-kernel decode path serves), for R / r more work in the weighted sum.
+        """
         w_uk, w_uv = self.up_weights()  # (H, Dn, r), (H, Dv, r)
         q_nope, q_rope = q.split([self.nope_dims, self.rope_dims], dim=-1)  # (B, H, N, Dn), (B, H, N, R)
         q_lat = torch.cat([q_nope @ w_uk.to(q.dtype), q_rope], dim=-1)  # (B, H, N, r + R)
-        o = super().attend(q_lat, k, c_kv, **kw)  # (B, H, N, r): MQA over the latent keys
+        o = super().attend(q_lat, k, k, **kw)[..., : self.kv_rank]  # (B, H, N, r): MQA over latent keys
         return o @ w_uv.to(o.dtype).transpose(1, 2)  # (B, H, N, Dv)
 
     def extra_repr(self) -> str:

@@ -22,7 +22,7 @@ and applies W_UV^i after the weighted sum::
 
 It never builds per-head keys, so a decode step reads only the cached latents. ``absorb=None`` picks the
 form with fewer multiply-adds for each call (N queries, L keys): naive ``L r H (Dn + Dv) +
-N L H (Dn + R + Dv)``, absorbed ``N H r (Dn + Dv) + N L H (2 r + R)`` - the absorbed form for one-token
+N L H (Dn + R + Dv)``, absorbed ``N H r (Dn + Dv) + 2 N L H (r + R)`` - the absorbed form for one-token
 decode, the naive one for a long prefill.
 
 DeepSeek config names: ``kv_rank`` = kv_lora_rank, ``q_rank`` = q_lora_rank, ``rope_dims`` =
@@ -219,7 +219,7 @@ class LatentAttention(AttentionVariant):
             return self.absorb
         H, r, R, Dn, Dv = self.n_heads, self.kv_rank, self.rope_dims, self.nope_dims, self.v_head_dim
         naive = n_keys * r * H * (Dn + Dv) + n_queries * n_keys * H * (Dn + R + Dv)
-        absorbed = n_queries * H * r * (Dn + Dv) + n_queries * n_keys * H * (2 * r + R)
+        absorbed = n_queries * H * r * (Dn + Dv) + 2 * n_queries * n_keys * H * (r + R)
         return absorbed < naive
 
     def up_weights(self) -> tuple[Tensor, Tensor]:

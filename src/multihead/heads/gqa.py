@@ -245,12 +245,18 @@ def to_gqa(model: nn.Module, n_kv_heads: int, method: str = "mean", *, calibrati
 
 
 def kv_cache_bytes_per_token(model: nn.Module, dtype: torch.dtype | None = None) -> int:
-    """Bytes one token adds to the KV cache of every layer: sum over layers of 2 * Hkv * D * itemsize.
+    """Bytes one token adds to the KV cache of every layer: sum over layers of 2 * Hkv * D * itemsize,
+    or ``cache_numbers_per_token * itemsize`` for a design that says what it caches (multi-head latent
+    attention: kv_rank + rope_dims).
 
     ``dtype`` defaults to the dtype of the model's parameters.
     """
     itemsize = (dtype or next(model.parameters()).dtype).itemsize
-    return sum(
-        2 * getattr(layer.self_attn, "n_kv_heads", 0) * getattr(layer.self_attn, "head_dim", 0) * itemsize
-        for layer in layers_of(model)
-    )
+
+    def numbers(attn: nn.Module) -> int:
+        own = getattr(attn, "cache_numbers_per_token", None)
+        if own is not None:
+            return int(own)
+        return 2 * getattr(attn, "n_kv_heads", 0) * getattr(attn, "head_dim", 0)
+
+    return sum(numbers(layer.self_attn) * itemsize for layer in layers_of(model))

@@ -16,6 +16,7 @@ attends (T, or fewer with a sliding cache), d = d_model, V = vocab size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 
 from ..core.checks import check_int
 from ..core.masks import Mask, causal, sliding_window
+from ..nn.attention import MultiHeadAttention
 from ..nn.kv_cache import KVCache
 from ..nn.layers import TransformerLayer
 from ..nn.norms import make_norm
@@ -48,6 +50,10 @@ class TransformerLM(nn.Module):
         rope_base: rotary base (10000 in RoFormer / LLaMA 2).
         sliding_window: if set, every layer attends to the last ``sliding_window`` tokens (Mistral).
         norm_eps: epsilon of every norm (GPT-2 1e-5, LLaMA / Mistral / Qwen2 1e-6).
+        attention: builds layer i's self-attention, called with i = 0 .. n_layers - 1 (e.g. ``lambda i:
+            mh.variants.LatentAttention(d_model, n_heads, kv_rank=64, rope_theta=1e4)``); default a
+            MultiHeadAttention from the arguments above. A module with a ``make_cache(batch_size, max_len,
+            *, kind, window, dtype, device)`` method builds its own layer's cache in :meth:`make_cache`.
 
     Raises:
         ValueError: unknown positions kind, non-dividing head counts, bad sizes, and what the layers raise.
@@ -73,6 +79,7 @@ class TransformerLM(nn.Module):
         rope_base: float = 10000.0,
         sliding_window: int | None = None,
         norm_eps: float = 1e-5,
+        attention: Callable[[int], MultiHeadAttention] | None = None,
     ):
         super().__init__()
         for name, val in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_len", max_len)):
@@ -109,8 +116,9 @@ class TransformerLM(nn.Module):
                 bias=bias,
                 rotary=rotary,
                 norm_eps=norm_eps,
+                self_attn=None if attention is None else attention(i),
             )
-            for _ in range(n_layers)
+            for i in range(n_layers)
         )
         # Pre-LN leaves the residual stream un-normalised (GPT-2 ln_f, LLaMA norm); post-LN ends normed.
         self.final_norm = make_norm(norm, d_model, norm_eps) if norm_first else nn.Identity()
@@ -214,6 +222,9 @@ class TransformerLM(nn.Module):
     def make_cache(self, batch_size: int, max_len: int, kind: str = "dense") -> list[KVCache]:
         """One ``KVCache`` per layer, on this model's device and dtype; kind "dense" | "sliding" | "int8".
 
+        A layer whose self-attention has a ``make_cache`` method (a design with its own cache, such as
+        :class:`~multihead.variants.LatentAttention`) gets the cache that method builds.
+
         Raises:
             ValueError: ``kind="sliding"`` on a model without ``sliding_window``, and what KVCache raises.
         """
@@ -221,8 +232,11 @@ class TransformerLM(nn.Module):
             raise ValueError("a 'sliding' cache needs a model built with sliding_window=...; use 'dense'")
         window = self.sliding_window if kind == "sliding" else None
         p = self.embed.weight
+        own = [getattr(layer.self_attn, "make_cache", None) for layer in self.layers]
         return [
-            KVCache(
+            make(batch_size, max_len, kind=kind, window=window, dtype=p.dtype, device=p.device)
+            if callable(make)
+            else KVCache(
                 batch_size,
                 self.n_kv_heads,
                 self.head_dim,
@@ -232,7 +246,7 @@ class TransformerLM(nn.Module):
                 dtype=p.dtype,
                 device=p.device,
             )
-            for _ in self.layers
+            for make in own
         ]
 
     def generate(

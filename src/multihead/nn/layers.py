@@ -53,6 +53,8 @@ class TransformerLayer(nn.Module):
         rotary: a ``RotaryEmbedding`` for the self-attention (cross-attention never rotates).
         norm_eps: epsilon of the norms.
         backend: attention backend passed to :func:`multihead.attention`.
+        self_attn: the self-attention module to use (a head design); default a MultiHeadAttention built
+            from the arguments above.
 
     Raises:
         ValueError: what :class:`MultiHeadAttention`, :class:`FeedForward` and ``make_norm`` raise.
@@ -74,13 +76,16 @@ class TransformerLayer(nn.Module):
         rotary: nn.Module | None = None,
         norm_eps: float = 1e-5,
         backend: str = "auto",
+        self_attn: MultiHeadAttention | None = None,
     ):
         super().__init__()
         self.norm_kind, self.norm_first, self.norm_eps = norm, bool(norm_first), norm_eps
         self.attn_norm = make_norm(norm, d_model, norm_eps)
-        self.self_attn = MultiHeadAttention(
-            d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend
-        )
+        if self_attn is None:
+            self_attn = MultiHeadAttention(
+                d_model, n_heads, n_kv_heads, bias=bias, dropout=dropout, rotary=rotary, backend=backend
+            )
+        self.self_attn = self_attn
         self.cross_attn: MultiHeadAttention | None = None
         self.cross_norm: nn.Module | None = None
         if cross_attention:

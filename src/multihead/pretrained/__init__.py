@@ -3,7 +3,9 @@
     mh.pretrained.minilm()                       # SentenceEncoder; .encode(texts) -> (n, 384)
     mh.pretrained.from_hf(hf_model)              # BertModel -> Bert (an Encoder + embeddings);
                                                  # GPT-2 / LLaMA / Mistral / Qwen2 -> TransformerLM;
-                                                 # DiffLlama -> TransformerLM (differential attention)
+                                                 # DiffLlama -> TransformerLM (differential attention);
+                                                 # DeepSeek-V3 (dense layers) -> TransformerLM of
+                                                 # variants.LatentAttention layers
     mh.pretrained.from_hf_state_dict(sd, config) # the same from a state dict and a config (dict or object)
     mh.pretrained.load(directory)                # a save_pretrained() directory (config.json + safetensors)
     mh.pretrained.random_lm("llama-155m")        # random weights of a preset shape
@@ -25,6 +27,7 @@ from ..models.lm import TransformerLM
 from .bert import Bert, bert_from_state_dict
 from .convert import cfg, read_checkpoint
 from .corpus import stdlib_docstrings
+from .deepseek import deepseek_from_state_dict
 from .difflama import diffllama_from_state_dict
 from .gpt2 import gpt2_from_state_dict
 from .llama import PRESETS, llama_from_state_dict, llama_kwargs, preset_config
@@ -51,6 +54,7 @@ _CONVERTERS: dict[str, Callable[[Mapping[str, Tensor], Any], Bert | TransformerL
     "mistral": llama_from_state_dict,
     "qwen2": llama_from_state_dict,
     "diffllama": diffllama_from_state_dict,
+    "deepseek_v3": deepseek_from_state_dict,
 }
 
 
@@ -62,6 +66,7 @@ def from_hf_state_dict(state_dict: Mapping[str, Tensor], config: Any) -> Bert | 
         config: a transformers config object or the dict of its config.json; ``model_type`` picks the
             converter: "bert" -> :class:`Bert`; "gpt2", "llama", "mistral", "qwen2" -> TransformerLM;
             "diffllama" -> TransformerLM with :class:`~multihead.variants.DifferentialAttention` layers.
+            "deepseek_v3" (all layers dense) -> TransformerLM of LatentAttention layers.
 
     Returns:
         the model in eval mode, on the checkpoint's device and in its dtype.
@@ -77,8 +82,9 @@ def from_hf_state_dict(state_dict: Mapping[str, Tensor], config: Any) -> Bert | 
 
 
 def from_hf(model: nn.Module) -> Bert | TransformerLM:
-    """A transformers ``BertModel``, ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM`` or
-    ``Qwen2ForCausalLM`` (or ``DiffLlamaForCausalLM``) as a multihead model with the same weights (see
+    """A transformers ``BertModel``, ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
+    ``Qwen2ForCausalLM``, ``DiffLlamaForCausalLM`` or ``DeepseekV3ForCausalLM`` (dense layers only:
+    ``first_k_dense_replace`` = ``num_hidden_layers``) as a multihead model with the same weights (see
     :func:`from_hf_state_dict`).
 
     The config decides rotary pairing, norms and their epsilon, activation, biases, sliding window and

@@ -18,6 +18,8 @@ of the template (:mod:`multihead.nn.attention`) that it changes::
     DifferentialAttention
                         difference of two softmax maps, normed per head (DiffLlama)           attend,
                                                                                               mix_heads
+    LatentAttention     MLA: keys/values rebuilt from a cached low-rank latent (DeepSeek-V2)  project,
+                                                         apply_positions, attend, cache
 
 A design that cannot serve a call says why: DynamicComposition and CollaborativeHeads refuse a
 ``KVCache`` (ValueError); every design supports masks, biases, rotary, head_mask and cross-attention.
@@ -47,6 +49,8 @@ from .collab import CollaborativeHeads
 from .dcmha import DynamicComposition
 from .differential import DifferentialAttention
 from .gated import GatedHeads
+from .latent import LatentAttention
+from .latent_cache import LatentCache
 from .moh import MixtureOfHeads
 from .mohsa import OverlappingHeads
 from .output_gated import OutputGatedAttention
@@ -58,6 +62,8 @@ __all__ = [
     "DifferentialAttention",
     "DynamicComposition",
     "GatedHeads",
+    "LatentAttention",
+    "LatentCache",
     "MixtureOfHeads",
     "OutputGatedAttention",
     "OverlappingHeads",
@@ -80,6 +86,7 @@ NAMES = (
     "gated",
     "output_gated",
     "differential",
+    "mla",
 )
 
 _CLASSES: dict[str, type[nn.Module]] = {
@@ -95,6 +102,7 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "gated": GatedHeads,
     "output_gated": OutputGatedAttention,
     "differential": DifferentialAttention,
+    "mla": LatentAttention,
 }
 
 

@@ -417,3 +417,32 @@ def test_estimate_rejects_modules_it_does_not_model():
         cost.estimate(mh.Decoder(1, 32, 4, 64), 1, 8)
     with pytest.raises(ValueError, match=r"cannot estimate a Linear; pass a multihead TransformerLM"):
         cost.estimate(nn.Linear(4, 4), 1, 8)
+
+
+def test_design_costs_count_the_real_decode_step():
+    d, h, ctx = 64, 4, 31
+    rows = {r.design: r for r in cost.design_costs(d, h, context=ctx)}
+    assert set(rows) == set(mh.variants.NAMES)
+    D, keys = d // h, ctx + 1
+    mha = rows["mha"]
+    # W_qkv and W^O on one token, then q k^T and p v over every key, for each of the h heads
+    assert mha.flops == 2 * (3 * d * d + d * d) + 2 * 2 * h * keys * D
+    assert mha.kv_bytes_per_token == 2 * h * D * 4 and mha.cached
+    assert mha.bytes == mha.params * 4 + mha.kv_bytes_per_token * ctx
+    assert mha.intensity == pytest.approx(mha.flops / mha.bytes)
+    assert rows["mqa"].kv_bytes_per_token < rows["gqa"].kv_bytes_per_token < mha.kv_bytes_per_token
+    assert rows["sinks"].flops == mha.flops  # one extra logit per head: no matmul
+    assert rows["output_gated"].flops > mha.flops  # the gate's projection
+    assert rows["differential"].flops > mha.flops  # two maps, values twice as wide
+    mla = next(m for m in mh.heads.layers_of(mh.variants.swap(mh.TransformerLM(16, d, 1, h, d), "mla")))
+    assert rows["mla"].kv_bytes_per_token == 4 * (mla.self_attn.kv_rank + mla.self_attn.rope_dims)
+    for name in ("dcmha", "collab"):  # no KV cache: every step recomputes the prefix
+        assert not rows[name].cached and rows[name].flops > 10 * mha.flops
+    assert all(r.intensity < 5 for r in rows.values() if r.cached)  # batch-1 decode is memory-bound
+
+
+def test_design_costs_refuse_bad_arguments():
+    with pytest.raises(ValueError, match=r"design_costs names \['flash'\] are not designs"):
+        cost.design_costs(names=("mha", "flash"))
+    with pytest.raises(ValueError, match=r"context must be an int >= 1, got 0"):
+        cost.design_costs(context=0)

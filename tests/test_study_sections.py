@@ -137,13 +137,19 @@ TINY_TEXT = TextConfig(seq_len=16, d_model=32, n_heads=4, d_ff=16, steps=2, batc
 def _tiny_text(monkeypatch):
     monkeypatch.setattr(designs_section, "TEXT_QUICK", TINY_TEXT)
     monkeypatch.setattr(designs_section, "TEXT_FULL", replace(TINY_TEXT, steps=3))
+    monkeypatch.setattr(designs_section, "COST_SHAPE", (32, 4))
+    monkeypatch.setattr(designs_section, "COST_CONTEXT", 16)
 
 
 def test_designs_section_trains_every_design(monkeypatch, tmp_path):
     monkeypatch.setattr(designs_section, "QUICK", TINY_MQAR)
     section, steps = _run(designs_section.designs, tmp_path)
     assert section.key == "designs" and len(steps) >= 2 * len(NAMES)
-    table, text = section.tables
+    table, text, costs = section.tables
+    assert [row[0] for row in costs.rows] == list(NAMES)
+    assert all(f > 0 for f in _numbers(costs, "MFLOP")) and all(i > 0 for i in _numbers(costs, "FLOP/byte"))
+    cost_rows = {r["design"]: r for r in section.data["decode_cost"]["rows"]}
+    assert cost_rows["mla"]["kv_bytes_per_token"] < cost_rows["mha"]["kv_bytes_per_token"]
     assert [row[0] for row in text.rows] == list(NAMES)
     assert all(0 < b < 16 for b in _numbers(text, "held-out bits/byte"))  # ~8 bits untrained (uniform)
     kv = dict(zip(NAMES, _numbers(text, "KV bytes/token")))
@@ -187,6 +193,7 @@ def test_designs_full_study_runs_the_quick_task_then_the_long_one(monkeypatch, t
         "MQAR",
         "MQAR",
         "byte-level LM on standard-library docstrings",
+        "one decode step of the attention sub-layer (mh.cost.design_costs)",
     ]
     assert section.data["text_lm"]["config"]["steps"] == 3  # the full study's language model
     assert [task["config"]["seq_len"] for task in section.data["tasks"]] == [8, 12]

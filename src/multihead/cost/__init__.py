@@ -6,6 +6,7 @@
     c.roofline(peak_flops, bandwidth)            # memory- or compute-bound, per row
     roof = mh.cost.measure_roof()                # this machine's matmul rate and memory bandwidth
     mh.cost.plot_roofline({"decode": c}, roof, "roofline.png")
+    mh.cost.design_costs(512, 8, context=1024)   # one decode step of every head design: FLOPs, bytes, KV
 
 Each step of a layer becomes an :class:`Op` row: its shapes, FLOPs, bytes moved and arithmetic intensity
 (FLOPs per byte). :func:`estimate` walks a whole model - embedding, each kind of layer with its count,
@@ -46,6 +47,7 @@ V vocabulary.
 from __future__ import annotations
 
 from .configs import PRESETS, as_shape, from_config, load_config, preset
+from .designs import DesignCost, design_costs
 from .estimate import Cost, estimate
 from .kv import KVVariant, compare_kv_heads, kv_cache_bytes
 from .ops import Call, Op, total
@@ -58,6 +60,7 @@ __all__ = [
     "PRESETS",
     "Call",
     "Cost",
+    "DesignCost",
     "KVVariant",
     "LayerSpec",
     "ModelShape",
@@ -66,6 +69,7 @@ __all__ = [
     "RooflinePoint",
     "as_shape",
     "compare_kv_heads",
+    "design_costs",
     "estimate",
     "from_config",
     "from_model",

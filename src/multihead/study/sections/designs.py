@@ -27,6 +27,7 @@ from dataclasses import asdict, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ...cost.designs import DesignCost, design_costs
 from ...train.text import TextConfig, train_text_lm
 from ...train.trainer import TrainConfig, train_mqar
 from ...variants import NAMES
@@ -196,6 +197,35 @@ def _text_finding(rows: list[dict[str, Any]]) -> str:
     return line + "."
 
 
+#: (d_model, n_heads) and cached tokens of the decode-cost table.
+COST_SHAPE = (512, 8)
+COST_CONTEXT = 1024
+
+
+def _cost_table(costs: list[DesignCost]) -> Table:
+    from ..context import Table
+
+    cells = [
+        [
+            c.design,
+            f"{c.flops / 1e6:,.2f}",
+            f"{c.bytes / 2**20:,.2f}",
+            f"{c.kv_bytes_per_token:,}" + ("" if c.cached else " (inputs)"),
+            f"{c.intensity:,.2f}",
+            f"{c.params:,}",
+        ]
+        for c in costs
+    ]
+    d, h = COST_SHAPE
+    return Table(
+        f"one decode step of the attention sub-layer (mh.cost.design_costs): d_model {d}, {h} heads, "
+        f"batch 1, {COST_CONTEXT} cached tokens, fp32",
+        ["design", "MFLOP", "MiB read", "KV bytes/token", "FLOP/byte", "parameters"],
+        cells,
+        align="lrrrrr",
+    )
+
+
 def _table(rows: list[dict[str, Any]], cfg: TrainConfig) -> Table:
     from ..context import Table
 
@@ -310,16 +340,36 @@ def designs(ctx: StudyContext) -> Section:
         partial(_text_plot, text_rows),
         size=(7.5, 3.8),
     )
+    ctx.step("decode cost of each design", 0.99)
+    costs = design_costs(*COST_SHAPE, context=COST_CONTEXT, names=DESIGNS)
     data = {
         "tasks": [{"config": asdict(cfg), "rows": rows} for cfg, rows in tasks],
         "text_lm": {"config": asdict(text_cfg), "rows": text_rows},
+        "decode_cost": {
+            "d_model": COST_SHAPE[0],
+            "n_heads": COST_SHAPE[1],
+            "context": COST_CONTEXT,
+            "rows": [c.as_dict() for c in costs],
+        },
     }
-    tables = [_table(rows, cfg) for cfg, rows in tasks] + [_text_table(text_rows, text_cfg)]
-    notes = [*_notes(tasks), _TEXT_NOTE, _text_finding(text_rows)]
+    tables = [_table(rows, cfg) for cfg, rows in tasks] + [
+        _text_table(text_rows, text_cfg),
+        _cost_table(costs),
+    ]
+    notes = [*_notes(tasks), _TEXT_NOTE, _text_finding(text_rows), _COST_NOTE]
     return Section(
         "designs", "Head designs on MQAR and on a small language model", data, tables, notes, figures
     )
 
+
+_COST_NOTE = (
+    "Decode cost: matmul FLOPs counted on one real decode step of each design's attention sub-layer (the "
+    "attention on the matrix backend), and the bytes it must read at least (its weights once, plus the "
+    "cache). Every cached design sits far below a CPU's ridge of 5-20 FLOP/byte: decoding is bound by "
+    'memory, so KV bytes per token decide its speed at long context. "(inputs)": the design cannot use a '
+    "KV cache and recomputes keys and values from every token's input at each step (its FLOPs are the "
+    "whole recompute)."
+)
 
 _TEXT_NOTE = (
     "Language model: every design replaces the attention of the same byte-level TransformerLM (vocabulary "

@@ -1,4 +1,4 @@
-"""Heads of all-MiniLM-L6-v2: the role table, the pruning curve and the MHA -> GQA curve (issue 6).
+"""Heads of all-MiniLM-L6-v2: the role table, the pruning curve and the MHA -> GQA curve.
 
     nice -n 10 python benchmarks/bench_heads.py                      # markdown on stdout (minutes)
     python benchmarks/bench_heads.py --eval-texts 100 --repeats 1    # quicker

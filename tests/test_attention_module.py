@@ -1,4 +1,4 @@
-"""MultiHeadAttention against a hand-written float64 eq. 9.33-9.35, weight loading, GQA, cache, dropout."""
+"""MultiHeadAttention against a hand-written float64 eq. (3)-(5), weight loading, GQA, cache, dropout."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def random_weights(d_model, Hq, Hkv, D, bias, seed=0):
 
 
 def reference_mha(w, x, Hq, Hkv, D, *, context=None, mask=None, head_mask=None):
-    """eq. 9.33-9.35, one head at a time: head_i = softmax(Q^i K^iT / sqrt(d_k)) V^i, concat, W^O.
+    """eq. (3)-(5), one head at a time: head_i = softmax(Q^i K^iT / sqrt(d_k)) V^i, concat, W^O.
 
     x (B, N, d), context (B, M, d), mask (N, M) bool (True = may attend), head_mask (Hq,).
     """
@@ -49,15 +49,15 @@ def reference_mha(w, x, Hq, Hkv, D, *, context=None, mask=None, head_mask=None):
     heads = []
     for i in range(Hq):
         j = i // G  # the kv head query head i reads
-        Q = lin(x, "q", slice(i * D, (i + 1) * D))  # (B, N, D)   eq. 9.33
+        Q = lin(x, "q", slice(i * D, (i + 1) * D))  # (B, N, D)   eq. (3)
         K = lin(src, "k", slice(j * D, (j + 1) * D))  # (B, M, D)
         V = lin(src, "v", slice(j * D, (j + 1) * D))  # (B, M, D)
         S = Q @ K.transpose(-1, -2) / math.sqrt(D)  # (B, N, M)
         if mask is not None:
             S = S.masked_fill(~mask, float("-inf"))
-        head = torch.softmax(S, dim=-1) @ V  # (B, N, D)   eq. 9.34
+        head = torch.softmax(S, dim=-1) @ V  # (B, N, D)   eq. (4)
         heads.append(head if head_mask is None else head * head_mask[i])
-    return lin(torch.cat(heads, dim=-1), "o", slice(None))  # (B, N, d)   eq. 9.35
+    return lin(torch.cat(heads, dim=-1), "o", slice(None))  # (B, N, d)   eq. (5)
 
 
 def build(d_model, Hq, Hkv, D, bias, **kw):

@@ -69,12 +69,12 @@ def test_study_writes_report(study_json):
     assert study_json["report"].endswith("report.md")
     for heading in (
         "## Exactness",
-        "## The layer, eq. 9.31-9.43",
+        "## The layer, eq. (1)-(13)",
         "## KV cache",
         "## Performance against peers",
     ):
         assert heading in text
-    assert "| 9.41 | U = T3 W1 (FFN up) |" in text
+    assert "| (11) | U = T3 W1 (FFN up) |" in text
     page = (study_json["_out"] / "report.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<td>U = T3 W1 (FFN up)</td>" in page
     for fig in study_json["figures"]:  # every figure is a PNG the page shows
@@ -107,7 +107,7 @@ def test_explain_mentions_chosen_backend(capsys):
     chosen = out.split("auto -> ")[1].split(":")[0]
     assert chosen in mh.backends()
     assert "causal()  (Nq=16, Nk=16)" in out  # the mask picture
-    assert "9.43" in out and "H = LayerNorm(T5)" in out  # the walk table
+    assert "(13)" in out and "H = LayerNorm(T5)" in out  # the walk table
 
 
 def test_explain_json_decode_gqa(capsys):
@@ -182,7 +182,7 @@ def test_python_m_multihead_study_quick(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    for title in ("Exactness", "The layer, eq. 9.31-9.43", "KV cache: MHA vs GQA vs MQA"):
+    for title in ("Exactness", "The layer, eq. (1)-(13)", "KV cache: MHA vs GQA vs MQA"):
         assert title in proc.stdout
     assert "Traceback" not in proc.stderr
 

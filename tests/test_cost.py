@@ -1,4 +1,4 @@
-"""The analytic walk of eq. 9.31-9.43 against torch's own FLOP counter, plus bytes/intensity sanity.
+"""The analytic walk of eq. (1)-(13) against torch's own FLOP counter, plus bytes/intensity sanity.
 
 The plain layer below is the post-LN layer of seed 000 written with bare torch ops (nn.Linear, matmul,
 softmax, LayerNorm) - no multihead code - so ``FlopCounterMode`` counts what the equations cost.
@@ -20,7 +20,7 @@ from multihead.pretrained.bert import Bert
 
 
 class PlainLayer(nn.Module):
-    """Eq. 9.31-9.43 with torch ops; GQA by repeating K/V (the FLOPs are the same as without)."""
+    """Eq. (1)-(13) with torch ops; GQA by repeating K/V (the FLOPs are the same as without)."""
 
     def __init__(self, d: int, h: int, hkv: int, d_ff: int):
         super().__init__()
@@ -46,8 +46,8 @@ class PlainLayer(nn.Module):
         allowed = torch.ones(N, nk, dtype=torch.bool).tril(nk - N)  # bottom-right causal
         p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
         a = (p @ v).transpose(1, 2).reshape(B, N, d)  # (B, N, d)
-        t3 = self.ln1(x + self.wo(a))  # eq. 9.38-9.40
-        return self.ln2(t3 + self.ff2(torch.relu(self.ff1(t3))))  # eq. 9.41-9.43
+        t3 = self.ln1(x + self.wo(a))  # eq. (8)-(10)
+        return self.ln2(t3 + self.ff2(torch.relu(self.ff1(t3))))  # eq. (11)-(13)
 
 
 def _counted_flops(d, h, hkv, d_ff, batch, new, cached) -> int:
@@ -94,9 +94,9 @@ def test_gqa_narrows_kv_projections_not_scores():
 def test_walk_follows_the_equations():
     ops = cost.layer_walk()
     eqs = [o.eq for o in ops]
-    for eq in ["9.31/9.33", "9.32", "9.35", "9.39", "9.40", "9.41", "9.42", "9.43"]:
+    for eq in ["(1)/(3)", "(2)", "(5)", "(9)", "(10)", "(11)", "(12)", "(13)"]:
         assert eq in eqs
-    assert eqs.index("9.39") < eqs.index("9.40") < eqs.index("9.41") < eqs.index("9.42") < eqs.index("9.43")
+    assert eqs.index("(9)") < eqs.index("(10)") < eqs.index("(11)") < eqs.index("(12)") < eqs.index("(13)")
     assert all(o.bytes > 0 for o in ops)
     assert ops[-1].out_shape == "1x1024x512"  # H has the shape of X
 
@@ -171,7 +171,7 @@ def test_compare_kv_heads_rejects_non_divisor():
 
 # -- estimate(): whole models against FlopCounterMode on their real forward ---------------------------
 # FlopCounterMode does not see inside CPU sdpa (nor the tiled kernel's block loop), so the real forwards
-# run the `matrix` backend: eq. 9.32 as two batched matmuls, the form the cost model describes.
+# run the `matrix` backend: eq. (2) as two batched matmuls, the form the cost model describes.
 def _matrix_backend(model: nn.Module) -> nn.Module:
     for m in model.modules():
         if isinstance(m, mh.MultiHeadAttention):
@@ -250,7 +250,7 @@ def test_estimate_bert_like_encoder_and_bert():
     c = cost.estimate(enc, 2, 21)
     _assert_close(c.matmul_flops, _flops(lambda: enc(x)))
     assert {o.part for o in c.rows} == {"layer"} and c.rows[0].count == 3
-    assert c.rows[-1].name == "H = LayerNorm(T5)"  # post-LN: eq. 9.43 ends the stack
+    assert c.rows[-1].name == "H = LayerNorm(T5)"  # post-LN: eq. (13) ends the stack
     bert = _matrix_backend(Bert(dict(cost.PRESETS["minilm"], num_hidden_layers=2)))
     ids = torch.randint(0, 1000, (2, 17))
     c = cost.estimate(bert, 2, 17)

@@ -1,4 +1,4 @@
-"""FeedForward (eq. 9.41): each activation against its formula, SwiGLU names, dropout, validation."""
+"""FeedForward (eq. (11)): each activation against its formula, SwiGLU names, dropout, validation."""
 
 from __future__ import annotations
 

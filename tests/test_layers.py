@@ -130,12 +130,12 @@ def test_post_ln_layer_is_exactly_eq_9_38_to_9_43():
     torch.manual_seed(2)
     layer = TransformerLayer(D_MODEL, HEADS, D_FF).double().eval()
     X = torch.randn(2, 7, D_MODEL, dtype=F64)
-    T1 = layer.self_attn(X)  # (9.38)
-    T2 = X + T1  # (9.39)
-    T3 = layer.attn_norm(T2)  # (9.40)
-    T4 = layer.ffn(T3)  # (9.41)
-    T5 = T4 + T3  # (9.42)
-    H = layer.ffn_norm(T5)  # (9.43)
+    T1 = layer.self_attn(X)  # (8)
+    T2 = X + T1  # (9)
+    T3 = layer.attn_norm(T2)  # (10)
+    T4 = layer.ffn(T3)  # (11)
+    T5 = T4 + T3  # (12)
+    H = layer.ffn_norm(T5)  # (13)
     assert torch.equal(layer(X), H)
 
 

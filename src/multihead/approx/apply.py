@@ -6,7 +6,7 @@ the same weights can be compared side by side (pretrained MiniLM, ``from_hf`` mo
 :func:`apply` sets the approximation as the ``backend`` of every :class:`~multihead.MultiHeadAttention`
 of the copy (what ``MultiHeadAttention(backend=approx)`` does): the same parameters and state-dict keys
 (plus the approximation's own, e.g. a learned Linformer's ``approx.proj_k``), the same forward
-(projections, rotary, KV cache, head mask), with the approximation serving the core call of eq. 9.34.
+(projections, rotary, KV cache, head mask), with the approximation serving the core call of eq. (4).
 
 Shape legend: B batch, N query tokens, L keys attended, d = d_model, Hq / Hkv heads, D head dim,
 r rank, I / O a linear layer's input / output width.

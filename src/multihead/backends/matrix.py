@@ -1,6 +1,6 @@
-"""``matrix``: eq. 9.32 as one batched matmul over all heads, the path that can return the weights.
+"""``matrix``: eq. (2) as one batched matmul over all heads, the path that can return the weights.
 
-    A = softmax(mask(Q K^T / sqrt(d_k))) V                       (seed 000, eq. 9.32)
+    A = softmax(mask(Q K^T / sqrt(d_k))) V                       (docs/equations.md, eq. (2))
 
 Scores and softmax are computed in fp32 (float64 stays float64); P is cast back to the input dtype for
 the P @ V matmul, as FlashAttention does. GQA is a broadcasted matmul over a (Hkv, G) split of the query
@@ -23,7 +23,7 @@ MAX_SCORE_BYTES = 1 << 30
 
 class MatrixBackend:
     name = "matrix"
-    summary = "eq. 9.32 as one batched matmul; materialises the (B, Hq, Nq, Nk) scores"
+    summary = "eq. (2) as one batched matmul; materialises the (B, Hq, Nq, Nk) scores"
 
     def why_not(self, p: Problem) -> str | None:
         nbytes = p.B * p.Hq * p.Nq * p.Nk * 4

@@ -1,6 +1,6 @@
-"""``reference``: eq. 9.34 literally - a loop over heads in float64. The oracle of every test.
+"""``reference``: eq. (4) literally - a loop over heads in float64. The oracle of every test.
 
-    head_i = softmax(mask(Q^i K^iT / sqrt(d_k))) V^i            (seed 000, eq. 9.34)
+    head_i = softmax(mask(Q^i K^iT / sqrt(d_k))) V^i            (docs/equations.md, eq. (4))
 
 Attention sinks (OpenAI 2025, gpt-oss model card) are written literally: head i's logit ``sink_i`` is
 appended to every row of its scores as one more column, the softmax runs over the widened row, and the
@@ -21,7 +21,7 @@ from .dense import modify_scores, safe_softmax
 
 class ReferenceBackend:
     name = "reference"
-    summary = "textbook per-head loop of eq. 9.34 in float64 (the test oracle)"
+    summary = "textbook per-head loop of eq. (4) in float64 (the test oracle)"
 
     def why_not(self, p: Problem) -> str | None:
         return "the float64 per-head oracle is for tests; ask for it with backend='reference'"

@@ -7,7 +7,7 @@ FlexAttention (``--flex``; it compiles once per shape), and the eager matmul-sof
 Hugging Face's ``eager_attention_forward`` (only where its N x N scores fit in memory).
 
 Repeats are interleaved (method A, B, C, A, B, C, ...) and the median is reported, so a machine shared
-with other work slows every method alike; the goals of the kernels issue are ratios for that reason.
+with other work slows every method alike; the goals below are ratios for that reason.
 Useful FLOPs follow FlashAttention's convention: 4 * B * Hq * D per allowed (query, key) pair forward,
 3.5x that forward+backward. The machine's matmul rate (a square matmul in the case's dtype) and memory
 bandwidth (a sum over 512 MiB) are measured in the same run.
@@ -48,7 +48,7 @@ class Result:
 
 
 def cases(kind: str = "quick") -> list[Case]:
-    """The fixed suite: ``"full"`` (the issue's sizes), ``"quick"`` (1-2 minutes) or ``"tiny"`` (smoke)."""
+    """The fixed suite: ``"full"`` (up to 32K tokens), ``"quick"`` (1-2 minutes) or ``"tiny"`` (smoke)."""
     if kind not in ("full", "quick", "tiny"):
         raise ValueError(f"suite kind must be 'full', 'quick' or 'tiny', got {kind!r}")
     full, tiny = kind == "full", kind == "tiny"
@@ -251,7 +251,7 @@ def table(doc: dict):
 def goals_table(doc: dict):
     from rich.table import Table
 
-    t = Table(title="goals of the kernels issue (ratios measured in this run)")
+    t = Table(title="goals of the CPU kernels (ratios measured in this run)")
     for col in ("case", "N", "goal", "measured", "met"):
         t.add_column(col)
     for g in doc["goals"]:

@@ -127,7 +127,7 @@ def _print_problem(doc: dict[str, Any], args: argparse.Namespace) -> None:
     console.print(doc["mask"], markup=False)
     console.print()
     d = doc["d_model"]
-    title = f"the layer's cost, {args.phase} (d_model={d}, d_ff={4 * d}, eq. 9.31-9.43)"
+    title = f"the layer's cost, {args.phase} (d_model={d}, d_ff={4 * d}, eq. (1)-(13))"
     console.print(walk_table(doc["walk"], title).rich())
 
 
@@ -295,7 +295,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "backend `auto` picks and why each other was rejected, draw the mask (at most "
         f"{PICTURE_MAX}x{PICTURE_MAX}), and walk one layer's FLOPs and bytes. With --preset NAME or "
         "--hf DIR: walk a whole model (nothing is allocated) - shapes, the cost of every operation of "
-        "eq. 9.31-9.43, memory, the masks in use, and with --roof each op on the roofline.",
+        "eq. (1)-(13), memory, the masks in use, and with --roof each op on the roofline.",
     )
     model = p.add_mutually_exclusive_group()
     model.add_argument(

@@ -58,7 +58,7 @@ def cost_table(c: cost.Cost, roof: cost.Roof | None = None) -> Table:
     if points:
         cols += ["bound", "GFLOP/s", "% time"]
         rows[-1] += ["", "", "100.0"]
-    title = f"cost of one forward call (eq. 9.31-9.43), {c.call.phase}, matmuls {human(c.matmul_flops)}FLOP"
+    title = f"cost of one forward call (eq. (1)-(13)), {c.call.phase}, matmuls {human(c.matmul_flops)}FLOP"
     return Table(title, cols, rows, align="llrrrlrr")
 
 
@@ -67,7 +67,7 @@ def memory_table(c: cost.Cost) -> Table:
     notes = {
         "weights": f"{c.params / 1e6:,.1f}M parameters",
         "activations": "residual stream + widest intermediate, held at once",
-        "attention scores": "one (B, Hq, Nq, Nk) matrix of eq. 9.32; fused kernels never hold it",
+        "attention scores": "one (B, Hq, Nq, Nk) matrix of eq. (2); fused kernels never hold it",
         "KV cache": f"K and V of {c.model.n_layers} layers for the tokens held after the call",
     }
     rows = [[name, _bytes(n), notes[name]] for name, n in c.memory().items()]
@@ -75,7 +75,7 @@ def memory_table(c: cost.Cost) -> Table:
 
 
 def roof_lines(c: cost.Cost, roof: cost.Roof | None) -> list[str]:
-    """The roof and the seed 001 §2.3 reading of this call (what bounds its time)."""
+    """The roof and whether this call is memory- or compute-bound (docs/equations.md, section 6)."""
     t = c.total()
     lines = [
         f"total {human(t.flops)}FLOP, {_bytes(t.bytes)} moved: {t.intensity:.2f} FLOP/B overall; matmuls "

@@ -36,7 +36,7 @@ def attention(
     return_lse: bool = False,
     sinks: Tensor | None = None,
 ) -> Tensor | AttentionOutput:
-    """Multi-head scaled dot-product attention, ``softmax(mask(q k^T * scale + bias)) v`` (eq. 9.32).
+    """Multi-head scaled dot-product attention, ``softmax(mask(q k^T * scale + bias)) v`` (eq. (2)).
 
     With ``sinks`` (learned attention sinks, OpenAI 2025, gpt-oss model card; why models need somewhere
     to put attention: Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks"),

@@ -1,4 +1,4 @@
-"""Analytic cost of a Transformer, walked through seed 000 eq. 9.31-9.43.
+"""Analytic cost of a Transformer, walked through eq. (1)-(13) of docs/equations.md.
 
     import multihead as mh
     c = mh.cost.estimate("llama-7b", batch=1, seq_len=2048, phase="decode")   # or a model, or a config
@@ -16,11 +16,11 @@ Conventions:
     * A matmul (m x k) @ (k x n) costs ``2 m k n`` FLOPs (the convention of
       ``torch.utils.flop_counter``); bias adds ride in the matmul's epilogue and are not counted.
       ``Cost.matmul_flops`` is what ``FlopCounterMode`` counts on the real forward with the ``matrix``
-      backend (eq. 9.32 as two batched matmuls). Fused kernels run the same dense math where the mask
+      backend (eq. (2) as two batched matmuls). Fused kernels run the same dense math where the mask
       allows every block (``tiled`` skips masked blocks, so it does less), but FlopCounterMode does not
       see inside CPU ``sdpa``.
     * The model is *unfused*: every op reads its inputs and writes its output once, at ``dtype``'s size
-      (weights included). The scores S and weights P are materialised (B, Hq, Nq, Nk) as in eq. 9.32,
+      (weights included). The scores S and weights P are materialised (B, Hq, Nq, Nk) as in eq. (2),
       unmasked blocks included - the traffic a fused kernel (``sdpa``, ``tiled``) saves.
     * Elementwise FLOPs per element are rough documented counts (softmax 7, LayerNorm 7, RMSNorm 4,
       GELU 8, SiLU 4, SwiGLU 5, RoPE 3, residual add 1).
@@ -30,7 +30,7 @@ Conventions:
       sequence against Nk = cached + 1 keys read from the KV cache (at most ``window`` with a sliding
       window, the sliding cache's size). The LM head projects every new row, as ``forward`` does.
 
-Seed 001 §2.3 on the numbers (tests/test_cost.py checks each):
+What the numbers say (docs/equations.md, section 6; tests/test_cost.py checks each):
     * Decode at batch 1 is memory-bound: every weight matmul multiplies a matrix by one vector, 2 FLOPs
       per weight element read - about 1 FLOP/byte at 16-bit, 0.5 at fp32 - far below the ridge of any
       CPU or GPU (roughly 5-20 FLOP/byte on a CPU, ~300 on an H100).

@@ -3,7 +3,7 @@ Nothing is allocated: a 7B preset is a handful of integers.
 
 Presets (:data:`PRESETS`, also :data:`multihead.pretrained.PRESETS`)::
 
-    transformer-base   Vaswani et al. 2017 base: the encoder stack of the seed's post-LN layer
+    transformer-base   Vaswani et al. 2017 base: the encoder stack of the original post-LN layer
                        (6 x d 512, 8 heads, d_ff 2048, ReLU, sinusoidal positions, 37000-token vocabulary);
                        the decoder's cross-attention is not modelled
     bert-base          BERT-base uncased: 12 x d 768, 12 heads, GELU, learned positions (512)

@@ -34,7 +34,7 @@ class Cost:
         activation_bytes: what a forward holds at once outside the scores and the cache (no autograd):
             the residual stream (B, Nq, d) plus the widest intermediate - the fused QKV output
             (B, Nq, (Hq + 2 Hkv) D), the FFN hidden (both halves for SwiGLU) or the logits (B, Nq, V).
-        score_bytes: one (B, Hq, Nq, Nk) score matrix, as eq. 9.32 materialises it per layer; the fused
+        score_bytes: one (B, Hq, Nq, Nk) score matrix, as eq. (2) materialises it per layer; the fused
             kernels (``sdpa``, ``tiled``) never hold it.
         kv_cache_bytes: K and V of every layer for the tokens held after the call (at most ``window``
             for a sliding-window model).
@@ -190,7 +190,7 @@ def estimate(
     dtype: torch.dtype | None = None,
     cached: int | None = None,
 ) -> Cost:
-    """FLOPs, bytes, intensity and memory of one forward call, per operation of eq. 9.31-9.43.
+    """FLOPs, bytes, intensity and memory of one forward call, per operation of eq. (1)-(13).
 
     Args:
         model_or_config: a multihead ``TransformerLM``, ``Encoder``, ``Bert``, ``SentenceEncoder``,

@@ -1,15 +1,15 @@
-"""The walk of one Transformer layer through seed 000 eq. 9.31-9.43, one :class:`Op` row per step.
+"""The walk of one Transformer layer through eq. (1)-(13) of docs/equations.md, one :class:`Op` row per step.
 
 A layer is a :class:`LayerSpec` (its architecture) run by a :class:`Call` (batch, tokens, phase, dtype).
 :func:`walk_layer` is the one walk; :func:`layer_walk` is its flat-argument front for a single layer and
 :func:`multihead.cost.estimate` runs it for every kind of layer of a whole model.
 
-Post-LN (the seed's layer) reads::
+Post-LN (the original Transformer's layer) reads::
 
-    Q, K, V = X W^Q, X W^K, X W^V  (9.31/9.33)     T2 = X + T1          (9.39)
-    S = Q K^T, P = softmax(S / sqrt(D)), A = P V   T3 = Norm(T2)        (9.40)
-                                     (9.32/9.34)   T4 = FFN(T3)         (9.41)
-    T1 = concat(A) W^O             (9.35/9.38)     T5 = T4 + T3, H = Norm(T5)  (9.42/9.43)
+    Q, K, V = X W^Q, X W^K, X W^V  (1)/(3)      T2 = X + T1          (9)
+    S = Q K^T, P = softmax(S / sqrt(D)), A = P V   T3 = Norm(T2)        (10)
+                                     (2)/(4)    T4 = FFN(T3)         (11)
+    T1 = concat(A) W^O             (5)/(8)      T5 = T4 + T3, H = Norm(T5)  (12)/(13)
 
 Pre-LN (GPT-2, LLaMA) normalises before each sub-layer instead: ``Xn = Norm(X)`` feeds the projections,
 ``T3 = Norm(T2)`` feeds the FFN and ``H = T2 + T4``. SwiGLU replaces ``ReLU(T3 W1) W2`` by
@@ -48,7 +48,7 @@ _NORM_NAMES = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """The architecture of one layer; ``ffn=False`` is a bare attention block (eq. 9.31-9.35 only)."""
+    """The architecture of one layer; ``ffn=False`` is a bare attention block (eq. (1)-(5) only)."""
 
     d_model: int
     n_heads: int
@@ -120,7 +120,7 @@ class LayerSpec:
 
 # -- the walk -----------------------------------------------------------------------------------------
 def _attention_ops(s: LayerSpec, c: Call, x: str) -> list[Op]:
-    """Eq. 9.31-9.35: projections, (rotary,) scores, softmax, weighted values, concat, output projection.
+    """Eq. (1)-(5): projections, (rotary,) scores, softmax, weighted values, concat, output projection.
 
     GQA/MQA: K and V are ``Hkv * D`` wide and read once per kv head (never repeated); the scores are
     still computed for all Hq query heads.
@@ -129,9 +129,9 @@ def _attention_ops(s: LayerSpec, c: Call, x: str) -> list[Op]:
     S = (B, Hq, Nq, Nk)  # scores and weights
     cache = " cache" if c.phase == "decode" or c.cached else ""
     ops = [
-        linear(c, f"Q = {x} W^Q", "9.31/9.33", x, "W^Q", d, Hq * D, s.bias),
-        linear(c, f"K = {x} W^K", "9.31/9.33", x, "W^K", d, Hkv * D, s.bias),
-        linear(c, f"V = {x} W^V", "9.31/9.33", x, "W^V", d, Hkv * D, s.bias),
+        linear(c, f"Q = {x} W^Q", "(1)/(3)", x, "W^Q", d, Hq * D, s.bias),
+        linear(c, f"K = {x} W^K", "(1)/(3)", x, "W^K", d, Hkv * D, s.bias),
+        linear(c, f"V = {x} W^V", "(1)/(3)", x, "W^V", d, Hkv * D, s.bias),
     ]
     if s.rotary:
         qk = (B, Hq + Hkv, Nq, D)
@@ -141,30 +141,30 @@ def _attention_ops(s: LayerSpec, c: Call, x: str) -> list[Op]:
     attend = 2 * math.prod(S) * D  # each of S = Q K^T and A = P V
     return [
         *ops,
-        step(c, "S = Q K^T", "9.32", [("Q", Q), (f"K{cache}^T", Kt)], S, attend, True),
-        step(c, "P = softmax(mask(S / sqrt(D)))", "9.32", [("S", S)], S, SOFTMAX_FLOPS * math.prod(S)),
-        step(c, "A = P V", "9.32/9.34", [("P", S), (f"V{cache}", V)], Q, attend, True),
-        step(c, "concat heads", "9.35", [("A", Q)], (B, Nq, Hq * D), 0),
-        linear(c, "T1 = concat W^O", "9.35/9.38", "A", "W^O", Hq * D, d, s.bias),
+        step(c, "S = Q K^T", "(2)", [("Q", Q), (f"K{cache}^T", Kt)], S, attend, True),
+        step(c, "P = softmax(mask(S / sqrt(D)))", "(2)", [("S", S)], S, SOFTMAX_FLOPS * math.prod(S)),
+        step(c, "A = P V", "(2)/(4)", [("P", S), (f"V{cache}", V)], Q, attend, True),
+        step(c, "concat heads", "(5)", [("A", Q)], (B, Nq, Hq * D), 0),
+        linear(c, "T1 = concat W^O", "(5)/(8)", "A", "W^O", Hq * D, d, s.bias),
     ]
 
 
 def _ffn_ops(s: LayerSpec, c: Call, x: str) -> list[Op]:
-    """Eq. 9.41: ``act(x W1 + b1) W2 + b2`` (or SwiGLU's ``(SiLU(x W1) * x W3) W2``) on every row."""
+    """Eq. (11): ``act(x W1 + b1) W2 + b2`` (or SwiGLU's ``(SiLU(x W1) * x W3) W2``) on every row."""
     d, F = s.d_model, s.d_ff
     hidden = (c.batch, c.Nq, F)
     act = ACTIVATION_FLOPS[s.activation] * math.prod(hidden)
-    down = linear(c, "T4 = R W2 (FFN down)", "9.41", "R", "W2", F, d, s.bias)
+    down = linear(c, "T4 = R W2 (FFN down)", "(11)", "R", "W2", F, d, s.bias)
     if s.activation == "swiglu":
         return [
-            linear(c, f"G = {x} W1 (FFN gate)", "9.41", x, "W1", d, F, s.bias),
-            linear(c, f"U = {x} W3 (FFN up)", "9.41", x, "W3", d, F, s.bias),
-            step(c, "R = SiLU(G) * U", "9.41", [("G", hidden), ("U", hidden)], hidden, act),
+            linear(c, f"G = {x} W1 (FFN gate)", "(11)", x, "W1", d, F, s.bias),
+            linear(c, f"U = {x} W3 (FFN up)", "(11)", x, "W3", d, F, s.bias),
+            step(c, "R = SiLU(G) * U", "(11)", [("G", hidden), ("U", hidden)], hidden, act),
             down,
         ]
     return [
-        linear(c, f"U = {x} W1 (FFN up)", "9.41", x, "W1", d, F, s.bias),
-        step(c, f"R = {_ACT_NAMES[s.activation]}(U)", "9.41", [("U", hidden)], hidden, act),
+        linear(c, f"U = {x} W1 (FFN up)", "(11)", x, "W1", d, F, s.bias),
+        step(c, f"R = {_ACT_NAMES[s.activation]}(U)", "(11)", [("U", hidden)], hidden, act),
         down,
     ]
 
@@ -176,20 +176,20 @@ def walk_layer(s: LayerSpec, c: Call) -> list[Op]:
     d, N = s.d_model, _NORM_NAMES[s.norm]
     if s.norm_first:
         return [
-            norm(c, s.norm, f"Xn = {N}(X)", "9.40 (pre-LN)", "X", d),
+            norm(c, s.norm, f"Xn = {N}(X)", "(10) (pre-LN)", "X", d),
             *_attention_ops(s, c, "Xn"),
-            add(c, "T2 = X + T1", "9.39", "X", "T1", d),
-            norm(c, s.norm, f"T3 = {N}(T2)", "9.43 (pre-LN)", "T2", d),
+            add(c, "T2 = X + T1", "(9)", "X", "T1", d),
+            norm(c, s.norm, f"T3 = {N}(T2)", "(13) (pre-LN)", "T2", d),
             *_ffn_ops(s, c, "T3"),
-            add(c, "H = T2 + T4", "9.42", "T2", "T4", d),
+            add(c, "H = T2 + T4", "(12)", "T2", "T4", d),
         ]
     return [
         *_attention_ops(s, c, "X"),
-        add(c, "T2 = X + T1", "9.39", "X", "T1", d),
-        norm(c, s.norm, f"T3 = {N}(T2)", "9.40", "T2", d),
+        add(c, "T2 = X + T1", "(9)", "X", "T1", d),
+        norm(c, s.norm, f"T3 = {N}(T2)", "(10)", "T2", d),
         *_ffn_ops(s, c, "T3"),
-        add(c, "T5 = T4 + T3", "9.42", "T4", "T3", d),
-        norm(c, s.norm, f"H = {N}(T5)", "9.43", "T5", d),
+        add(c, "T5 = T4 + T3", "(12)", "T4", "T3", d),
+        norm(c, s.norm, f"H = {N}(T5)", "(13)", "T5", d),
     ]
 
 
@@ -211,7 +211,7 @@ def layer_walk(
     norm_first: bool = False,
     rotary: bool = False,
 ) -> list[Op]:
-    """Walk one layer of eq. 9.31-9.43 and cost every step (see :mod:`multihead.cost` for conventions).
+    """Walk one layer of eq. (1)-(13) and cost every step (see :mod:`multihead.cost` for conventions).
 
     Defaults are the original Transformer's post-LN layer (d 512, 8 heads of 64, d_ff 2048, ReLU) at
     N = 1024. For a whole model use :func:`multihead.cost.estimate`.
@@ -223,7 +223,7 @@ def layer_walk(
         head_dim: default ``d_model // n_heads``.
         bias: whether the linear layers have biases (their bytes are counted).
         activation: relu | gelu | gelu_tanh | silu | swiglu (three FFN matrices).
-        norm, norm_first: layernorm | rmsnorm; post-LN (the seed's) or pre-LN.
+        norm, norm_first: layernorm | rmsnorm; post-LN (the original Transformer's) or pre-LN.
         rotary: add the rotary step on Q and K.
 
     Returns:

@@ -1,4 +1,4 @@
-"""Heads of a real model: what they do, which matter, and how to have fewer (seed 001; issue 6).
+"""Heads of a real model: what they do, which matter, and how to have fewer.
 
     maps = mh.heads.attention_maps(model, texts)            # per text (L, H, N, N)
     table = mh.heads.roles(maps, mh.heads.token_strings(model, texts))   # Clark et al. statistics

@@ -1,4 +1,4 @@
-"""MHA -> GQA / MQA: merge the K/V heads of each group into one (seed 004; Ainslie et al., 2023).
+"""MHA -> GQA / MQA: merge the K/V heads of each group into one (Ainslie et al., 2023, "GQA").
 
 ``method="mean"`` mean-pools the W^K / W^V rows (and biases) of the kv heads of a group, as GQA
 uptraining starts from. ``method="aligned"`` first rotates each head so that the heads of a group agree,

@@ -1,8 +1,8 @@
 """Pruning heads for real: smaller projections, fewer FLOPs, the same outputs as masking them.
 
 Removing head h of a layer deletes its D rows of W^Q in the fused ``qkv_proj`` and its D columns of
-W^O; because the heads' outputs are concatenated before W^O (seed 000, eq. 9.35), the layer then computes
-exactly what it computed with ``head_mask[h] = 0``.
+W^O; because the heads' outputs are concatenated before W^O (docs/equations.md, eq. (5)), the layer then
+computes exactly what it computed with ``head_mask[h] = 0``.
 
 GQA: a kv head (its W^K and W^V rows) is removed only when all its query heads are. When the surviving
 groups differ in size (2, 3, 3, 3 query heads per kv head, say), every group must have the same size

@@ -1,4 +1,4 @@
-"""Quantization (seed 003 §3.1.3, §3.2.2): int8 weights per output channel, int8 keys and values.
+"""Quantization (docs/equations.md, section 7): int8 weights per output channel, int8 keys and values.
 
 ``quantize(model, weights="int8", kv="int8")`` returns a copy of a model where
 
@@ -6,7 +6,7 @@
   scale per output channel (``absmax / 127``: linear, symmetric quantization), and every ``nn.Embedding``
   an :class:`Int8Embedding` (one scale per row; a tied output head shares the embedding's int8 storage);
 - every attention quantizes its keys and values to int8 per token (:class:`KVInt8`, the int8 format of
-  the core's KV cache) while scores, softmax and weights stay in fp16/fp32: the seed's mixed precision.
+  the core's KV cache) while scores, softmax and weights stay in fp16/fp32: mixed precision.
   A :class:`~multihead.TransformerLM` also generates with the ``"int8"`` KV cache by default.
 
 Kernels, all library ones (nothing hand-written but the per-channel rounding and the embedding gather):

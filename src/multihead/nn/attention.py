@@ -1,8 +1,8 @@
-"""``MultiHeadAttention``: the parameters of eq. 9.33-9.35 around the functional core ``mh.attention``.
+"""``MultiHeadAttention``: the parameters of eq. (3)-(5) around the functional core ``mh.attention``.
 
-    Q^i = X W_Qi,  K^i = X W_Ki,  V^i = X W_Vi                                  (eq. 9.33)
-    head_i = softmax(Q^i K^iT / sqrt(d_k)) V^i                                  (eq. 9.34)
-    MultiHeadAttention(X) = (head_1 (+) ... (+) head_h) W^O                     (eq. 9.35)
+    Q^i = X W_Qi,  K^i = X W_Ki,  V^i = X W_Vi                                  (eq. (3))
+    head_i = softmax(Q^i K^iT / sqrt(d_k)) V^i                                  (eq. (4))
+    MultiHeadAttention(X) = (head_1 (+) ... (+) head_h) W^O                     (eq. (5))
 
 The three projections are one fused ``qkv_proj`` Linear (one matmul instead of three). Its output rows
 are ``[q | k | v]``: ``Hq*D`` query rows, then ``Hkv*D`` key rows, then ``Hkv*D`` value rows, each block
@@ -23,13 +23,13 @@ Models with Attention Sinks"). :meth:`attend` passes it to the core on every cal
 **A template of named steps.** :meth:`~MultiHeadAttention.forward` reads as the equations::
 
     check_call(x, context, cache, positions, head_mask)       the arguments, before any work
-    heads(x, context, ...)            -> (B, Hq, N, Dv)       head_1 .. head_h, eq. 9.33-9.34:
-        project(x, context)           -> q, k, v              eq. 9.33
+    heads(x, context, ...)            -> (B, Hq, N, Dv)       head_1 .. head_h, eq. (3)-(4):
+        project(x, context)           -> q, k, v              eq. (3)
         apply_positions(q, k, ...)    -> q, k                 rotary (self-attention only)
         update_cache(cache, k, v)     -> k, v                 append to a KVCache, attend over all of it
-        attend(q, k, v, ...)          -> (B, Hq, N, Dv)       eq. 9.32 / 9.34: ``mh.attention``
+        attend(q, k, v, ...)          -> (B, Hq, N, Dv)       eq. (2) / (4): ``mh.attention``
     mix_heads(a, x, head_mask)        -> (B, Hq, N, Dv)       per-head scaling before W^O (head_mask)
-    output(a)                         -> (B, N, d)            merge_heads, W^O of eq. 9.35, dropout
+    output(a)                         -> (B, N, d)            merge_heads, W^O of eq. (5), dropout
 
 A head design subclasses this module and overrides only the steps it changes (as the designs of
 :mod:`multihead.variants` do)::
@@ -129,7 +129,7 @@ class MultiHeadAttention(nn.Module):
             overrides :meth:`attend` (it computes its own weights, with no sink term).
     """
 
-    #: True when q, k, v come from ``qkv_proj`` and the heads are the attention of eq. 9.34 (only
+    #: True when q, k, v come from ``qkv_proj`` and the heads are the attention of eq. (4) (only
     #: :meth:`mix_heads` may differ): tools that rewrite those steps (:func:`multihead.approx.apply`,
     #: tensor parallelism, the cost model, :func:`multihead.heads.capture_attention`) accept the module.
     textbook: ClassVar[bool] = True
@@ -190,7 +190,7 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         fk = {"bias": bias, "device": device, "dtype": dtype}
         self.qkv_proj = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * head_dim, **fk)  # W^Q|W^K|W^V
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, **fk)  # W^O of eq. 9.35
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, **fk)  # W^O of eq. (5)
         self.sinks: nn.Parameter | None = (
             nn.Parameter(torch.zeros(n_heads, device=device, dtype=dtype)) if sinks else None
         )  # (Hq,) attention-sink logits
@@ -210,7 +210,7 @@ class MultiHeadAttention(nn.Module):
         return self.qkv_proj.weight[rows], None if b is None else b[rows]
 
     def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """eq. 9.33 for all heads at once: q (B, N, Hq*D), k and v (B, M, Hkv*D)."""
+        """eq. (3) for all heads at once: q (B, N, Hq*D), k and v (B, M, Hkv*D)."""
         sq, sk, sv = self._slices()
         if context is None:
             qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D)
@@ -231,12 +231,12 @@ class MultiHeadAttention(nn.Module):
         return t.reshape(t.shape[0], t.shape[1], n_heads, -1).transpose(1, 2)  # (B, H, T, D)
 
     def project_queries(self, x: Tensor, heads: slice | None = None) -> Tensor:
-        """Q^i = X W_Qi of eq. 9.33 for the query heads ``heads`` (default all): (B, N, d) -> (B, h, N, D)."""
+        """Q^i = X W_Qi of eq. (3) for the query heads ``heads`` (default all): (B, N, d) -> (B, h, N, D)."""
         q = F.linear(x, *self.query_rows(heads))  # (B, N, h*D)
         return self.split_heads(q, q.shape[-1] // self.head_dim)  # (B, h, N, D)
 
     def project_keys_values(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        """K^i, V^i of eq. 9.33 from the keys' input src (B, M, d): k and v (B, Hkv, M, D)."""
+        """K^i, V^i of eq. (3) from the keys' input src (B, M, d): k and v (B, Hkv, M, D)."""
         k, v = self._project_kv(src)  # 2 x (B, M, Hkv*D)
         return self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
 
@@ -254,7 +254,7 @@ class MultiHeadAttention(nn.Module):
                     sd[f"{p}_proj.{kind}"] = fused[s].clone()
         return sd
 
-    # -- forward: the steps in the order of eq. 9.33-9.35 ---------------------------------------------
+    # -- forward: the steps in the order of eq. (3)-(5) ---------------------------------------------
     def forward(
         self,
         x: Tensor,
@@ -293,7 +293,7 @@ class MultiHeadAttention(nn.Module):
         self.check_call(x, context, cache, positions, head_mask)
         a = self.heads(x, context, mask=mask, bias=bias, cache=cache, positions=positions)  # (B, Hq, N, Dv)
         a = self.mix_heads(a, x, head_mask)  # (B, Hq, N, Dv)
-        return self.output(a)  # (B, N, d): eq. 9.35
+        return self.output(a)  # (B, N, d): eq. (5)
 
     def check_call(
         self,
@@ -343,11 +343,11 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None,
         positions: Tensor | None,
     ) -> Tensor:
-        """head_1 .. head_h of eq. 9.33-9.34 as (B, Hq, N, Dv): project, positions, cache, attend.
+        """head_1 .. head_h of eq. (3)-(4) as (B, Hq, N, Dv): project, positions, cache, attend.
 
         Arguments as :meth:`forward` (already checked).
         """
-        q, k, v = self.project(x, context)  # (B, Hq, N, D), 2 x (B, Hkv, M or N, D): eq. 9.33
+        q, k, v = self.project(x, context)  # (B, Hq, N, D), 2 x (B, Hkv, M or N, D): eq. (3)
         if context is None:
             q, k = self.apply_positions(q, k, positions, cache)  # (B, Hq, N, D), (B, Hkv, N, D)
         if cache is not None:
@@ -355,7 +355,7 @@ class MultiHeadAttention(nn.Module):
         return self.attend(q, k, v, mask=mask, bias=bias, x=x, context=context)  # (B, Hq, N, Dv)
 
     def project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """eq. 9.33, Q = X W^Q, K = X W^K, V = X W^V (K, V from ``context`` in cross-attention).
+        """eq. (3), Q = X W^Q, K = X W^K, V = X W^V (K, V from ``context`` in cross-attention).
 
         Args:
             x: (B, N, d) the queries' input.
@@ -415,7 +415,7 @@ class MultiHeadAttention(nn.Module):
         x: Tensor | None = None,
         context: Tensor | None = None,
     ) -> Tensor:
-        """eq. 9.32 / 9.34 per head, ``softmax(q k^T * scale + bias) v`` over the keys the mask allows
+        """eq. (2) / (4) per head, ``softmax(q k^T * scale + bias) v`` over the keys the mask allows
         (with :attr:`sinks`, each head's sink joins every row's softmax denominator).
 
         Args:
@@ -437,7 +437,7 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.attention_dropout(),
             backend=self.backend,
             sinks=self.sinks,
-        )  # (B, Hq, N, Dv): head_i of eq. 9.34 (or its approximation)
+        )  # (B, Hq, N, Dv): head_i of eq. (4) (or its approximation)
         assert isinstance(a, Tensor)
         return a
 
@@ -457,12 +457,12 @@ class MultiHeadAttention(nn.Module):
         return a * head_mask.reshape(-1, self.n_heads, 1, 1).to(a.dtype)  # (B, Hq, N, Dv)
 
     def merge_heads(self, a: Tensor) -> Tensor:
-        """head_1 (+) ... (+) head_h of eq. 9.35: (B, Hq, N, Dv) -> (B, N, Hq*Dv)."""
+        """head_1 (+) ... (+) head_h of eq. (5): (B, Hq, N, Dv) -> (B, N, Hq*Dv)."""
         B, H, N, Dv = a.shape
         return a.transpose(1, 2).reshape(B, N, H * Dv)  # (B, N, Hq*Dv)
 
     def output(self, a: Tensor) -> Tensor:
-        """W^O of eq. 9.35 on the merged heads, then output dropout: (B, Hq, N, Dv) -> (B, N, d)."""
+        """W^O of eq. (5) on the merged heads, then output dropout: (B, Hq, N, Dv) -> (B, N, d)."""
         return self.out_dropout(self.o_proj(self.merge_heads(a)))  # (B, N, d)
 
     @property

@@ -3,7 +3,7 @@
 Same constructor, forward signature, return values, parameter names and ``state_dict`` keys as torch, so
 ``ours.load_state_dict(torch_mha.state_dict())`` gives the same results; parameters are created and
 initialised in torch's order, so under one RNG seed both modules even start from the same weights. The
-attention itself is one call of :func:`multihead.attention` (eq. 9.32 of seed 000). torch's mask
+attention itself is one call of :func:`multihead.attention` (docs/equations.md, eq. (2)). torch's mask
 conventions hold at this boundary and are converted once, here:
 
     torch (this module)                                  multihead core

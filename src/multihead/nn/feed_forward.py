@@ -1,4 +1,4 @@
-"""The position-wise feed-forward network FFN of the Transformer block (seed 000, eq. 9.41).
+"""The position-wise feed-forward network FFN of the Transformer block (docs/equations.md, eq. (11)).
 
 The same two-layer network is applied to each of the N rows of the packed input independently:
 

@@ -16,9 +16,9 @@ Kinds:
 
 - ``"dense"``: storage (B, Hkv, max_len, D); returns a view of the first L = length positions.
 - ``"int8"``: per-token symmetric int8 K and V, ``scale = absmax / 127`` per (b, head, position), kept in
-  float32 (float64 for a float64 cache) and dequantised to the cache dtype on read - the mixed precision of
-  seed 003 §3.1.3 (K and V in int8, the rest in floating point). Every returned position, the new ones
-  included, is the dequantised value, so results do not depend on how the tokens were chunked.
+  float32 (float64 for a float64 cache) and dequantised to the cache dtype on read - mixed precision as in
+  docs/equations.md, section 7 (K and V in int8, the rest in floating point). Every returned position, the
+  new ones included, is the dequantised value, so results do not depend on how the tokens were chunked.
 - ``"sliding"``: a ring buffer of W positions (Mistral). Returns the up to W - 1 kept positions before the
   new ones followed by the n new ones - all the earliest new token can see - so use
   ``mh.sliding_window(W)`` as the mask (for n = 1, ``mh.causal()`` gives the same result). It never

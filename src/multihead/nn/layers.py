@@ -1,15 +1,15 @@
-"""The Transformer layer (seed 000, eq. 9.36-9.43) and the Encoder / Decoder stacks built from it.
+"""The Transformer layer (docs/equations.md, eq. (6)-(13)) and the Encoder / Decoder stacks built from it.
 
 Post-LN (``norm_first=False``, the layer of the seed and of the original Transformer), over the whole
 packed input X (N x d) at once:
 
-    T1 = MultiHeadAttention(X)      (9.38)        T4 = FFN(T3)           (9.41)
-    T2 = X + T1                     (9.39)        T5 = T4 + T3           (9.42)
-    T3 = LayerNorm(T2)              (9.40)        H  = LayerNorm(T5)     (9.43)
+    T1 = MultiHeadAttention(X)      (8)        T4 = FFN(T3)           (11)
+    T2 = X + T1                     (9)        T5 = T4 + T3           (12)
+    T3 = LayerNorm(T2)              (10)        H  = LayerNorm(T5)     (13)
 
 Pre-LN (``norm_first=True``, GPT-2, LLaMA): ``X + MHA(LN(X))`` then ``+ FFN(LN(.))``. With
 ``cross_attention=True`` a cross-attention sub-layer over the encoder output ``memory`` sits between the
-two (seed 001 §3.3: queries from the decoder stream, keys and values from memory), with its own
+two (cross-attention: queries from the decoder stream, keys and values from memory), with its own
 residual and norm. Dropout on the residual branches (training only) lives inside the sub-layers: the
 output dropout of :class:`MultiHeadAttention` and of :class:`FeedForward`, the places torch's
 ``TransformerEncoderLayer`` drops.
@@ -45,7 +45,7 @@ class TransformerLayer(nn.Module):
         d_model, n_heads, d_ff: width d, query heads, FFN hidden width.
         n_kv_heads: kv heads for GQA / MQA (default n_heads).
         norm: "layernorm" | "rmsnorm".
-        norm_first: False = post-LN, exactly eq. 9.38-9.43; True = pre-LN.
+        norm_first: False = post-LN, exactly eq. (8)-(13); True = pre-LN.
         activation: FFN activation, see :class:`FeedForward`.
         dropout: attention-weight, attention-output and FFN dropout (training only).
         cross_attention: add a cross-attention sub-layer over ``memory`` (decoder of an encoder-decoder).
@@ -143,14 +143,14 @@ class TransformerLayer(nn.Module):
         return self._post_ln(x, self_attention, memory, memory_mask)
 
     def _post_ln(self, x: Tensor, self_attention, memory: Tensor | None, memory_mask) -> Tensor:
-        t1 = self_attention(x)  # (9.38)
-        t2 = x + t1  # (9.39)
-        t3 = self.attn_norm(t2)  # (9.40)
+        t1 = self_attention(x)  # (8)
+        t2 = x + t1  # (9)
+        t3 = self.attn_norm(t2)  # (10)
         if self.cross_attn is not None and self.cross_norm is not None:
             t3 = self.cross_norm(t3 + self.cross_attn(t3, memory, mask=memory_mask))
-        t4 = self.ffn(t3)  # (9.41)
-        t5 = t4 + t3  # (9.42)
-        return self.ffn_norm(t5)  # H (9.43)
+        t4 = self.ffn(t3)  # (11)
+        t5 = t4 + t3  # (12)
+        return self.ffn_norm(t5)  # H (13)
 
     def _pre_ln(self, x: Tensor, self_attention, memory: Tensor | None, memory_mask) -> Tensor:
         x = x + self_attention(self.attn_norm(x))
@@ -202,7 +202,7 @@ class _Stack(nn.Module):
         assert isinstance(first, TransformerLayer)
         use_norm = first.norm_first if final_norm is None else bool(final_norm)
         # Pre-LN leaves the residual stream un-normalised, so stacks end with a norm (GPT-2 ln_f);
-        # post-LN layers already end with one (eq. 9.43).
+        # post-LN layers already end with one (eq. (13)).
         self.final_norm = make_norm(first.norm_kind, d_model, first.norm_eps) if use_norm else nn.Identity()
 
 
@@ -246,7 +246,7 @@ class Encoder(_Stack):
 
 
 class Decoder(_Stack):
-    """A stack of TransformerLayers with cross-attention over the encoder output (seed 001 §3.3).
+    """A stack of TransformerLayers with cross-attention over the encoder output (docs/equations.md, sec. 4).
 
     ``Decoder(n_layers, d_model, n_heads, d_ff, *, final_norm=None, **layer_kwargs)``, as :class:`Encoder`
     with ``cross_attention=True`` in every layer.

@@ -1,4 +1,4 @@
-"""Normalisation layers of the Transformer block: LayerNorm (seed 000, eq. 9.40 / 9.43) and RMSNorm.
+"""Normalisation layers of the Transformer block: LayerNorm (docs/equations.md, eq. (10) / (13)) and RMSNorm.
 
 ``LayerNorm`` is torch's ``nn.LayerNorm``: ``(x - mean) / sqrt(var + eps) * weight + bias`` per token.
 ``RMSNorm`` (Zhang & Sennrich, 2019; LLaMA, Mistral, Qwen2) drops the centring and the bias:

@@ -2,14 +2,14 @@
 
 Shape legend: B batch, H heads, N positions, D head dim, d model width.
 
-- :class:`SinusoidalPositions` is the fixed table of Vaswani et al. (seed 003 §3.3)::
+- :class:`SinusoidalPositions` is the fixed table of Vaswani et al. (2017)::
 
       PE[pos, 2i]   = sin(pos / 10000^(2i/d))
       PE[pos, 2i+1] = cos(pos / 10000^(2i/d))
 
-  computed once into a lookup table and gathered by position index (seed 003 §3.3.1, 预计算位置编码).
+  computed once into a lookup table and gathered by position index (it does not depend on the input).
 - :class:`LearnedPositions` is the same lookup over a trained table (BERT, GPT-2).
-- :class:`RotaryEmbedding` (RoFormer; LLaMA, Mistral, Qwen2 - seed 004 "参见位置编码") rotates each pair of
+- :class:`RotaryEmbedding` (Su et al., 2021, RoFormer; LLaMA, Mistral, Qwen2) rotates each pair of
   q/k features by ``pos * theta_i`` with ``theta_i = base^(-2i/D)``, so that ``q_m . k_n`` depends on the
   positions only through ``m - n``.
 """
@@ -80,7 +80,7 @@ def sinusoidal_table(max_len: int, d_model: int, dtype: torch.dtype = torch.floa
 
 
 class SinusoidalPositions(nn.Module):
-    """Fixed sinusoidal position encodings, precomputed once into a lookup table (seed 003 §3.3.1).
+    """Fixed sinusoidal position encodings, precomputed once into a lookup table.
 
     Args:
         d_model: width d of each encoding.

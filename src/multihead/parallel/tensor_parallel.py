@@ -1,6 +1,6 @@
 """Tensor (head) parallelism: every rank of a group computes 1/W of the heads and of the FFN width.
 
-Megatron-LM's split (Shoeybi et al. 2019; seed 001: ColumnParallelLinear for W^Q, W^K, W^V,
+Megatron-LM's split (Shoeybi et al. 2019: ColumnParallelLinear for W^Q, W^K, W^V,
 RowParallelLinear for W^O):
 
     x (replicated) -> [q_r | k_r | v_r] = x W_qkv[rows of rank r]     column-parallel, no communication

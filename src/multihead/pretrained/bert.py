@@ -1,11 +1,13 @@
 """BERT (and sentence-transformers' MiniLM) as a multihead :class:`Encoder` of post-LN layers.
 
     ids (B, N) -> word + position + token-type embeddings -> LayerNorm
-               -> n_layers x TransformerLayer, post-LN (seed 000, eq. 9.38-9.43), GELU FFN -> (B, N, d)
+               -> n_layers x TransformerLayer, post-LN (docs/equations.md, eq. (8)-(13)), GELU FFN
+               -> (B, N, d)
 
-The layer of BERT is exactly the seed's layer: ``T3 = LayerNorm(X + MHA(X))``, ``H = LayerNorm(T3 +
-FFN(T3))``. Padded batches use ``mh.key_padding(attention_mask)``; packed batches (several sequences
-concatenated in one row) use ``mh.document(document_ids)`` and positions that restart at each document,
+The layer of BERT is exactly the post-LN layer of docs/equations.md, eq. (6)-(7):
+``T3 = LayerNorm(X + MHA(X))``, ``H = LayerNorm(T3 + FFN(T3))``. Padded batches use
+``mh.key_padding(attention_mask)``; packed batches (several sequences concatenated in one row) use
+``mh.document(document_ids)`` and positions that restart at each document,
 so a packed row computes what each of its sequences alone would.
 
 Shape legend: B batch rows, N tokens per row, d = hidden size.
@@ -87,7 +89,7 @@ class Bert(nn.Module):
             cfg(config, "num_attention_heads"),
             cfg(config, "intermediate_size"),
             norm="layernorm",
-            norm_first=False,  # post-LN: eq. 9.40 and 9.43
+            norm_first=False,  # post-LN: eq. (10) and (13)
             activation=ACTIVATIONS[act],
             norm_eps=eps,
         )

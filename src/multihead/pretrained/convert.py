@@ -73,7 +73,7 @@ def rename(state_dict: Mapping[str, Tensor], rules: list[Rule], what: str) -> di
 def fuse_qkv(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     """Replace every ``<prefix>.{q,k,v}_proj.{weight,bias}`` triple by ``<prefix>.qkv_proj.*`` (rows q|k|v).
 
-    The fused layout of :class:`multihead.MultiHeadAttention` (one matmul for eq. 9.33).
+    The fused layout of :class:`multihead.MultiHeadAttention` (one matmul for eq. (3)).
     """
     out = dict(sd)
     for key in sd:

@@ -22,7 +22,7 @@ __all__ = ["PRESETS", "llama_from_state_dict", "llama_kwargs", "preset_config"]
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 #: Random-weight model shapes (Hugging Face LLaMA config fields) for ``multihead generate`` and the
-#: benchmarks. ``llama-155m`` is the issue's decode workload: 155M parameters, fp32.
+#: benchmarks. ``llama-155m`` is the decode benchmark's workload: 155M parameters, fp32.
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-155m": {
         "model_type": "llama",

@@ -6,7 +6,7 @@ rich tables on a terminal. Later issues add a section by appending a function to
 
 Sections today:
     exactness  every backend against the float64 ``reference`` (gold), forward and gradient
-    walk       the layer of seed 000 eq. 9.31-9.43 step by step: shapes, FLOPs, bytes, intensity
+    walk       the layer of eq. (1)-(13) (docs/equations.md) step by step: shapes, FLOPs, bytes, intensity
     kv_cache   KV-cache size of MHA vs GQA vs MQA
 """
 

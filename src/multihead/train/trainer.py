@@ -14,7 +14,7 @@ model is causal unless the approximation has no causal form (Linformer, Nystrom 
 MQAR puts no answer after its query, so a bidirectional model cannot read the answer off the input.
 
 Like every induction-head task MQAR trains through a plateau and a sudden drop. Trained directly at the
-issue's size (seq_len 256, 16 pairs, vocab 8192) the plateau outlasted 2500 steps (d_model 64 or 128);
+Zoology's size (seq_len 256, 16 pairs, vocab 8192) the plateau outlasted 2500 steps (d_model 64 or 128);
 at a quarter of the size the drop comes after ~1500 steps of 4x cheaper steps, and the mechanism
 (a previous-token head and a match on rotary-relative positions) carries over to the full length at
 once (the loss falls from 4.5 to 0.07 within 100 full-size steps). The default recipe reaches >= 99%

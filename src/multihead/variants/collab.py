@@ -95,7 +95,7 @@ class CollaborativeHeads(AttentionVariant):
                 f"CollaborativeHeads d_shared ({K}) must be a multiple of the rotary head_dim ({rd}): "
                 "the shared q/k are rotated in chunks of that width; pick d_shared = a multiple of it"
             )
-        del self.qkv_proj  # the projections of eq. 9.33 are these:
+        del self.qkv_proj  # the projections of eq. (3) are these:
         self.q_proj = nn.Linear(d_model, K, bias=bias)  # W~_Q, b~_Q
         self.k_proj = nn.Linear(d_model, K, bias=bias)  # W~_K, b~_K (it matters only with rotary)
         self.v_proj = nn.Linear(d_model, H * D, bias=bias)  # W_V^1 | ... | W_V^H

@@ -1,7 +1,7 @@
 """Attention with the full score tensor in hand, for designs that mix heads' scores (talking heads, DCMHA).
 
 Mixing across heads at each (query, key) needs every head's score at once, which no fused kernel exposes,
-so these designs compute eq. 9.32 explicitly::
+so these designs compute eq. (2) explicitly::
 
     S = Q K^T * scale                      (B, Hq, Nq, Nk), GQA grouped without repeating K
     S = compose_logits(S) + bias           head mixing before the softmax, then the score bias

@@ -12,7 +12,7 @@ Two tasks, both with 4 query heads (so that "gqa", 2 kv heads, differs from "mqa
     QUICK  seq_len 16, 2 pairs, vocab 64: exact attention gets past MQAR's plateau after ~200-250 steps,
            so 300 steps separate the designs by how soon they learn it (10-15 s per design)
     FULL   seq_len 64, 4 pairs, vocab 256, 500 steps: a harder task (exact attention learns it after
-           ~300 steps) at a few minutes in all. The issue's size (seq_len 256, 16 pairs, vocab 8192)
+           ~300 steps) at a few minutes in all. Zoology's size (seq_len 256, 16 pairs, vocab 8192)
            takes the trainer's recipe ~25 CPU minutes per design: ``multihead train --attention NAME``.
            The full study runs QUICK first.
 
@@ -52,7 +52,7 @@ QUICK = TrainConfig(
     short_steps=0,
 )
 #: The full study's second task: 4x longer, 2x the pairs, 4x the vocabulary (about 30 s per design; the
-#: issue's size, seq_len 256 with 16 pairs, takes the trainer's recipe ~25 CPU minutes per design:
+#: Zoology's size, seq_len 256 with 16 pairs, takes the trainer's recipe ~25 CPU minutes per design:
 #: ``multihead train --attention NAME``).
 FULL = TrainConfig(
     seq_len=64,
@@ -298,8 +298,9 @@ def _notes(tasks: list[tuple[TrainConfig, list[dict[str, Any]]]]) -> list[str]:
         "time on one thread.",
         "MQAR is learned through a plateau and a sudden drop (an induction head forms): at a fixed step "
         "budget a table ranks how soon each design gets there, not what it reaches in the end, and a design "
-        "near the drop can land either side of it with another seed. The issue's size needs thousands of "
-        "steps (BENCHMARKS.md); `multihead train --attention NAME --steps N` trains longer.",
+        "near the drop can land either side of it with another seed. Zoology's size (seq_len 256, 16 "
+        "pairs) needs thousands of steps (BENCHMARKS.md); `multihead train --attention NAME --steps N` "
+        "trains longer.",
         *(_finding(rows, c) for c, rows in tasks),
     ]
 

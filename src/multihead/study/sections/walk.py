@@ -1,4 +1,4 @@
-"""Study section: the layer of eq. 9.31-9.43 step by step (shapes, FLOPs, bytes, intensity) and the
+"""Study section: the layer of eq. (1)-(13) step by step (shapes, FLOPs, bytes, intensity) and the
 roofline of this machine."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ... import cost
 from ..context import Section, StudyContext, Table, dtype_name, walk_table
 from ..figures import Figure
 
-# -- section (b): the walk through eq. 9.31-9.43 -------------------------------------------------------
+# -- section (b): the walk through eq. (1)-(13) -------------------------------------------------------
 WALK_CONFIG: dict[str, Any] = {"d_model": 512, "n_heads": 8, "d_ff": 2048, "seq_len": 1024}  # original sizes
 
 
@@ -36,7 +36,7 @@ def _batching_table(dtype: torch.dtype) -> Table:
 
 
 def walk(ctx: StudyContext) -> Section:
-    """(b) The layer of eq. 9.31-9.43 at the original Transformer's sizes: prefill and batch-1 decode."""
+    """(b) The layer of eq. (1)-(13) at the original Transformer's sizes: prefill and batch-1 decode."""
     prefill = cost.layer_walk(**WALK_CONFIG, phase="prefill")
     decode = cost.layer_walk(**WALK_CONFIG, phase="decode")
     cfg = ", ".join(f"{k}={v}" for k, v in WALK_CONFIG.items())
@@ -45,7 +45,8 @@ def walk(ctx: StudyContext) -> Section:
         f"Batch-1 decode multiplies each weight matrix by one vector: the Q projection does "
         f"{_intensity(decode, 'Q = X W^Q'):.2f} FLOP/B at fp32 and {_intensity(dec16, 'Q = X W^Q'):.2f} "
         f"at bf16 (prefill: {_intensity(prefill, 'Q = X W^Q'):.0f}), far below any CPU or GPU's "
-        "FLOP/byte ratio: decoding is memory-bound (seed 001 §2.3). Batching shares the weight reads "
+        "FLOP/byte ratio: decoding is memory-bound (docs/equations.md, section 6). Batching shares the "
+        "weight reads "
         "and raises the projections' intensity; the attention matmuls read a private K/V cache per "
         "sequence and stay at 2 x Hq/Hkv FLOPs per cached element at any batch size.",
     ]
@@ -80,7 +81,7 @@ def walk(ctx: StudyContext) -> Section:
         "attention matmuls S = Q K^T and A = P V stay near 0.5 FLOP/B at any batch (each sequence reads its "
         "own K/V cache)."
     )
-    return Section("walk", "The layer, eq. 9.31-9.43, step by step", data, tables, notes, figures + roof_fig)
+    return Section("walk", "The layer, eq. (1)-(13), step by step", data, tables, notes, figures + roof_fig)
 
 
 def _roofline(ctx: StudyContext) -> tuple[Table, dict, list[Figure]]:

@@ -204,3 +204,15 @@ def test_designs_full_study_runs_the_quick_task_then_the_long_one(monkeypatch, t
     ]
     _pngs(section, tmp_path)
     assert sum("seq_len 12, 2 pairs, 2 steps:" in n for n in section.notes) == 1
+
+
+def test_the_ring_memory_note_says_what_its_table_shows():
+    from multihead.study.sections.distributed import memory_note
+
+    def rows(*peaks):
+        return [{"world_size": w, "peak_bytes": p} for w, p in zip((1, 2, 4), peaks)]
+
+    grows = memory_note(rows(100, 201))
+    assert "2.01x that of W=1" in grows and "does not fall yet" in grows and "falls as the" not in grows
+    falls = memory_note(rows(100, 60, 35))
+    assert "at W=4 is 0.35x that of W=1: it falls" in falls and "does not fall" not in falls

@@ -75,7 +75,12 @@ class Section:
 
     def markdown(self) -> str:
         figs = render_markdown_figures(self.figures)
-        parts = [f"## {self.title}", *(t.markdown() for t in self.tables), *figs, *self.notes]
+        parts = [
+            f'<a id="{self.key}"></a>\n\n## {self.title}',
+            *(t.markdown() for t in self.tables),
+            *figs,
+            *self.notes,
+        ]
         return "\n\n".join(parts) + "\n"
 
     def print(self, console: Console) -> None:

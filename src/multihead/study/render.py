@@ -23,6 +23,7 @@ _CSS = """
 body { font-family: system-ui, sans-serif; max-width: 75rem; margin: 2rem auto; padding: 0 1rem;
        color: #1b1b1b; background: #fff; line-height: 1.45; }
 h1 { border-bottom: 2px solid #444; padding-bottom: .3rem; }
+#key-findings { border: 1px solid #8aa; background: #f3f8f8; padding: .2rem 1rem; margin: 1rem 0; }
 h2 { margin-top: 2.5rem; border-bottom: 1px solid #bbb; }
 nav ul { columns: 2; }
 table { border-collapse: collapse; margin: 1rem 0; font-size: .9rem; }
@@ -70,13 +71,24 @@ def _section_html(s: Section) -> str:
     return "\n".join(parts)
 
 
-def render_html(sections: Sequence[Section], title: str, subtitle: str) -> str:
-    """The whole report as one static HTML page (tables, figures by relative path, notes)."""
+def render_html(
+    sections: Sequence[Section], title: str, subtitle: str, findings: Sequence[tuple[str, str]] = ()
+) -> str:
+    """The whole report as one static HTML page (key findings linked to their sections, tables, figures
+    by relative path, notes)."""
     toc = "".join(f'<li><a href="#{html.escape(s.key)}">{_inline(s.title)}</a></li>' for s in sections)
+    titles = {s.key: s.title for s in sections}
+    box = ""
+    if findings:
+        items = "".join(
+            f'<li>{_inline(text)} <a href="#{html.escape(key)}">({_inline(titles.get(key, key))})</a></li>'
+            for key, text in findings
+        )
+        box = f'<aside id="key-findings"><h2>Key findings</h2><ol>{items}</ol></aside>\n'
     body = "\n".join(_section_html(s) for s in sections)
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n<body>\n"
-        f"<h1>{html.escape(title)}</h1><p>{_inline(subtitle)}</p>\n<nav><ul>{toc}</ul></nav>\n{body}\n"
+        f"<h1>{html.escape(title)}</h1><p>{_inline(subtitle)}</p>\n{box}<nav><ul>{toc}</ul></nav>\n{body}\n"
         "</body></html>\n"
     )

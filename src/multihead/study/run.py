@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from .context import Section, StudyContext, Table, human, walk_table
+from .findings import key_findings
 from .render import render_html
 from .sections.approximations import approximations
 from .sections.designs import designs
@@ -104,6 +105,11 @@ def render_markdown(sections: list[Section], quick: bool) -> str:
         f"# multihead study ({'quick' if quick else 'full'})\n\nmultihead {__version__}, "
         f"torch {torch.__version__}\n"
     )
+    found = key_findings(sections)
+    if found:
+        titles = {s.key: s.title for s in sections}
+        lines = [f"{i}. {text} ([{titles[key]}](#{key}))" for i, (key, text) in enumerate(found, 1)]
+        head += "\n## Key findings\n\n" + "\n".join(lines) + "\n"
     return "\n".join([head, *(s.markdown() for s in sections)])
 
 
@@ -144,11 +150,16 @@ def run_study(
         (out / "report.md").write_text(render_markdown(sections, quick))
         title = f"multihead study ({'quick' if quick else 'full'})"
         sub = f"multihead {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-        (out / "report.html").write_text(render_html(sections, title, sub))
+        (out / "report.html").write_text(render_html(sections, title, sub, key_findings(sections)))
         report["report"] = str(out / "report.md")
         report["html"] = str(out / "report.html")
         report["figures"] = [str(out / f.file) for s in sections for f in s.figures]
+    report["findings"] = [{"section": key, "text": text} for key, text in key_findings(sections)]
     if console is not None:
+        if report["findings"]:
+            console.print("Key findings:", markup=False)
+            for i, f in enumerate(report["findings"], 1):
+                console.print(f"  {i}. {f['text']} [{f['section']}]", markup=False)
         for s in sections:
             s.print(console)
     return report

@@ -60,7 +60,7 @@ def performance(ctx: StudyContext) -> Section:
         f"Measured in this run: matmul {m['matmul_gflops']} GFLOP/s, memory bandwidth "
         f"{m['bandwidth_gbps']} GB/s. Ratios below 1 mean auto is faster. Useful FLOPs count only the "
         "(query, key) pairs the mask allows (FlashAttention's convention). `multihead bench --full` runs "
-        "the full suite's sizes (16K-32K; `multihead bench --full`)."
+        "the full suite (16K-32K tokens)."
     ]
     figures = ctx.figure(
         "performance", "Time vs N per method (log-log), cases with several N.", lambda ax: None

@@ -1,0 +1,56 @@
+"""The report's key findings are read off the numbers of the sections they link to."""
+
+from __future__ import annotations
+
+from multihead.study.context import Section
+from multihead.study.findings import key_findings
+from multihead.study.render import render_html
+from multihead.study.run import render_markdown
+
+
+def _sections() -> list[Section]:
+    exact = {
+        "rows": [
+            {"backend": "matrix", "case": "none", "dtype": "float32", "out_ratio": 1.0},
+            {"backend": "tiled", "case": "causal", "dtype": "float32", "out_ratio": 1.37},
+            {"backend": "sdpa", "case": "none", "dtype": "float32", "out_ratio": 0.9},
+        ]
+    }
+    kv = {
+        "rows": [
+            {"model": "LLaMA-2-7B", "name": "MHA", "mib": 2048.0},
+            {"model": "LLaMA-2-7B", "name": "MQA", "mib": 64.0},
+        ]
+    }
+    designs = {
+        "text_lm": {
+            "rows": [
+                {"design": "mha", "bits_per_byte": 3.5, "kv_bytes_per_token": 4096},
+                {"design": "mla", "bits_per_byte": 3.25, "kv_bytes_per_token": 1024},
+            ]
+        }
+    }
+    return [
+        Section("exactness", "Exactness", exact),
+        Section("kv_cache", "KV cache", kv),
+        Section("designs", "Head designs", designs),
+        Section("minilm", "MiniLM", {"skipped": "not installed"}),
+    ]
+
+
+def test_findings_quote_their_sections_numbers():
+    found = dict(key_findings(_sections()))
+    assert set(found) == {"exactness", "kv_cache", "designs"}  # a skipped section gives none
+    assert "within 1.37x" in found["exactness"] and "tiled, causal" in found["exactness"]
+    assert "2,048 MiB" in found["kv_cache"] and "64 MiB with MQA (32x smaller)" in found["kv_cache"]
+    assert "is mla (3.250 vs mha 3.500)" in found["designs"] and "4.0x fewer bytes" in found["designs"]
+
+
+def test_findings_head_the_report_and_link_their_sections():
+    sections = _sections()
+    md = render_markdown(sections, quick=True)
+    assert md.index("## Key findings") < md.index("## Exactness")
+    assert "([Exactness](#exactness))" in md and '<a id="exactness"></a>' in md
+    page = render_html(sections, "t", "s", key_findings(sections))
+    assert page.index('id="key-findings"') < page.index('<section id="exactness">')
+    assert page.count("<li>") >= 3 and '<a href="#designs">(Head designs)</a>' in page

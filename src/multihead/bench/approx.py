@@ -82,9 +82,32 @@ def _status_kib(field: str) -> int:
     raise OSError(f"no {field} in /proc/self/status (Linux only)")
 
 
+_MMAP_FIXED = False
+
+
+def _fix_mmap_threshold() -> None:
+    """Make glibc serve every allocation of 1 MiB or more with its own mmap, returned to the system on free.
+
+    By default glibc raises its mmap threshold after a large block is freed, so later allocations come out
+    of memory the process already holds: they never raise the peak resident set, and a measurement after a
+    bigger one read 0 bytes. A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``) keeps the peak honest.
+    """
+    global _MMAP_FIXED
+    if _MMAP_FIXED:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        pass  # not glibc: the peak may under-read after large frees
+    _MMAP_FIXED = True
+
+
 def peak_rss_tracker() -> Callable[[], int] | None:
     """Reset the process's peak resident set (Linux ``clear_refs``) and return ``extra()`` -> bytes the
     peak grew above the current resident set since the reset; None where the platform cannot."""
+    _fix_mmap_threshold()
     try:
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:

@@ -166,24 +166,30 @@ def pareto_png(rows: list[dict], path: str | Path, n: int) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
     except ImportError:
         return None
     panels = [("mean_cos", "MiniLM embedding cosine vs exact (mean)"), ("mqar_acc", "MQAR accuracy")]
     panels = [p for p in panels if any(r.get(p[0]) is not None for r in rows)]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 2.5, 4.8), squeeze=False)
+    markers = "osD^v<>PX*h"
     for ax, (key, label) in zip(axes[0], panels):
-        for r in rows:
-            t = r.get("cost", {}).get(n, {}).get("seconds")
+        for i, r in enumerate(rows):  # one colour and marker per method, named in the legend (no labels
+            t = r.get("cost", {}).get(n, {}).get("seconds")  # on the points: they overlapped)
             if t is None or r.get(key) is None:
                 continue
             layout = key == "mqar_acc" and mqar_layout_bound(r)
-            color = "black" if r["name"].startswith("exact") else "tab:gray" if layout else "tab:blue"
-            ax.scatter(t, r[key], s=40, color=color, marker="x" if layout else "o")
-            name = r["name"] + (" (keeps the fixed pair positions)" if layout else "")
-            ax.annotate(name, (t, r[key]), fontsize=8, xytext=(4, 3), textcoords="offset points")
+            color = "black" if r["name"].startswith("exact") else f"C{i % 10}"
+            name = r["name"] + (" (fixed pair positions)" if layout else "")
+            ax.scatter(t, r[key], s=45, color=color, marker=markers[i % len(markers)], label=name,
+                       facecolors="none" if layout else color)  # fmt: skip
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # labelled minor ticks overlapped
         ax.set_xlabel(f"seconds per attention call, N={n} (B=1, H={HEADS}, D={HEAD_DIM}, fp32)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

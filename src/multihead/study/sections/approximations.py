@@ -154,6 +154,9 @@ def approximations(ctx: StudyContext) -> Section:
         "TopK, Threshold and LowRank form every score (they measure what sparsity or rank costs in quality, "
         "not a speed-up on a CPU); local patterns run on the tiled kernel, which skips the tiles they empty; "
         "Linformer, Nystrom, LinearAttention and Performer are O(N). LowRank stops at N=4096 (dense N x N).",
+        "Linformer's projections are learned weights: in the MiniLM fidelity column they are at their random "
+        "initialisation (the pretrained model never had them), so its low cosine measures an untrained "
+        "Linformer, not a trained one; only the MQAR column trains it.",
     ]
     data = {
         "ns": list(ns),

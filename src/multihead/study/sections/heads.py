@@ -320,7 +320,8 @@ def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]
                 " Random order does better here. A likely reason: importance (Michel et al.) scores each "
                 "head alone, by the first-order loss change of removing it with all others kept, so heads "
                 "that are each redundant with another all score low and go together, removing every copy of "
-                "what they do; a random third rarely hits every copy. The estimate holds best for small fractions."
+                "what they do; a random third rarely hits every copy. The estimate holds best for small "
+                "fractions."
             )
         found.append(line)
     if len(mqa) == 2:

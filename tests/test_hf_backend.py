@@ -307,8 +307,10 @@ def test_mask_reading_equals_transformers_dense_mask(case):
 
 
 def test_static_cache_keys_past_the_prompt_are_dropped():
-    got = mask_interface(batch_size=1, q_length=1, kv_length=32, q_offset=9)
+    got = mask_interface(batch_size=1, q_length=2, kv_length=32, q_offset=8)
     assert got.keep == 10 and repr(got.mask) == "causal()"  # bottom-right over the kept keys
+    step = mask_interface(batch_size=1, q_length=1, kv_length=32, q_offset=9)
+    assert step.keep == 10 and step.mask is None  # one new token sees every kept key: no mask at all
     k = torch.zeros(1, 2, 32, 8)
     k2, _, _ = got.apply(k, k)
     assert k2.shape[2] == 10

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.masks import Mask, causal, custom, document, key_padding, sliding_window
+from ..core.masks import FULL, Mask, MaskContext, causal, custom, document, key_padding, sliding_window
 
 __all__ = ["HFMask", "describe", "mask_interface"]
 
@@ -288,7 +288,18 @@ def mask_interface(
         keep = max(0, min(kv_length, q_offset + q_length - kv_offset))
     aligned = q_offset - kv_offset == keep - q_length
     mask = _lower(node, aligned, q_offset, kv_offset, keep, q_length)
+    if mask is not None and _everywhere(mask, batch_size, q_length, keep):
+        mask = None  # e.g. a decode step inside the window: the kernels' unmasked fast path
     return HFMask(mask, keep, kv_length, q_length)
+
+
+def _everywhere(mask: Mask, B: int, nq: int, nk: int) -> bool:
+    """True when ``mask`` provably lets every query see every key (one tile, classified analytically)."""
+    if nq == 0 or nk == 0:
+        return False
+    one = torch.zeros(1, 1, dtype=torch.long)
+    kinds = mask.block_kinds(MaskContext(B, 1, nq, nk), one, one + nq, one, one + nk)
+    return kinds is not None and int(kinds.min()) == FULL
 
 
 def describe(mask_function: Callable) -> str:

@@ -348,3 +348,15 @@ def test_training_backward_with_sinks_and_softcap():
             grads[impl] = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
         err = float((grads["multihead"] - grads["eager"]).abs().max() / grads["eager"].abs().max())
         assert err <= 1e-4, f"{name}: q_proj gradient differs by {err:.2e} (relative)"
+
+
+def test_approximation_under_its_own_name():
+    fn = mhf.register("mh_topk_test", approx=mh.approx.TopK(4))
+    model = _model("llama")
+    ids, am = _batch()
+    exact = _logits(model, "multihead", ids, am)
+    before = fn.calls
+    approx = _logits(model, "mh_topk_test", ids, am)
+    assert fn.calls - before == 2
+    assert torch.isfinite(approx[am.bool()]).all()
+    assert _rel(approx, exact, am.bool()) > REL  # top-4 of up to 10 keys is not exact attention

@@ -360,3 +360,23 @@ def test_approximation_under_its_own_name():
     assert fn.calls - before == 2
     assert torch.isfinite(approx[am.bool()]).all()
     assert _rel(approx, exact, am.bool()) > REL  # top-4 of up to 10 keys is not exact attention
+
+
+def test_bf16_error_within_twice_eager_bf16_error():
+    model = _model("mistral")
+    ids, am = _batch()
+    real = am.bool()
+    gold = _logits(model, "eager", ids, am).double()  # fp32 eager as the reference
+    model.to(torch.bfloat16)
+    eager = _logits(model, "eager", ids, am).double()
+    ours = _logits(model, "multihead", ids, am).double()
+    base = max((eager - gold)[real].abs().max().item(), 1e-5)
+    assert (ours - gold)[real].abs().max().item() <= 2 * base
+
+
+def test_import_multihead_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, multihead, multihead.hf; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

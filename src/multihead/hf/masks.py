@@ -26,7 +26,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.masks import FULL, Mask, MaskContext, causal, custom, document, key_padding, sliding_window
+from ..core.masks import (
+    FULL,
+    Causal,
+    Mask,
+    MaskContext,
+    SlidingWindow,
+    causal,
+    custom,
+    document,
+    key_padding,
+    sliding_window,
+)
 
 __all__ = ["HFMask", "describe", "mask_interface"]
 
@@ -297,6 +308,10 @@ def _everywhere(mask: Mask, B: int, nq: int, nk: int) -> bool:
     """True when ``mask`` provably lets every query see every key (one tile, classified analytically)."""
     if nq == 0 or nk == 0:
         return False
+    if type(mask) is Causal:  # bottom-right: a single row sees every key (the usual decode step)
+        return nq == 1
+    if type(mask) is SlidingWindow:
+        return nq == 1 and nk <= mask.size
     one = torch.zeros(1, 1, dtype=torch.long)
     kinds = mask.block_kinds(MaskContext(B, 1, nq, nk), one, one + nq, one, one + nk)
     return kinds is not None and int(kinds.min()) == FULL

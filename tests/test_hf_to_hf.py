@@ -101,3 +101,33 @@ def test_uneven_prune_and_other_models_are_refused():
         mh.pretrained.to_hf(lm)
     with pytest.raises(ValueError, match="TransformerLM"):
         mh.pretrained.to_hf(torch.nn.Linear(2, 2))
+
+
+def test_bert_round_trip(tmp_path):
+    T = transformers
+    cfg = T.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    hf = T.BertModel(cfg).eval()
+    enc = mh.pretrained.from_hf(hf)
+    back = mh.pretrained.to_hf(enc)
+    ids = _ids()
+    am = torch.ones_like(ids)
+    am[1, -3:] = 0
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=am).last_hidden_state
+        got = back(input_ids=ids, attention_mask=am).last_hidden_state
+    real = am.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    back.save_pretrained(tmp_path)
+    loaded = T.AutoModel.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(input_ids=ids, attention_mask=am).last_hidden_state[real], want[real]
+        )

@@ -9,7 +9,7 @@
     mh.pretrained.from_hf_state_dict(sd, config) # the same from a state dict and a config (dict or object)
     mh.pretrained.load(directory)                # a save_pretrained() directory (config.json + safetensors)
     mh.pretrained.random_lm("llama-155m")        # random weights of a preset shape
-    mh.pretrained.to_hf(lm)                      # a TransformerLM (LLaMA family, GPT-2) back to transformers
+    mh.pretrained.to_hf(lm)                      # LLaMA family / GPT-2 / BERT back to transformers
 
 Nothing here imports transformers or sentence-transformers: weights are read with safetensors and text
 is tokenised with ``tokenizers``; the converters only need the config's fields.

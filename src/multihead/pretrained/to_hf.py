@@ -170,26 +170,105 @@ def _gpt2(model: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
     return config, sd
 
 
-def to_hf(model: TransformerLM) -> nn.Module:
-    """The transformers ``*ForCausalLM`` model with the weights and the current shape of ``model``.
+_BERT_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+def _bert(model: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    layers = list(model.encoder.layers)
+    attns = [layer.self_attn for layer in layers]
+    a0 = attns[0]
+    d = model.embeddings.word.weight.shape[1]
+    if any(type(a) is not MultiHeadAttention for a in attns) or any(
+        (a.n_heads, a.n_kv_heads, a.head_dim) != (a0.n_heads, a0.n_heads, d // a0.n_heads) for a in attns
+    ):
+        raise ValueError(
+            "BERT checkpoints hold full multi-head attention with n_heads * head_dim = hidden_size in every "
+            "layer; this encoder was changed (GQA or pruned heads), which BertModel cannot hold"
+        )
+    act = layers[0].ffn.activation
+    if act not in _BERT_ACT:
+        raise ValueError(f"BERT checkpoints have no {act!r} activation; supported: {sorted(_BERT_ACT)}")
+    emb = model.embeddings
+    config: dict[str, Any] = {
+        "model_type": "bert",
+        "vocab_size": emb.word.weight.shape[0],
+        "hidden_size": d,
+        "num_hidden_layers": len(layers),
+        "num_attention_heads": a0.n_heads,
+        "intermediate_size": layers[0].ffn.linear1.out_features,
+        "max_position_embeddings": model.max_len,
+        "type_vocab_size": emb.token_type.weight.shape[0],
+        "layer_norm_eps": emb.norm.eps,
+        "hidden_act": _BERT_ACT[act],
+    }
+    sd: dict[str, Tensor] = {
+        "embeddings.word_embeddings.weight": emb.word.weight.detach().clone(),
+        "embeddings.position_embeddings.weight": emb.position.weight.detach().clone(),
+        "embeddings.token_type_embeddings.weight": emb.token_type.weight.detach().clone(),
+        "embeddings.LayerNorm.weight": emb.norm.weight.detach().clone(),
+        "embeddings.LayerNorm.bias": emb.norm.bias.detach().clone(),
+    }
+    for i, (layer, attn) in enumerate(zip(layers, attns)):
+        p = f"encoder.layer.{i}."
+        _split_qkv(attn, p + "attention.self.", sd, names=("query", "key", "value"))
+        for key in [k for k in sd if k.startswith(p + "attention.self.") and "_proj." in k]:
+            sd[key.replace("_proj.", ".")] = sd.pop(key)
+        for src, dst in (
+            (attn.o_proj, "attention.output.dense"),
+            (layer.attn_norm, "attention.output.LayerNorm"),
+            (layer.ffn.linear1, "intermediate.dense"),
+            (layer.ffn.linear2, "output.dense"),
+            (layer.ffn_norm, "output.LayerNorm"),
+        ):
+            sd[f"{p}{dst}.weight"] = src.weight.detach().clone()
+            sd[f"{p}{dst}.bias"] = src.bias.detach().clone()
+    if model.pooler is not None:
+        sd["pooler.dense.weight"] = model.pooler.weight.detach().clone()
+        sd["pooler.dense.bias"] = model.pooler.bias.detach().clone()
+    return config, sd
+
+
+def _bert_to_hf(model: Any) -> nn.Module:
+    import transformers
+
+    config, sd = _bert(model)
+    hf = transformers.BertModel(
+        transformers.BertConfig(**{k: v for k, v in config.items() if k != "model_type"}),
+        add_pooling_layer=model.pooler is not None,
+    ).to(model.embeddings.word.weight.dtype)
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.startswith("embeddings.") or "position_ids" not in k]
+    missing = [k for k in missing if "token_type_ids" not in k]
+    if missing or unexpected:
+        raise ValueError(
+            f"BertModel does not take the converted weights: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}"
+        )
+    return hf.to(model.embeddings.word.weight.device).eval()
+
+
+def to_hf(model: nn.Module) -> nn.Module:
+    """The transformers model with the weights and the current shape of ``model``.
 
     Args:
         model: a :class:`TransformerLM` of the LLaMA family (from ``from_hf`` of a LLaMA / Mistral / Qwen2
             checkpoint, or ``random_lm``) or of GPT-2, possibly changed by ``mh.heads.to_gqa`` or
-            ``mh.heads.prune`` (every layer left with the same heads).
+            ``mh.heads.prune`` (every layer left with the same heads); or a :class:`Bert` (unchanged heads).
 
     Returns:
-        A ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``GPT2LMHeadModel`` in eval
-        mode, in the model's dtype, whose config carries the edited head counts.
+        A ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``GPT2LMHeadModel`` /
+        ``BertModel`` in eval mode, in the model's dtype, whose config carries the edited head counts.
 
     Raises:
         ValueError: another kind of model, layers of different shapes, weights the family cannot hold.
         ImportError: transformers is not installed.
     """
+    if type(model).__name__ == "Bert" and hasattr(model, "embeddings") and hasattr(model, "encoder"):
+        return _bert_to_hf(model)
     if not isinstance(model, TransformerLM):
         raise ValueError(
-            f"to_hf expects a multihead TransformerLM, got {type(model).__name__}; "
-            "BERT encoders are not supported yet"
+            f"to_hf expects a multihead TransformerLM or Bert (from mh.pretrained.from_hf), got "
+            f"{type(model).__name__}"
         )
     family = _family(model)
     config, sd = _gpt2(model) if family == "gpt2" else _llama(model, family)

@@ -9,6 +9,7 @@
     mh.pretrained.from_hf_state_dict(sd, config) # the same from a state dict and a config (dict or object)
     mh.pretrained.load(directory)                # a save_pretrained() directory (config.json + safetensors)
     mh.pretrained.random_lm("llama-155m")        # random weights of a preset shape
+    mh.pretrained.to_hf(lm)                      # LLaMA family / GPT-2 / BERT back to transformers
 
 Nothing here imports transformers or sentence-transformers: weights are read with safetensors and text
 is tokenised with ``tokenizers``; the converters only need the config's fields.
@@ -32,6 +33,7 @@ from .difflama import diffllama_from_state_dict
 from .gpt2 import gpt2_from_state_dict
 from .llama import PRESETS, llama_from_state_dict, llama_kwargs, preset_config
 from .sentence_encoder import SentenceEncoder, minilm, minilm_dir, pack
+from .to_hf import to_hf
 
 __all__ = [
     "PRESETS",
@@ -45,6 +47,7 @@ __all__ = [
     "pack",
     "random_lm",
     "stdlib_docstrings",
+    "to_hf",
 ]
 
 _CONVERTERS: dict[str, Callable[[Mapping[str, Tensor], Any], Bert | TransformerLM]] = {

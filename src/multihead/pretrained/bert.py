@@ -190,9 +190,10 @@ class Bert(nn.Module):
             )
         x = self.embeddings(ids[None], varlen.position[None], None)[0]  # (T, d)
         masks = per_layer_head_masks(head_mask, len(self.encoder.layers))
+        scratch: dict[int, Tensor] = {}  # the padded q, k, v layout, zeroed once for all layers
         for layer, layer_head_mask in zip(self.encoder.layers, masks):
             assert isinstance(layer, TransformerLayer)  # why_not_unpadded checked it
-            x = unpadded_layer(layer, x, varlen, layer_head_mask)  # (T, d)
+            x = unpadded_layer(layer, x, varlen, layer_head_mask, scratch=scratch)  # (T, d)
         return x
 
     def pool(self, hidden: Tensor) -> Tensor:

@@ -83,6 +83,40 @@ def test_nystrom_with_a_landmark_per_position_is_exact(landmarks):
     assert max_err(A.Nystrom(landmarks, pinv_iterations=30)(q, k, v), _gold(q, k, v)) < 1e-8
 
 
+@pytest.mark.parametrize(("nq", "nk", "landmarks"), [(37, 37, 37), (37, 37, 50), (50, 37, 37), (20, 37, 40)])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (F64, 1e-10)], ids=["f32", "f64"])
+def test_nystrom_default_is_exact_once_every_key_is_a_landmark(nq, nk, landmarks, dtype, tol):
+    q, k, v = _qkv(Nq=nq, Nk=nk, scale=1.5, dtype=dtype)  # scale 1.5: a peaked, badly conditioned a2
+    gold = _gold(*(t.to(F64) for t in (q, k, v)))
+    out = A.Nystrom(landmarks)(q, k, v)  # the default 6 iterations would leave an error near 1e-2
+    assert out.dtype == dtype
+    assert max_err(out, gold) <= tol
+
+
+def test_nystrom_exact_case_has_gradients():
+    q, k, v = (t.requires_grad_() for t in _qkv(B=1, Nq=9, Nk=9))
+    A.Nystrom(9)(q, k, v).square().sum().backward()
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    _gold(q2, k2, v2).square().sum().backward()
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        assert max_err(a.grad, b.grad) < 1e-6  # the pseudo-inverse's gradient sees cond(a2)
+
+
+def test_nystrom_with_fewer_landmarks_than_keys_keeps_the_iterations():
+    from multihead.approx.low_rank import _iterative_pinv
+
+    q, k, v = _qkv(B=1, Hq=1, Hkv=1, Nq=12, Nk=12)
+    s = 1 / 4.0
+    ql, kl = q.view(1, 1, 3, 4, 16).mean(3), k.view(1, 1, 3, 4, 16).mean(3)  # (1, 1, 3, 16)
+    f1 = (q @ kl.transpose(-1, -2) * s).softmax(-1)
+    a2 = (ql @ kl.transpose(-1, -2) * s).softmax(-1)
+    b3 = (ql @ k.transpose(-1, -2) * s).softmax(-1)
+    want = f1 @ _iterative_pinv(a2, 6) @ b3 @ v
+    assert max_err(A.Nystrom(3)(q, k, v), want) < EXACT
+    q, k, v = _qkv(Nq=12, Nk=12)
+    assert max_err(A.Nystrom(11)(q, k, v), _gold(q, k, v)) > 1e-6  # 11 < 12 keys: an approximation
+
+
 def test_nystrom_with_key_padding_is_exact_on_real_rows():
     q, k, v = _qkv()
     mask = mh.padding([37, 20])

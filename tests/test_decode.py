@@ -112,3 +112,18 @@ def test_plain_decode_step_needs_one_row_and_no_bias():
     assert not decode_mod._sees_every_key(make_problem(q, k, v, mask=mh.causal()))  # 2 rows: a corner
     assert not decode_mod._sees_every_key(make_problem(q[:, :, :1], k, v, bias=mh.alibi(4)))
     assert not decode_mod._sees_every_key(make_problem(q[:, :, :1], k, v, mask=mh.sliding_window(8)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+def test_plain_decode_step_reads_a_cache_view_in_place(dtype):
+    """The first L positions of a preallocated cache are a strided view; the step reads it as it is."""
+    cache = mh.KVCache(2, 2, 16, 300, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    kv = [torch.randn(2, 2, 200, 16, generator=g, dtype=torch.float64).to(dtype) for _ in range(2)]
+    k, v = cache.update(*kv)  # (2, 2, 200, 16) views of (2, 2, 300, 16) storage
+    assert not k.is_contiguous() and k.data_ptr() == cache.k.data_ptr()
+    q = torch.randn(2, 8, 1, 16, generator=g, dtype=torch.float64).to(dtype)  # (B, Hq, 1, D): G = 4
+    got = mh.attention(q, k, v, mask=mh.causal(), backend="decode")
+    gold = mh.attention(*(t.double() for t in (q, k, v)), mask=mh.causal(), backend="reference")
+    plain = mh.attention(q, k.contiguous(), v.contiguous(), mask=mh.causal(), backend="matrix")
+    assert max_err(got, gold) <= max(2 * max_err(plain, gold), 1e-12)

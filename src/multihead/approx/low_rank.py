@@ -131,19 +131,40 @@ def _iterative_pinv(a: Tensor, iterations: int) -> Tensor:
     return z
 
 
+def _exact_product(f1: Tensor, a2: Tensor, b3: Tensor, v: Tensor) -> Tensor:
+    """``f1 pinv(a2) b3 v`` with the pseudo-inverse from an SVD and every product in float64.
+
+    With every key its own landmark, K~ = K, so a2 and b3 are softmax(Q~ K^T s) and f1 is softmax(Q K^T s):
+    pinv(a2) a2 projects onto the row space of a2, which holds the rows of f1, and the product is exact
+    attention f1 v. The projection is only as exact as the pseudo-inverse: a few Newton-Schulz iterations
+    leave errors of order 1e-2, and a float32 pseudo-inverse multiplies rounding by the condition number
+    of a2, hence float64 throughout.
+
+    Args:
+        f1: (B, Hkv, G, Nq, m); a2: (B, Hkv, G, m, m); b3: (B, Hkv, G, m, Nk); v: (B, Hkv, 1, Nk, Dv).
+
+    Returns:
+        (B, Hkv, G, Nq, Dv) in the dtype of v.
+    """
+    f64 = torch.float64
+    inv = torch.linalg.pinv(a2.to(f64))  # (B, Hkv, G, m, m)
+    out = f1.to(f64) @ (inv @ (b3.to(f64) @ v.to(f64)))  # (B, Hkv, G, Nq, Dv)
+    return out.to(v.dtype)
+
+
 class Nystrom(Approximation):
     """Nystromformer (Xiong et al. 2021): attention through m segment-mean landmarks.
 
     ``out = softmax(Q K~^T s) pinv(softmax(Q~ K~^T s)) (softmax(Q~ K^T s) V)`` with Q~, K~ the means of m
     nearly equal contiguous segments of the (real) queries and keys; any length works, not only multiples
-    of m. With m >= Nq = Nk every position is its own landmark and the result is exact attention up to the
-    pseudo-inverse (``pinv_iterations=None`` takes the exact one from an SVD). Query landmarks use the key
-    padding too when Nq == Nk (self-attention over a padded batch).
+    of m. With m >= Nk every key is its own landmark and the result is exact attention: that case always
+    takes the exact pseudo-inverse (an SVD) and float64 products, whatever ``pinv_iterations`` says, at
+    O(m^3) cost. Query landmarks use the key padding too when Nq == Nk (self-attention over a padded batch).
 
     Args:
         landmarks: m, an int >= 1.
         pinv_iterations: iterations of the iterative pseudo-inverse (6 in the paper), or None for
-            ``torch.linalg.pinv``.
+            ``torch.linalg.pinv``; used when m < Nk.
 
     Raises:
         ValueError: ``landmarks`` not an int >= 1, ``pinv_iterations`` not None or an int >= 1.
@@ -183,11 +204,14 @@ class Nystrom(Approximation):
         b3, _ = safe_softmax(s3)
         q_absent = ~q_present[:, :, None, :, None]  # (B|1, 1, 1, m, 1): absent query landmarks: zero rows
         a2, b3 = a2.masked_fill(q_absent, 0.0), b3.masked_fill(q_absent, 0.0)
-        if self.pinv_iterations is None:
-            inv = torch.linalg.pinv(a2)  # (B, Hkv, G, m, m)
+        if m >= p.Nk:  # every key is a landmark: exact attention, through the exact pseudo-inverse
+            out = _exact_product(f1, a2, b3, v5)  # (B, Hkv, G, Nq, Dv)
         else:
-            inv = _iterative_pinv(a2, self.pinv_iterations)
-        out = f1 @ (inv @ (b3 @ v5))  # (B, Hkv, G, Nq, Dv)
+            if self.pinv_iterations is None:
+                inv = torch.linalg.pinv(a2)  # (B, Hkv, G, m, m)
+            else:
+                inv = _iterative_pinv(a2, self.pinv_iterations)
+            out = f1 @ (inv @ (b3 @ v5))  # (B, Hkv, G, Nq, Dv)
         if real_k is not None:  # a batch row without any real key attends to nothing: zeros
             out = out * real_k.any(-1).to(out.dtype)[:, None, None, None, None]
         return out.reshape(p.B, p.Hq, p.Nq, p.Dv)  # (B, Hq, Nq, Dv)

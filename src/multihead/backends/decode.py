@@ -107,7 +107,7 @@ def _all_keys(p: Problem) -> AttentionOutput:
     # with sinks the kernel's output is merged once more: half inputs then run in fp32 (one rounding)
     work = acc_dtype(p.dtype) if p.sinks is not None else p.dtype
     q = p.q.to(work).contiguous().view(B, Hkv, G * Nq, D)  # (B, Hkv, G*Nq, D): groups folded into rows
-    k, v = p.k.to(work).contiguous(), p.v.to(work).contiguous()
+    k, v = _rows(p.k.to(work)), _rows(p.v.to(work))  # a cache's view, read in place
     o, lse = fused.FLASH_FWD(q, k, v, 0.0, False, scale=p.scale)  # (B, Hkv, G*Nq, D), (B, Hkv, G*Nq)
     o = o.reshape(B, p.Hq, Nq, D)  # unfold
     lse = lse.reshape(B, p.Hq, Nq).to(acc_dtype(p.dtype))  # unfold
@@ -115,6 +115,12 @@ def _all_keys(p: Problem) -> AttentionOutput:
         o, lse = _with_sinks(p, o.to(lse.dtype), lse)
         o = o.to(p.dtype)
     return AttentionOutput(o, None, lse if p.return_lse else None)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """t itself when its last dim is contiguous - the kernel takes any other strides, so the view of
+    the first L positions of a preallocated KV cache is read in place - else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _with_sinks(p: Problem, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from ..core.masks import Mask, document, key_padding
-from ..nn.layers import Encoder
+from ..nn.layers import Encoder, TransformerLayer, per_layer_head_masks
 from ..nn.positions import LearnedPositions
+from ..nn.unpadded import Varlen, unpadded_layer, why_not_unpadded
 from .convert import Rule, align_biases, cfg, fuse_qkv, load_converted, rename
 
 __all__ = ["Bert", "BertEmbeddings", "bert_from_state_dict", "positions_in_documents"]
@@ -142,6 +143,60 @@ class Bert(nn.Module):
             )
         x = self.embeddings(ids, positions, token_type_ids)  # (B, N, d)
         return self.encoder(x, mask=mask, head_mask=head_mask)  # (B, N, d)
+
+    def why_not_unpadded(self) -> str | None:
+        """None when :meth:`forward_unpadded` computes what :meth:`forward` does, else the reason."""
+        if self.training:
+            return "the model is in training mode (dropout)"
+        if not isinstance(self.encoder.final_norm, nn.Identity):
+            return "the encoder ends with a final norm (pre-LN)"
+        for i, layer in enumerate(self.encoder.layers):
+            reason = why_not_unpadded(layer)
+            if reason is not None:
+                return f"layer {i}: {reason}"
+        return None
+
+    def forward_unpadded(
+        self, ids: Tensor, lengths: Tensor, *, head_mask: Tensor | Sequence[Tensor | None] | None = None
+    ) -> Tensor:
+        """Hidden states (T, d) of B sequences packed one after another, without padding.
+
+        The same states :meth:`forward` gives the real tokens of the padded batch, with the token-wise
+        work (projections, FFN, norms) done on the T real tokens only; see
+        :mod:`multihead.nn.unpadded`. Inference only: call it under ``torch.inference_mode()``.
+
+        Args:
+            ids: (T,) token ids of all sequences, concatenated.
+            lengths: (B,) tokens per sequence, summing to T.
+            head_mask: (L, Hq) float gates on the attention heads, or a list of L per-layer (Hq_i,)
+                gates, as :meth:`forward`.
+
+        Raises:
+            ValueError: ids not a 1-d integer tensor, lengths that do not sum to T or include an empty
+                sequence, a sequence longer than max_position_embeddings, a model
+                :meth:`why_not_unpadded` refuses.
+        """
+        reason = self.why_not_unpadded()
+        if reason is not None:
+            raise ValueError(f"forward_unpadded cannot run this model: {reason}; use forward()")
+        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.is_floating_point():
+            shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+            raise ValueError(f"ids must be a 1-d integer tensor (T,) of concatenated sequences, got {shape}")
+        varlen = Varlen.from_lengths(lengths)
+        if int(lengths.sum()) != len(ids):
+            raise ValueError(f"lengths sum to {int(lengths.sum())} but ids has {len(ids)} tokens")
+        if int(lengths.max()) > self.max_len:
+            raise ValueError(
+                f"a sequence of {int(lengths.max())} tokens exceeds max_position_embeddings="
+                f"{self.max_len}; truncate the input (the tokenizer's max_length)"
+            )
+        x = self.embeddings(ids[None], varlen.position[None], None)[0]  # (T, d)
+        masks = per_layer_head_masks(head_mask, len(self.encoder.layers))
+        scratch: dict[int, Tensor] = {}  # the padded q, k, v layout, zeroed once for all layers
+        for layer, layer_head_mask in zip(self.encoder.layers, masks):
+            assert isinstance(layer, TransformerLayer)  # why_not_unpadded checked it
+            x = unpadded_layer(layer, x, varlen, layer_head_mask, scratch=scratch)  # (T, d)
+        return x
 
     def pool(self, hidden: Tensor) -> Tensor:
         """BERT's pooler: ``tanh(W h_[CLS] + b)``, (B, N, d) -> (B, d).

@@ -1,24 +1,28 @@
-"""Sentence embeddings with a multihead BERT: tokenise, encode packed (or padded), mean-pool, normalise.
+"""Sentence embeddings with a multihead BERT: tokenise, encode without padding, mean-pool, normalise.
 
-Packed encoding (the default) concatenates a batch's token sequences into one row and lets each token
-attend only within its own sequence through ``mh.document(ids)``, with positions restarting at each
-sequence. The projections and the FFN - most of the work at these lengths - then run on real tokens
-only; a padded batch spends them on pad tokens too. ``auto`` serves the document mask with the
-block-sparse ``tiled`` kernel, which skips the tiles between sequences::
+Texts are sorted by token count (longest first; sentence-transformers sorts by characters) and cut into
+batches of ``batch_size``; embeddings come back in input order. Three ways to run a batch:
 
-    padded (B=3, N=5)            packed (1 row of 8 = 5 + 2 + 1)     document mask of the packed row
-    a a a a a                    a a a a a b b c                     # # # # # . . .   (a's rows)
-    b b . . .                                                        . . . . . # # .   (b's rows)
-    c . . . .                                                        . . . . . . . #   (c's row)
+    padded (B=3, N=5)       unpadded (default): T=8 rows        packed: 1 row of 8 = 5 + 2 + 1
+    a a a a a               a a a a a b b c   token-wise work   a a a a a b b c
+    b b . . .               attention on the padded layout      under a document mask:
+    c . . . .               (scattered, attended, gathered)     # # # # # . . .   (a's rows)
+                                                                . . . . . # # .   (b's rows)
+                                                                . . . . . . . #   (c's row)
 
-Texts are sorted by token count (longest first, as sentence-transformers sorts by characters) before
-batching, which already keeps padding small; embeddings come back in input order. Packing saves the
-padded positions but pays for the document mask, so by default (``packed=None``) a batch is packed only
-when padding would more than :data:`PACK_WHEN_PADDED_OVER` x its real tokens: on the project's 2-core
-CPU a packed batch of sorted docstrings (12% padding) ran 1.2x (1 thread) to 1.7-2.2x (2 threads)
-slower than the padded one (benchmarks/bench_models.py; BENCHMARKS.md, "Real models").
+- unpadded (``packed=None``, the default): the projections, the FFN and the norms - most of the work
+  at these lengths - run on the T real tokens only; attention alone sees the sequences padded to the
+  batch's longest, which sorting keeps short (:mod:`multihead.nn.unpadded`). Used whenever the model
+  allows it (:meth:`Bert.why_not_unpadded`); otherwise ``None`` packs a batch only when padding would
+  more than :data:`PACK_WHEN_PADDED_OVER` x its real tokens.
+- padded (``packed=False``): every sequence padded to the longest, pad keys masked.
+- packed (``packed=True``): one row under ``mh.document(ids)`` with positions restarting at each
+  sequence; no padding anywhere, but the document mask costs more in kernel overhead than it saves.
 
-Shape legend: n texts, R packed rows, N tokens per row, d hidden size (384 for MiniLM).
+benchmarks/encode_speed.py times them against sentence-transformers' own ``encode``.
+
+Shape legend: n texts, b texts in a batch, T real tokens of a batch, R packed rows, N tokens per row,
+d hidden size (384 for MiniLM).
 """
 
 from __future__ import annotations
@@ -167,10 +171,10 @@ class SentenceEncoder(nn.Module):
             texts: n strings.
             batch_size: texts per forward pass.
             normalize: L2-normalise the embeddings (sentence-transformers' Normalize module).
-            packed: True concatenates each batch's sequences under a document mask (no work on padding);
-                None (default) does so only for batches that padding would more than
-                ``PACK_WHEN_PADDED_OVER``-fold; False
-                pads every sequence of a batch to the longest and masks the pad keys.
+            packed: None (default) runs the token-wise work on the real tokens only and attention on
+                the batch padded to its longest (see the module docstring); True concatenates each
+                batch's sequences under a document mask; False pads every sequence of a batch to the
+                longest and masks the pad keys. All three give the same embeddings.
             output: "torch" (a tensor) or "numpy" (an ndarray).
             progress: called with the number of texts done after each batch.
             head_mask: (L, Hq) float gates on the attention heads, row i for layer i (1 keeps a head, 0
@@ -186,20 +190,37 @@ class SentenceEncoder(nn.Module):
         if output not in ("torch", "numpy"):
             raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
         seqs = self.tokenize(texts)
+        unpadded = self.bert.why_not_unpadded() is None
         order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # longest first
         out = torch.zeros(len(seqs), self.dim)
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             batch = [seqs[i] for i in idx]
-            pack_it = packed
-            if pack_it is None:
-                pack_it = len(batch) * len(batch[0]) > PACK_WHEN_PADDED_OVER * sum(len(s) for s in batch)
-            out[idx] = (self._packed if pack_it else self._padded)(batch, head_mask).float()  # (b, d)
+            if packed is None and unpadded:
+                pooled = self._unpadded(batch, head_mask)  # (b, d)
+            else:
+                pack_it = packed
+                if pack_it is None:
+                    pack_it = len(batch) * len(batch[0]) > PACK_WHEN_PADDED_OVER * sum(len(s) for s in batch)
+                pooled = (self._packed if pack_it else self._padded)(batch, head_mask)  # (b, d)
+            out[idx] = pooled.float()
             if progress is not None:
                 progress(min(start + batch_size, len(order)))
         if normalize:
             out = F.normalize(out, p=2.0, dim=-1)  # (n, d)
         return out.numpy() if output == "numpy" else out
+
+    def _unpadded(
+        self, seqs: list[list[int]], head_mask: Tensor | Sequence[Tensor | None] | None = None
+    ) -> Tensor:
+        """Mean-pooled states (b, d) of one batch, its real tokens packed without padding."""
+        device = self.bert.embeddings.word.weight.device
+        lengths = torch.tensor([len(s) for s in seqs], device=device)  # (b,)
+        ids = torch.tensor([t for s in seqs for t in s], device=device)  # (T,)
+        hidden = self.bert.forward_unpadded(ids, lengths, head_mask=head_mask)  # (T, d)
+        which = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)  # (T,)
+        sums = hidden.new_zeros(len(seqs), hidden.shape[-1]).index_add_(0, which, hidden)  # (b, d)
+        return sums / lengths[:, None].to(hidden.dtype)  # (b, d)
 
     def _packed(
         self, seqs: list[list[int]], head_mask: Tensor | Sequence[Tensor | None] | None = None

@@ -1,0 +1,129 @@
+"""MiniLM encoding speed: multihead's ``encode`` against sentence-transformers' own ``encode``.
+
+    python benchmarks/encode_speed.py                       # 256 docstrings + 256 short texts, 3 rounds
+    python benchmarks/encode_speed.py --threads 1 --rounds 5 --json
+
+Both sides get the same texts, batch size 32 and normalised embeddings; both sort by length before
+batching (sentence-transformers by characters, multihead by tokens) and return the input order. The
+corpora: the first ``--docs`` standard-library docstrings (``mh.pretrained.stdlib_docstrings``, up to 256
+tokens each) and a set of short texts, the first sentence of each of those docstrings.
+
+Contestants run interleaved, round after round, so a load change on a shared machine hits all of them;
+the ratios come from the medians of the same run. Reports texts/s (wall clock), the ratio to
+sentence-transformers in wall-clock and in CPU time (the process's, all threads: on a machine shared
+with other jobs the CPU-time ratio at ``--threads 1`` is the steadier measure of the work done),
+the padded/real token counts of each side's batches, and the min cosine of each multihead path to
+sentence-transformers' embeddings. Needs sentence-transformers and the bundled weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+import multihead as mh
+
+
+def short_texts(docs: Sequence[str]) -> list[str]:
+    """The first sentence (up to the first period or line end) of each text."""
+    return [d.split(".")[0].split("\n")[0].strip() or d[:40] for d in docs]
+
+
+def padded_tokens(lengths: list[int], order: list[int], batch_size: int) -> int:
+    """Tokens a padded run over ``order`` in batches of ``batch_size`` computes (pad included)."""
+    return sum(
+        max(lengths[i] for i in order[s : s + batch_size]) * len(order[s : s + batch_size])
+        for s in range(0, len(order), batch_size)
+    )
+
+
+def bench(texts: list[str], rounds: int, batch_size: int, st, ours) -> dict:
+    ref = st.encode(texts, batch_size=batch_size, normalize_embeddings=True, convert_to_tensor=True)
+    contestants: dict[str, Callable[[], object]] = {
+        "sentence-transformers": lambda: st.encode(texts, batch_size=batch_size, normalize_embeddings=True),
+        "multihead (default: unpadded)": lambda: ours.encode(texts, batch_size=batch_size),
+        "multihead padded": lambda: ours.encode(texts, batch_size=batch_size, packed=False),
+        "multihead packed": lambda: ours.encode(texts, batch_size=batch_size, packed=True),
+    }
+    cosine = {}
+    for name, packed in (("multihead (default: unpadded)", None), ("multihead padded", False)):
+        got = ours.encode(texts, batch_size=batch_size, packed=packed)
+        cosine[name] = float((got * ref.cpu()).sum(-1).min())
+    times: dict[str, list[float]] = {k: [] for k in contestants}
+    cpu: dict[str, list[float]] = {k: [] for k in contestants}
+    for _ in range(rounds):
+        for name, fn in contestants.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    rate = {k: len(texts) / statistics.median(v) for k, v in times.items()}
+    cpu_rate = {k: len(texts) / statistics.median(v) for k, v in cpu.items()}
+    lengths = [len(s) for s in ours.tokenize(texts)]
+    by_chars = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    by_tokens = sorted(range(len(texts)), key=lambda i: -lengths[i])
+    return {
+        "texts": len(texts),
+        "tokens": {
+            "real": sum(lengths),
+            "sentence-transformers padded": padded_tokens(lengths, by_chars, batch_size),
+            "multihead padded": padded_tokens(lengths, by_tokens, batch_size),
+        },
+        "min_cosine_vs_st": cosine,
+        "texts_per_s": rate,
+        "ratio_vs_st": {k: v / rate["sentence-transformers"] for k, v in rate.items()},
+        "cpu_ratio_vs_st": {k: v / cpu_rate["sentence-transformers"] for k, v in cpu_rate.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=256, help="standard-library docstrings (default 256)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from sentence_transformers import SentenceTransformer
+
+    docs = mh.pretrained.stdlib_docstrings(args.docs)
+    ours = mh.pretrained.minilm()
+    st = SentenceTransformer(str(mh.pretrained.minilm_dir()), device="cpu")
+    report = {
+        "threads": torch.get_num_threads(),
+        "batch_size": args.batch_size,
+        "docstrings": bench(docs, args.rounds, args.batch_size, st, ours),
+        "short texts": bench(short_texts(docs), args.rounds, args.batch_size, st, ours),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return report
+    print(
+        f"MiniLM encode, batch {args.batch_size}, {report['threads']} torch threads, medians of {args.rounds}"
+    )
+    for corpus in ("docstrings", "short texts"):
+        r = report[corpus]
+        tok = r["tokens"]
+        print(
+            f"\n{corpus}: {r['texts']} texts, {tok['real']} real tokens; padded batches compute "
+            f"{tok['sentence-transformers padded']} (sentence-transformers) / {tok['multihead padded']} "
+            "(multihead padded) tokens"
+        )
+        print(f"{'contestant':32s} {'texts/s':>9s} {'vs ST':>7s} {'CPU time vs ST':>15s} {'min cosine':>11s}")
+        for name, rate in r["texts_per_s"].items():
+            cos = r["min_cosine_vs_st"].get(name)
+            cos_s = f"{cos:.7f}" if cos is not None else ""
+            cpu_s = f"{r['cpu_ratio_vs_st'][name]:.2f}x"
+            print(f"{name:32s} {rate:9.1f} {r['ratio_vs_st'][name]:6.2f}x {cpu_s:>15s} {cos_s:>11s}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

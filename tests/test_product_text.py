@@ -13,6 +13,7 @@ FORBIDDEN = {
     "an internal source note": re.compile(r"\bseeds? ?\d{3}\b|\bthe seed's\b", re.I),
     "the design contract": re.compile(r"DESIGN\.md"),
     "an issue": re.compile(r"\bthe issue\b|\bissue's\b|\bkernels issue\b|\bissue \d+\b", re.I),
+    "the source notes' equation numbers": re.compile(r"\beq\. 9\.\d\d|\(9\.\d\d[)-]"),
 }
 
 

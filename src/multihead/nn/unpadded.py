@@ -1,9 +1,9 @@
 """Unpadded inference of post-LN self-attention layers: the token-wise work on the real tokens only.
 
 A batch of B sequences of n_1 .. n_B tokens is held as one packed matrix X of T = sum n_b rows (T, d),
-the input matrix of seed 000's layer (eq. 9.31-9.43) with the sequences stacked. Everything but
-attention acts on each row alone - the projections of eq. 9.33 and 9.35, the FFN (9.41), the residual
-sums and the norms (9.39-9.43) - so it runs on the T real rows, never on padding. Attention alone needs
+the input matrix of the layer of docs/equations.md (eq. (1)-(13)) with the sequences stacked. Everything but
+attention acts on each row alone - the projections of eq. (3) and (5), the FFN (11), the residual
+sums and the norms (eq. (9)-(13)) - so it runs on the T real rows, never on padding. Attention alone needs
 the sequences apart: the packed q, k, v rows are scattered into a (B, N) padded layout (N = max n_b),
 attended under the key-padding mask, and the real rows gathered back::
 
@@ -132,7 +132,7 @@ def unpadded_layer(
             f"{tuple(head_mask.shape)}; use 1.0 to keep a head and 0.0 to prune it"
         )
     Hkv = attn.n_kv_heads
-    qkv = attn.qkv_proj(x)  # (T, (H + 2 Hkv) D): eq. 9.33 on the real rows only
+    qkv = attn.qkv_proj(x)  # (T, (H + 2 Hkv) D): eq. (3) on the real rows only
     padded = None if scratch is None else scratch.get(qkv.shape[-1])
     if padded is None or padded.shape[:2] != (B, N) or padded.dtype != qkv.dtype:
         padded = qkv.new_zeros(B, N, qkv.shape[-1])  # (B, N, (H + 2 Hkv) D)
@@ -143,12 +143,12 @@ def unpadded_layer(
     q = q.view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
     k = k.view(B, N, Hkv, D).transpose(1, 2)  # (B, Hkv, N, D)
     v = v.view(B, N, Hkv, D).transpose(1, 2)  # (B, Hkv, N, D)
-    heads = attn.attend(q, k, v, mask=key_padding(varlen.real))  # (B, H, N, D): eq. 9.34
+    heads = attn.attend(q, k, v, mask=key_padding(varlen.real))  # (B, H, N, D): eq. (4)
     heads = attn.mix_heads(heads, x, head_mask)  # (B, H, N, D); the textbook step does not read x
     heads = heads.transpose(1, 2)[varlen.batch, varlen.position]  # (T, H, D): the real rows
-    t2 = _add_linear(x, heads.reshape(len(x), H * D), attn.o_proj)  # (T, d): eq. 9.38-9.39
-    t3 = layer.attn_norm(t2)  # (T, d): eq. 9.40
+    t2 = _add_linear(x, heads.reshape(len(x), H * D), attn.o_proj)  # (T, d): eq. (8)-(9)
+    t3 = layer.attn_norm(t2)  # (T, d): eq. (10)
     h = ffn.linear1(t3)  # (T, F)
     _IN_PLACE_ACTIVATIONS[ffn.activation](h)
-    t5 = _add_linear(t3, h, ffn.linear2)  # (T, d): eq. 9.41-9.42
-    return layer.ffn_norm(t5)  # (T, d): eq. 9.43
+    t5 = _add_linear(t3, h, ffn.linear2)  # (T, d): eq. (11)-(12)
+    return layer.ffn_norm(t5)  # (T, d): eq. (13)

@@ -105,7 +105,9 @@ def mqar_notes(rows: list[dict]) -> list[str]:
 
 
 def _mib(b: int | None) -> str:
-    return "n/a" if b is None else f"{b / 2**20:,.1f}"
+    """Peak MiB; "n/a" off Linux and for a reading of 0 (the call's memory came from pages the process
+    already held, which the resident-set peak cannot see: not a measured zero)."""
+    return "n/a" if not b else f"{b / 2**20:,.1f}"
 
 
 def table(rows: list[dict], ns: tuple[int, ...]) -> Table:

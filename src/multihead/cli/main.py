@@ -7,6 +7,7 @@ Commands::
                       [--mask causal|none|sliding:W|prefix:N] [--dtype T] [--phase prefill|decode] [--json]
     multihead explain --preset NAME | --hf DIR [--seq N] [--batch B] [--phase P] [--roof measure]
                       a whole model's shape walk, cost table, memory and roofline (cli/explain.py)
+    multihead eval    [--model DIR] [--bootstrap N] [--json]   human-judged scores (cli/eval.py)
 
 Every command has ``--help``, runs with no arguments, and prints a machine-readable result with
 ``--json``. :func:`main` returns the exit code: 0 on success, 2 on bad arguments or an error the library
@@ -23,6 +24,7 @@ from .. import __version__
 from . import approx as approx_cli
 from . import bench as bench_cli
 from . import encode as encode_cli
+from . import eval as eval_cli
 from . import explain as explain_cli
 from . import generate as generate_cli
 from . import heads as heads_cli
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     study_cli.register(sub)
     explain_cli.register(sub)
     encode_cli.register(sub)
+    eval_cli.register(sub)
     generate_cli.register(sub)
     bench_cli.register(sub)
     approx_cli.register(sub)

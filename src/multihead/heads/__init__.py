@@ -5,6 +5,7 @@
     scores = mh.heads.importance(model, texts)               # (L, H), Michel et al.
     mh.heads.prune(model, {0: [3, 7], 5: [1]})               # really removes them
     mh.heads.to_gqa(model, 4, method="aligned")              # MHA -> GQA, Procrustes-aligned merge
+    small = mh.heads.to_mla(model, 128, calibration=texts)   # MHA -> MLA copy, joint SVD of W_K, W_V
 
 Every tool addresses heads as (layer, head): layer i is the model's i-th TransformerLayer, head h its
 self-attention's query head h.
@@ -14,6 +15,7 @@ from .access import layers_of, token_strings
 from .gqa import kv_cache_bytes_per_token, procrustes, rotate_heads, to_gqa
 from .labels import HeadRole, roles, roles_grid, roles_table
 from .maps import attention_maps, capture_attention
+from .mla import max_kv_rank, to_mla
 from .pruning import EmptyAttention, prune
 from .scoring import gate_heads, importance, lm_loss, span_contrastive_loss
 
@@ -27,6 +29,7 @@ __all__ = [
     "kv_cache_bytes_per_token",
     "layers_of",
     "lm_loss",
+    "max_kv_rank",
     "procrustes",
     "prune",
     "roles",
@@ -35,5 +38,6 @@ __all__ = [
     "rotate_heads",
     "span_contrastive_loss",
     "to_gqa",
+    "to_mla",
     "token_strings",
 ]

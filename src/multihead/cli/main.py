@@ -7,6 +7,7 @@ Commands::
                       [--mask causal|none|sliding:W|prefix:N] [--dtype T] [--phase prefill|decode] [--json]
     multihead explain --preset NAME | --hf DIR [--seq N] [--batch B] [--phase P] [--roof measure]
                       a whole model's shape walk, cost table, memory and roofline (cli/explain.py)
+    multihead heads convert --to gqa|mla|prune [--recover-minutes M] [--out DIR]   (cli/heads.py)
     multihead eval    [--model DIR] [--bootstrap N] [--json]   human-judged scores (cli/eval.py)
 
 Every command has ``--help``, runs with no arguments, and prints a machine-readable result with
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register(sub)
     approx_cli.register(sub)
     heads_cli.register(sub)
+    heads_cli.register_convert(sub)
     train_cli.register(sub)
     return parser
 
@@ -63,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments without the program name (default ``sys.argv[1:]``).
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["heads", "convert"]:  # `heads` takes a text; its convert action has a parser of its own
+        argv = ["heads-convert", *argv[2:]]
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version and usage errors: argparse has printed the message

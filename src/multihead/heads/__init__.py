@@ -13,6 +13,7 @@ self-attention's query head h.
 """
 
 from .access import layers_of, token_strings
+from .checkpoint import apply_surgery, load_converted, save_converted
 from .gqa import kv_cache_bytes_per_token, procrustes, rotate_heads, to_gqa
 from .labels import HeadRole, roles, roles_grid, roles_table
 from .maps import attention_maps, capture_attention
@@ -24,6 +25,7 @@ from .scoring import gate_heads, importance, lm_loss, span_contrastive_loss
 __all__ = [
     "EmptyAttention",
     "HeadRole",
+    "apply_surgery",
     "attention_maps",
     "capture_attention",
     "changed_parameters",
@@ -33,6 +35,7 @@ __all__ = [
     "kv_cache_bytes_per_token",
     "layers_of",
     "lm_loss",
+    "load_converted",
     "max_kv_rank",
     "procrustes",
     "prune",
@@ -41,6 +44,7 @@ __all__ = [
     "roles_grid",
     "roles_table",
     "rotate_heads",
+    "save_converted",
     "span_contrastive_loss",
     "to_gqa",
     "to_mla",

@@ -124,7 +124,7 @@ def recover(
     *,
     minutes: float | None = None,
     steps: int | None = None,
-    lr: float = 3e-4,
+    lr: float = 5e-5,
     batch_size: int = 16,
     max_tokens: int = 128,
     train: str | Sequence[str] = "changed",

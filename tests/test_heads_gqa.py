@@ -77,7 +77,7 @@ def test_gqa_lm_converts_and_decodes_with_a_smaller_cache():
 
 def test_aligned_rotations_commute_with_rotary_and_free_ones_do_not():
     lm, ids = _lm(), _ids()
-    xs = gqa._calibration_inputs(lm, _ids(4, 16))
+    xs = gqa.calibration_inputs(lm, _ids(4, 16))
     aligned, free = copy.deepcopy(lm), copy.deepcopy(lm)
     for layer, x, layer_free in zip(aligned.layers, xs, free.layers):
         key_rot, value_rot = gqa._aligned_rotations(layer.self_attn, x, 1)  # (Hkv, D, D) each

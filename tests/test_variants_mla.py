@@ -37,7 +37,7 @@ def reference(m, x, *, context=None, allowed=None):
     """
     W = {k: v.double() for k, v in m.state_dict().items()}
     r, R, Dn, Dv = m.kv_rank, m.rope_dims, m.nope_dims, m.v_head_dim
-    eps = m.kv_norm.eps
+    eps = None if m.kv_norm is None else m.kv_norm.eps
 
     def lin(t, name):
         return t @ W[f"{name}.weight"].T + W.get(f"{name}.bias", 0.0)
@@ -52,7 +52,9 @@ def reference(m, x, *, context=None, allowed=None):
     q = lin(x, "q_proj") if m.q_rank is None else lin(rms(lin(x, "q_down"), "q_norm"), "q_up")
     q = q.reshape(B, N, H, Dn + R)
     latent = lin(src, "kv_down")
-    c_kv, k_rope = rms(latent[..., :r], "kv_norm"), latent[..., r:]  # (B, M, r), (B, M, R)
+    c_kv, k_rope = latent[..., :r], latent[..., r:]  # (B, M, r), (B, M, R)
+    if m.kv_norm is not None:
+        c_kv = rms(c_kv, "kv_norm")
     if m.rotary is not None and context is None:
         base, inter = m.rotary.base, m.rotary.interleaved
         q = torch.cat([q[..., :Dn], _rope(q[..., Dn:].transpose(1, 2), torch.arange(N), base, inter)
@@ -95,6 +97,26 @@ def test_naive_and_absorbed_equal_the_float64_reference(q_rank, rope, bias):
     assert max_err(naive, gold) <= tol and max_err(absorbed, gold) <= tol
     assert max_err(naive, absorbed) <= tol
     assert gold.abs().max() > 10 * tol  # the comparison is not between zeros
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_no_rope_features_and_no_latent_norm(bias):
+    # rope_dims=0, kv_norm=False: keys c_kv W_UK^i alone, c_kv = x W_DKV (what an absolute-position model
+    # converts to); both forms, and cached decode, against the reference
+    m = make(rope_dims=0, kv_norm=False, bias=bias)
+    assert m.kv_norm is None and m.head_dim == SIZES["nope_dims"] and m.cache_numbers_per_token == 12
+    x = torch.randn(2, 7, d)
+    mask = mh.causal()
+    gold = reference(m, x, allowed=mask.dense(2, H, 7, 7))
+    tol = TOL[torch.float32]
+    with torch.no_grad():
+        for absorb in (False, True):
+            m.absorb = absorb
+            assert max_err(m(x, mask=mask), gold) <= tol
+        cache = m.make_cache(2, 7)
+        steps = [m(x[:, :4], mask=mask, cache=cache)] + [m(x[:, i : i + 1], cache=cache) for i in range(4, 7)]
+    assert max_err(torch.cat(steps, 1), gold) <= tol
+    assert gold.abs().max() > 10 * tol
 
 
 def test_float64_module_is_the_reference_and_masks_change_the_result():
@@ -236,6 +258,10 @@ def test_swap_to_mla_keeps_the_model_rotary():
         ),
         (lambda: V.LatentAttention(d, H, scale=0.0), r"scale must be a finite number > 0 or None"),
         (lambda: V.LatentAttention(d, H, absorb="yes"), r"absorb must be True, False or None"),
+        (
+            lambda: V.LatentAttention(d, H, rope_dims=0, rope_theta=1e4),
+            r"rope_dims must be an int >= 1, got 0; \(0 only without rotary",
+        ),
         (
             lambda: V.LatentCache(1, 8, 4, 10, kind="int8"),
             r"LatentCache supports kind='dense'.*got kind='int8'",

@@ -8,7 +8,7 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
-from . import approx, cost, data, heads, parallel, pretrained, variants
+from . import approx, cost, data, eval, heads, parallel, pretrained, variants
 from .core.biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .core.functional import AttentionOutput, attention, backends, explain
 from .core.masks import Mask, causal, custom, document, key_padding, padding, prefix_lm, sliding_window
@@ -52,6 +52,7 @@ __all__ = [
     "custom_bias",
     "data",
     "document",
+    "eval",
     "explain",
     "heads",
     "key_padding",

@@ -120,3 +120,107 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the role table and the files as JSON")
     p.set_defaults(func=run)
+
+
+def _fraction(text: str) -> float:
+    """argparse type: a fraction in (0, 1), as 0.33 or 1/3."""
+    try:
+        num, sep, den = text.partition("/")
+        value = float(num) / float(den) if sep else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.33 or 1/3, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}")
+    return value
+
+
+def convert(args: argparse.Namespace) -> int:
+    """``multihead heads convert``: shrink MiniLM's KV cache, optionally recover, save, load back; return 0.
+
+    Raises:
+        ValueError: what the surgery, recover and the checkpoint functions raise.
+    """
+    import time
+
+    import torch
+
+    from .. import heads
+    from ..pretrained import SentenceEncoder, minilm, stdlib_docstrings
+    from .console import make_console
+
+    try:
+        model = minilm()
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    docs = stdlib_docstrings(args.texts, max_chars=600)
+    calibration = docs[:64]
+    if args.to == "gqa":
+        step: dict = {"to": "gqa", "n_kv_heads": args.kv_heads}
+    elif args.to == "mla":
+        step = {"to": "mla", "kv_rank": args.kv_rank}
+    else:
+        scores = heads.importance(model, docs[64:128])  # (L, H)
+        H = scores.shape[1]
+        drop: dict[str, list[int]] = {}
+        for i in scores.flatten().argsort()[: round(args.fraction * scores.numel())].tolist():
+            drop.setdefault(str(i // H), []).append(i % H)
+        step = {
+            "to": "prune",
+            "heads": {k: sorted(v) for k, v in sorted(drop.items(), key=lambda kv: int(kv[0]))},
+        }
+    t0 = time.perf_counter()
+    student = heads.apply_surgery(model, step, calibration=None if args.to == "prune" else calibration)
+    if args.recover_minutes or args.recover_steps:
+        heads.recover(
+            student, model, docs, minutes=args.recover_minutes or None, steps=args.recover_steps,
+            progress=not args.json,
+        )  # fmt: skip
+    assert isinstance(student, SentenceEncoder)
+    folder = heads.save_converted(student, [step], args.out)
+    loaded = heads.load_converted(folder)
+    probe = docs[-8:]
+    new, back, old = (torch.as_tensor(m.encode(probe)) for m in (student, loaded, model))  # (8, 384) each
+    same = float((back - new).abs().max())
+    fidelity = float((new * old).sum(-1).mean())
+    result = {
+        "to": args.to, "step": step, "out": str(folder),
+        "kv_bytes_per_token": {"before": heads.kv_cache_bytes_per_token(model, torch.float32),
+                               "after": heads.kv_cache_bytes_per_token(student, torch.float32)},
+        "seconds": time.perf_counter() - t0, "reload_max_abs_diff": same, "cosine_to_original": fidelity,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    kv = result["kv_bytes_per_token"]
+    make_console().print(
+        f"{args.to}: KV cache {kv['before']} -> {kv['after']} bytes per token (float32); mean cosine to the "
+        f"original {fidelity:.3f} on 8 docstrings; saved to {folder}/ (model.safetensors, surgery.json), "
+        f"reloaded with mh.heads.load_converted: max |diff| {same:.1e}"
+    )
+    return 0
+
+
+def register_convert(sub: argparse._SubParsersAction) -> None:
+    """Add ``heads convert`` (reached as ``multihead heads convert ...``; see cli/main.py)."""
+    from .console import positive_int
+
+    p = sub.add_parser(
+        "heads-convert",
+        prog="multihead heads convert",
+        description="Shrink all-MiniLM-L6-v2's KV cache by head surgery - GQA (aligned merge), MLA "
+        "(activation-aware joint SVD of keys and values) or importance pruning - optionally recover by "
+        "distillation (mh.heads.recover) on standard-library docstrings, and save a safetensors checkpoint "
+        "that mh.heads.load_converted(DIR) loads back.",
+    )
+    p.add_argument("--to", choices=("gqa", "mla", "prune"), default="mla", help="the surgery (default mla)")
+    p.add_argument("--kv-heads", type=positive_int, default=2, help="GQA kv heads per layer (default 2)")
+    p.add_argument("--kv-rank", type=positive_int, default=128, help="MLA latent width (default 128)")
+    p.add_argument("--fraction", type=_fraction, default=1 / 3, help="heads pruned (default 1/3)")
+    p.add_argument("--recover-minutes", type=float, default=0.0, help="distillation wall time (default 0)")
+    p.add_argument("--recover-steps", type=positive_int, default=None, help="or a number of steps")
+    p.add_argument("--texts", type=positive_int, default=1000, help="docstrings for calibration/recovery")
+    p.add_argument(
+        "--out", default="multihead-converted", help="output folder (default multihead-converted/)"
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=convert)

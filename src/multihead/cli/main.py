@@ -7,6 +7,8 @@ Commands::
                       [--mask causal|none|sliding:W|prefix:N] [--dtype T] [--phase prefill|decode] [--json]
     multihead explain --preset NAME | --hf DIR [--seq N] [--batch B] [--phase P] [--roof measure]
                       a whole model's shape walk, cost table, memory and roofline (cli/explain.py)
+    multihead heads convert --to gqa|mla|prune [--recover-minutes M] [--out DIR]   (cli/heads.py)
+    multihead eval    [--model DIR] [--bootstrap N] [--json]   human-judged scores (cli/eval.py)
 
 Every command has ``--help``, runs with no arguments, and prints a machine-readable result with
 ``--json``. :func:`main` returns the exit code: 0 on success, 2 on bad arguments or an error the library
@@ -23,6 +25,7 @@ from .. import __version__
 from . import approx as approx_cli
 from . import bench as bench_cli
 from . import encode as encode_cli
+from . import eval as eval_cli
 from . import explain as explain_cli
 from . import generate as generate_cli
 from . import heads as heads_cli
@@ -45,10 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     study_cli.register(sub)
     explain_cli.register(sub)
     encode_cli.register(sub)
+    eval_cli.register(sub)
     generate_cli.register(sub)
     bench_cli.register(sub)
     approx_cli.register(sub)
     heads_cli.register(sub)
+    heads_cli.register_convert(sub)
     train_cli.register(sub)
     return parser
 
@@ -60,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments without the program name (default ``sys.argv[1:]``).
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["heads", "convert"]:  # `heads` takes a text; its convert action has a parser of its own
+        argv = ["heads-convert", *argv[2:]]
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version and usage errors: argparse has printed the message

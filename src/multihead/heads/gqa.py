@@ -44,7 +44,14 @@ from .access import (
     to_id_lists,
 )
 
-__all__ = ["CALIBRATION_TEXTS", "kv_cache_bytes_per_token", "procrustes", "rotate_heads", "to_gqa"]
+__all__ = [
+    "CALIBRATION_TEXTS",
+    "calibration_inputs",
+    "kv_cache_bytes_per_token",
+    "procrustes",
+    "rotate_heads",
+    "to_gqa",
+]
 
 #: Docstrings used to align a SentenceEncoder's heads when no calibration is given.
 CALIBRATION_TEXTS = 64
@@ -150,12 +157,21 @@ def _merged(attn: MultiHeadAttention, K: int) -> MultiHeadAttention:
 
 
 @torch.no_grad()
-def _calibration_inputs(model: nn.Module, calibration: Any, batch_size: int = 16) -> list[Tensor]:
-    """Each layer's self-attention input on the calibration tokens: per layer (T, d) (pads dropped)."""
+def calibration_inputs(
+    model: nn.Module, calibration: Any, batch_size: int = 16, *, what: str = "method='aligned'"
+) -> list[Tensor]:
+    """Each layer's self-attention input on the calibration tokens: per layer (T, d) (pads dropped).
+
+    ``calibration``: texts (SentenceEncoder) or token ids; None: :data:`CALIBRATION_TEXTS` docstrings for a
+    SentenceEncoder.
+
+    Raises:
+        ValueError: None for a model without a tokenizer, inputs :func:`to_id_lists` refuses.
+    """
     if calibration is None:
         if not isinstance(model, SentenceEncoder):
             raise ValueError(
-                f"method='aligned' needs calibration inputs for a {type(model).__name__}: pass "
+                f"{what} needs calibration inputs for a {type(model).__name__}: pass "
                 "calibration=<(n, N) int tensor of token ids>"
             )
         calibration = stdlib_docstrings(CALIBRATION_TEXTS, max_chars=600)
@@ -234,7 +250,7 @@ def to_gqa(model: nn.Module, n_kv_heads: int, method: str = "mean", *, calibrati
     if method == "aligned":
         for attn in attns:
             _rotary_pairs(attn.rotary, attn.head_dim)  # fail before any work
-        xs = _calibration_inputs(model, calibration)
+        xs = calibration_inputs(model, calibration)
         for attn, x in zip(attns, xs):
             rotate_heads(attn, *_aligned_rotations(attn, x, K))
     for layer, attn in zip(layers, attns):

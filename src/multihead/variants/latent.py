@@ -71,7 +71,9 @@ class LatentAttention(AttentionVariant):
         kv_rank: r, width of the latent c_kv (DeepSeek kv_lora_rank); default 4 D (DeepSeek-V2's d_c = 4 d_h).
         q_rank: r_q, width of the low-rank query latent c_q (q_lora_rank); None: a full query projection.
         rope_dims: R, width of the shared rotary key and of each query's rotary part (qk_rope_head_dim);
-            default the rotary's head_dim when ``rotary`` is given, else D / 2 (even, at least 2).
+            default the rotary's head_dim when ``rotary`` is given, else D / 2 (even, at least 2). 0 (only
+            without rotary and rope_theta): no rope features at all, keys are ``c_kv W_UK^i`` alone - the
+            form a model with absolute positions converts to (``mh.heads.to_mla``).
         nope_dims: Dn, each head's query/key features without positions (qk_nope_head_dim); default D.
         v_head_dim: Dv, each head's value width (v_head_dim); default D.
         rotary: a ``RotaryEmbedding`` of head_dim R rotating the rope features (shared by the layers of a
@@ -82,6 +84,9 @@ class LatentAttention(AttentionVariant):
             multiplies it by mscale^2.)
         absorb: True: always the absorbed form; False: always the naive form; None: the cheaper per call.
         norm_eps: epsilon of the latent RMSNorms.
+        kv_norm: RMSNorm the latent c_kv (DeepSeek-V2/V3 do); False: ``c_kv = x W_DKV`` as it is, so that a
+            joint low-rank factorisation of an existing model's W_K, W_V is exact at full rank
+            (``mh.heads.to_mla``). ``kv_norm`` is then None.
         bias: biases on the down projections (W_DQ or W_Q, W_DKV|W_KR) and on W^O, as DeepSeek's
             attention_bias; the up projections never have one.
         dropout: attention-weight and output dropout, training only.
@@ -116,6 +121,7 @@ class LatentAttention(AttentionVariant):
         scale: float | None = None,
         absorb: bool | None = None,
         norm_eps: float = 1e-6,
+        kv_norm: bool = True,
         bias: bool = False,
         dropout: float = 0.0,
         backend: str | registry.Backend = "auto",
@@ -140,7 +146,11 @@ class LatentAttention(AttentionVariant):
         rd = getattr(rotary, "head_dim", None)
         if rope_dims is None:
             rope_dims = int(rd) if rd is not None else 2 * max(1, D // 4)
-        R = check_int("rope_dims", rope_dims, 1, owner=owner)
+        no_positions = rotary is None and rope_theta is None
+        R = check_int(
+            "rope_dims", rope_dims, 0 if no_positions else 1, owner=owner,
+            fix="" if no_positions else "(0 only without rotary and rope_theta)",
+        )  # fmt: skip
         if rd is not None and rd != R:
             raise ValueError(
                 f"{owner} rotary has head_dim {rd} but rope_dims={R}: the rotary rotates the rope features; "
@@ -181,7 +191,7 @@ class LatentAttention(AttentionVariant):
             self.q_norm = RMSNorm(q_rank, norm_eps, **fk)
             self.q_up = nn.Linear(q_rank, H * (Dn + R), bias=False, **fk)  # W_UQ
         self.kv_down = nn.Linear(d_model, r + R, bias=bias, **fk)  # [W_DKV | W_KR]
-        self.kv_norm = RMSNorm(r, norm_eps, **fk)
+        self.kv_norm: RMSNorm | None = RMSNorm(r, norm_eps, **fk) if kv_norm else None
         self.kv_up = nn.Linear(r, H * (Dn + Dv), bias=False, **fk)  # [W_UK^i | W_UV^i] head by head
         self.o_proj = nn.Linear(H * Dv, d_model, bias=bias, **fk)  # W^O
 
@@ -269,7 +279,9 @@ class LatentAttention(AttentionVariant):
             q = self.q_up(self.q_norm(self.q_down(x)))  # (B, N, H (Dn + R))
         src = x if context is None else context
         c_kv, k_rope = self.kv_down(src).split([self.kv_rank, self.rope_dims], dim=-1)  # (B, M, r), (B, M, R)
-        k = torch.cat([self.kv_norm(c_kv), k_rope], dim=-1).unsqueeze(1)  # (B, 1, M, r + R)
+        if self.kv_norm is not None:
+            c_kv = self.kv_norm(c_kv)  # (B, M, r)
+        k = torch.cat([c_kv, k_rope], dim=-1).unsqueeze(1)  # (B, 1, M, r + R)
         return self.split_heads(q, self.n_heads), k, k[..., : self.kv_rank]  # (B, H, N, Dn + R), ...
 
     def apply_positions(

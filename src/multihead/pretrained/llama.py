@@ -128,10 +128,10 @@ def llama_kwargs(config: Any) -> dict[str, Any]:
 
 
 _L = r"(?:model\.)?layers\.(\d+)\."
-RULES: list[Rule] = [
-    (r"(?:model\.)?(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", None, None),  # derived buffers
+#: Everything of a LLaMA-style checkpoint but its attention: embeddings, SwiGLU MLP, pre-norms, final norm
+#: and head (shared by every family built on LLaMA's block).
+BLOCK_RULES: list[Rule] = [
     (r"(?:model\.)?embed_tokens\.weight", "embed.weight", None),
-    (rf"{_L}self_attn\.([qkvo])_proj\.(\w+)", r"layers.\1.self_attn.\2_proj.\3", None),
     (rf"{_L}mlp\.gate_proj\.(\w+)", r"layers.\1.ffn.w1.\2", None),
     (rf"{_L}mlp\.up_proj\.(\w+)", r"layers.\1.ffn.w3.\2", None),
     (rf"{_L}mlp\.down_proj\.(\w+)", r"layers.\1.ffn.w2.\2", None),
@@ -139,6 +139,11 @@ RULES: list[Rule] = [
     (rf"{_L}post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight", None),
     (r"(?:model\.)?norm\.weight", "final_norm.weight", None),
     (r"lm_head\.weight", "lm_head.weight", None),
+]
+RULES: list[Rule] = [
+    (r"(?:model\.)?(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", None, None),  # derived buffers
+    (rf"{_L}self_attn\.([qkvo])_proj\.(\w+)", r"layers.\1.self_attn.\2_proj.\3", None),
+    *BLOCK_RULES,
 ]
 
 

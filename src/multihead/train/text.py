@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.checks import check_int
 from ..models.generation import generate
 from ..models.lm import TransformerLM
 
@@ -62,9 +63,7 @@ class TextConfig:
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "d_model", "n_layers", "n_heads", "d_ff", "steps", "batch", "docs"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"TextConfig {name} must be an int >= 1, got {val!r}")
+            check_int(name, getattr(self, name), 1, owner="TextConfig")
         from ..variants import NAMES
 
         if self.attention not in NAMES:

@@ -1,5 +1,6 @@
 """``multihead bench``: the attention speed suite (ours against SDPA, SDPA per block and eager, as ratios
-in one run), or ``--distributed N`` for ring attention on local processes."""
+in one run), or ``--distributed N`` for ring attention on local processes. Whole-model benchmarks are
+subcommands, one file each: ``multihead bench <name> --help``."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def register(sub) -> None:
         help="instead: ring attention on 1, 2, 4, ... N local gloo processes (per-rank memory, time, bytes)",
     )
     p.add_argument("--seq", type=int, default=8192, help="with --distributed: global sequence length")
+    # Whole-model benchmarks (``multihead bench NAME``): each cli/bench_NAME.py registers itself here.
+    whole = p.add_subparsers(dest="what", metavar="NAME", title="whole-model benchmarks")
+    del whole  # registered below as cli/bench_<name>.py files land: bench_<name>.register(whole)
 
 
 def _cmd_bench(args) -> int:

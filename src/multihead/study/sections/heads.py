@@ -356,9 +356,9 @@ def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]
         f"all-MiniLM-L6-v2 on standard-library docstrings of at most {sizes.max_chars} characters: "
         f"{sizes.eval_texts} for the cosines, {sizes.importance_texts} for the importance (Michel et "
         f"al.'s |dL/dgate| with a span-contrastive loss, l2-normalised per layer), {sizes.calib_texts} "
-        f"to calibrate the aligned merge; roles on the drawn sentence and {sizes.role_texts} evaluation "
-        f"texts. A head's role is the target holding at least {DOMINANT:.0%} of its attention, else broad "
-        f"(broadness >= {BROAD}) or mixed.",
+        f"to calibrate the aligned merge and the MLA factorisation; roles on the drawn sentence and "
+        f"{sizes.role_texts} evaluation texts. A head's role is the target holding at least {DOMINANT:.0%} "
+        f"of its attention, else broad (broadness >= {BROAD}) or mixed.",
         "Cosine: between a text's sentence embedding from the changed model and from the original (1 = the "
         "same); mean and minimum over the evaluation texts. Nothing is retrained. Encode-time ratios of the "
         "pruned models: `python benchmarks/bench_heads.py`.",

@@ -70,7 +70,7 @@ class SurgerySizes:
 
 
 QUICK = SurgerySizes((6, 2), (256, 128), (1 / 6, 1 / 3), 6, True, 96, 8, 64, 1e-4)
-FULL = SurgerySizes((6, 2), (256, 128), (1 / 6, 1 / 3), 30, False, 1000, 16, 128, 1e-4)
+FULL = SurgerySizes((6, 2), (256, 128), (1 / 6, 1 / 3), 30, False, 600, 16, 128, 1e-4)
 
 
 def eval_unavailable() -> str | None:

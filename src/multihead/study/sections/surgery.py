@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...eval import SETS, data_dir, human_judged
+from ...heads.access import layers_of
 from ...heads.gqa import kv_cache_bytes_per_token, to_gqa
 from ...heads.mla import to_mla
 from ...heads.pruning import prune
@@ -95,37 +96,25 @@ def _variants(
     model: SentenceEncoder, scores: torch.Tensor, calibration: list[str], sizes: SurgerySizes
 ) -> Iterator[tuple[str, str, str, Callable[[], torch.nn.Module], bool]]:
     """(name, method, size, build, recover it) per variant; each build returns a changed copy (the model is
-    kept); with ``recover_smallest`` only each method's smallest KV cache is recovered."""
-    for name, method, size, build, smallest in _built(model, scores, calibration, sizes):
-        yield (
-            name,
-            method,
-            size,
-            build,
-            bool(sizes.recover_steps) and (smallest or not sizes.recover_smallest),
-        )
+    kept). With ``recover_smallest`` only each method's smallest KV cache is recovered."""
 
+    def recovered(smallest: bool) -> bool:
+        return bool(sizes.recover_steps) and (smallest or not sizes.recover_smallest)
 
-def _built(
-    model: SentenceEncoder, scores: torch.Tensor, calibration: list[str], sizes: SurgerySizes
-) -> Iterator[tuple[str, str, str, Callable[[], torch.nn.Module], bool]]:
-    """(name, method, size, build, whether it is its method's smallest KV cache) per variant."""
     for k in sizes.n_kv:
 
         def merged(k: int = k) -> torch.nn.Module:
             return to_gqa(copy.deepcopy(model), k, "aligned", calibration=calibration)
 
-        yield f"GQA-{k} aligned", "GQA", f"{k} kv", merged, k == min(sizes.n_kv)
+        yield f"GQA-{k} aligned", "GQA", f"{k} kv", merged, recovered(k == min(sizes.n_kv))
     for r in sizes.ranks:
 
         def latent(r: int = r) -> torch.nn.Module:
             return to_mla(model, r, calibration=calibration)
 
-        yield f"MLA r={r} calibrated", "MLA", f"r={r}", latent, r == min(sizes.ranks)
+        yield f"MLA r={r} calibrated", "MLA", f"r={r}", latent, recovered(r == min(sizes.ranks))
     L, H = scores.shape
-    ascending = [
-        divmod(int(i), H) for i in scores.flatten().argsort()
-    ]  # (layer, head), least important first
+    ascending = [divmod(int(i), H) for i in scores.flatten().argsort()]  # (layer, head), least important 1st
     for fraction in sizes.fractions:
 
         def pruned(n: int = round(fraction * L * H)) -> torch.nn.Module:
@@ -134,14 +123,8 @@ def _built(
                 drop.setdefault(layer, []).append(head)
             return prune(copy.deepcopy(model), drop)
 
-        label = _fraction_label(fraction)
-        yield (
-            f"pruned {label} by importance",
-            "pruning",
-            f"-{label}",
-            pruned,
-            fraction == max(sizes.fractions),
-        )
+        label, last = _fraction_label(fraction), fraction == max(sizes.fractions)
+        yield f"pruned {label} by importance", "pruning", f"-{label}", pruned, recovered(last)
 
 
 def _row(
@@ -192,7 +175,8 @@ def surgery_rows(
         ImportError: gensim (the human-judged data) is missing; check :func:`eval_unavailable` first.
     """
     step("human-judged scores of the original", 0.0)
-    rows = [_row("original MiniLM", "original", "12 kv", "original", model, None)]
+    kv_heads = getattr(layers_of(model)[0].self_attn, "n_kv_heads", 0)
+    rows = [_row("original MiniLM", "original", f"{kv_heads} kv", "original", model, None)]
     base = {m: rows[0][m] for m in METRICS}
     variants = list(_variants(model, scores, calibration, sizes))
     for i, (name, method, size, build, recovered) in enumerate(variants):

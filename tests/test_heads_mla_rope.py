@@ -327,16 +327,18 @@ def _hf_lm(name: str):
                 p.normal_(0.0, 0.1)
             elif "q_proj" in n or "k_proj" in n:
                 p.mul_(6)
-    return mh.pretrained.from_hf(model).double().eval()
+    return model.double(), mh.pretrained.from_hf(model).double().eval()
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
 def test_from_hf_llama_family_exact_limit_and_decode(name):
-    lm = _hf_lm(name)
+    hf, lm = _hf_lm(name)
     ids = _ids(2, 24)
     ref = lm(ids)
     full = heads.to_mla(lm, heads.max_kv_rank(lm.layers[0].self_attn, 16), rope_dims=16)
     assert max_err(full(ids), ref) <= TOL[torch.float64]
+    with torch.no_grad():  # and against transformers itself (float64; its rotary frequencies stay float32)
+        assert max_err(full(ids), hf(ids).logits) <= 1e-6
     assert torch.equal(full.generate(ids[:, :6], 24), lm.generate(ids[:, :6], 24))
     errs = [_rel(heads.to_mla(lm, r, rope_dims=4, calibration=ids), ref, ids) for r in (4, 16, 56)]
     assert errs[0] > errs[1] > errs[2]

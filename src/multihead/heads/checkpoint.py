@@ -69,7 +69,8 @@ def save_converted(
 
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}  # tied weights: one copy each
+    # a copy of each tensor: tied weights (embedding = head) would share memory, which safetensors refuses
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"))
     if isinstance(base, dict) and "hf" in base:
         base = {"hf": str(Path(base["hf"]).resolve())}

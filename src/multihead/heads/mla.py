@@ -18,7 +18,8 @@ Exact reparametrisations applied first (the converted model computes the same fu
 - balance: keys enter only through q . k and values only through W^O v, so ``k -> a k, q -> q / a`` and
   ``v -> b v, W^O -> W^O / b`` change nothing; a and b make the key and value blocks equally large
   (Frobenius norm, on X when given) so that the shared rank is not spent on whichever is larger;
-- biases: a key bias adds q . b_K to every score of a query row, which softmax ignores, so it is dropped;
+- biases: a key bias adds q . b_K to every score of a query row, which softmax ignores, so it is dropped
+  (on the rotary features it turns with the key's position, so there it stays, on the rope key);
   a value bias adds b_V to every head's output (the probabilities sum to one), so it moves into the W^O
   bias as W^O b_V. (A row that attends to no key at all would differ; the models here have none.)
 
@@ -30,7 +31,8 @@ features become position-free ("nope") dims:
     q_i . k_g  ->  q_i^nope . k_g^nope  +  RoPE(q_i^rope) . RoPE(k_g^rope)        (D - R) + R features
 
 The nope keys of every kv head are factorised jointly with the values, ``[W_K^nope; W_V]`` (Hkv (2D - R),
-d) -> rank r; the kept rope keys stay exact, one per kv head: :class:`LatentAttention` with
+d) -> rank r, one latent shared by all heads as in DeepSeek's MLA; the kept rope keys stay exact, one per
+kv head: :class:`LatentAttention` with
 ``rope_heads = Hkv`` and a :class:`~multihead.nn.positions.PartialRotary` that rotates each head's kept
 pairs at their original frequencies. That is MHA2MLA's layout (each head keeps its own rope dims and
 caches them), not DeepSeek's single shared rotary key: a shared key would have to merge heads whose kept
@@ -45,7 +47,8 @@ token and layer. Removing rotary from the dropped pairs is the one change that i
   weight rows and biases);
 - "high": the R / 2 highest frequencies (pairs 0 .. R/2 - 1), the same for every head;
 - "low": the R / 2 lowest frequencies;
-- "uniform": every (D / R)-th pair, starting with the highest frequency.
+- "uniform": R / 2 pairs evenly spaced over the D / 2 (pair ``floor(j D / R)`` for j < R / 2), starting
+  with the highest frequency.
 
 Shape legend: d width, Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, r kv_rank, R rope_dims kept
 per head, P = R / 2 kept pairs, T calibration tokens.

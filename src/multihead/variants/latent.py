@@ -105,9 +105,9 @@ class LatentAttention(AttentionVariant):
         device, dtype: of the parameters.
 
     Parameters: ``q_proj`` (W_Q) or ``q_down`` (W_DQ), ``q_norm``, ``q_up`` (W_UQ), whose rows are head by
-    head ``[q_i^C | q_i^R]`` (Dn + R each); ``kv_down`` (rows ``[W_DKV | W_KR]``, r + R); ``kv_norm``;
-    ``kv_up`` (rows head by head ``[W_UK^i | W_UV^i]``, Dn + Dv each); ``o_proj`` (W^O); ``kv_down`` has
-    r + G R rows (``[W_DKV | W_KR^1 .. W_KR^G]``). Attributes:
+    head ``[q_i^C | q_i^R]`` (Dn + R each); ``kv_down`` (rows ``[W_DKV | W_KR^1 .. W_KR^G]``, r + G R);
+    ``kv_norm``; ``kv_up`` (rows head by head ``[W_UK^i | W_UV^i]``, Dn + Dv each); ``o_proj`` (W^O).
+    Attributes:
     ``head_dim`` = Dn + R (the query/key width of a head), ``n_kv_heads`` = H (per-head keys once
     rebuilt).
 

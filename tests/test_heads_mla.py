@@ -92,9 +92,9 @@ def test_minilm_full_rank_is_exact():
         (lambda lm: heads.to_mla(lm, 33), r"kv_rank must be an int in \[1, 32\].*got 33"),
         (lambda lm: heads.to_mla(lm, 8, rope_dims=4), r"rope_dims=4: to_mla converts models without rotary"),
         (lambda lm: heads.to_mla(lm, 8, calibration=["some text"]), r"texts need a model with a tokenizer"),
-        (
-            lambda lm: heads.to_mla(mh.TransformerLM(50, 32, 1, 4, 64), 8),
-            r"to_mla converts attention without rotary.*use mh.heads.to_gqa",
+        (  # rotary models convert with partial RoPE (tests/test_heads_mla_rope.py); rope_dims must fit
+            lambda lm: heads.to_mla(mh.TransformerLM(50, 32, 1, 4, 64), 8, rope_dims=3),
+            r"rope_dims must be even \(rotary features rotate in pairs\), got 3",
         ),
         (lambda lm: heads.to_mla(heads.to_mla(lm, 8), 8), r"to_mla works on plain MultiHeadAttention"),
     ],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 __all__ = ["DEFAULT_TEXT", "register", "run"]
 
@@ -134,30 +135,67 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _lm_tokens(
+    model: Any, docs: list[str], tokenizer_dir: Path | None, max_tokens: int = 128
+) -> list[list[int]]:
+    """Token ids of ``docs`` for an LM: its tokenizer.json when the checkpoint has one, else the texts'
+    UTF-8 bytes modulo the vocabulary (random-weight presets have no tokenizer)."""
+    if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
+        from ..pretrained.files import read_tokenizer
+
+        tok = read_tokenizer(tokenizer_dir / "tokenizer.json")
+        return [e.ids[:max_tokens] or [0] for e in tok.encode_batch(docs)]
+    return [[b % model.vocab_size for b in d.encode("utf-8")[:max_tokens]] or [0] for d in docs]
+
+
+def _base(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """The model to convert, its surgery.json base, and its name."""
+    from ..heads.checkpoint import MINILM
+    from ..pretrained import load, minilm, random_lm
+
+    if args.hf is not None and args.preset is not None:
+        raise ValueError("pass one of --hf DIR and --preset NAME (or neither, for MiniLM)")
+    if args.hf is not None:
+        return load(args.hf), {"hf": str(args.hf)}, str(args.hf)
+    if args.preset is not None:
+        return random_lm(args.preset), {"preset": args.preset}, f"{args.preset} (random weights)"
+    try:
+        return minilm(), MINILM, MINILM
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+
+
 def convert(args: argparse.Namespace) -> int:
-    """``multihead heads convert``: shrink MiniLM's KV cache, optionally recover, save, load back; return 0.
+    """``multihead heads convert``: shrink a model's KV cache (MiniLM, or a LLaMA-family LM with --hf /
+    --preset), optionally recover, save, load back; return 0.
 
     Raises:
-        ValueError: what the surgery, recover and the checkpoint functions raise.
+        ValueError: --hf with --preset, --to prune on an LM, and what the surgery, recover and the
+            checkpoint functions raise.
     """
     import time
 
     import torch
 
     from .. import heads
-    from ..pretrained import SentenceEncoder, minilm, stdlib_docstrings
+    from ..heads.access import pad_batch
+    from ..models.lm import TransformerLM
+    from ..pretrained import SentenceEncoder, stdlib_docstrings
     from .console import make_console
 
-    try:
-        model = minilm()
-    except ImportError as e:
-        raise ValueError(str(e)) from None
+    model, base, name = _base(args)
+    lm = isinstance(model, TransformerLM)
+    if lm and args.to == "prune":
+        raise ValueError("--to prune converts MiniLM only; for an LM (--hf / --preset) use --to gqa or mla")
     docs = stdlib_docstrings(args.texts, max_chars=600)
-    calibration = docs[:64]
+    texts: Any = _lm_tokens(model, docs, None if args.hf is None else Path(args.hf)) if lm else docs
+    calibration = texts[:64]
     if args.to == "gqa":
         step: dict = {"to": "gqa", "n_kv_heads": args.kv_heads}
     elif args.to == "mla":
         step = {"to": "mla", "kv_rank": args.kv_rank}
+        if lm:
+            step |= {"rope_dims": args.rope_dims, "rope_select": args.rope_select}
     else:
         scores = heads.importance(model, docs[64:128])  # (L, H)
         H = scores.shape[1]
@@ -172,49 +210,79 @@ def convert(args: argparse.Namespace) -> int:
     student = heads.apply_surgery(model, step, calibration=None if args.to == "prune" else calibration)
     if args.recover_minutes or args.recover_steps:
         heads.recover(
-            student, model, docs, minutes=args.recover_minutes or None, steps=args.recover_steps,
+            student, model, texts, minutes=args.recover_minutes or None, steps=args.recover_steps,
             progress=not args.json,
         )  # fmt: skip
-    assert isinstance(student, SentenceEncoder)
-    folder = heads.save_converted(student, [step], args.out)
+    folder = heads.save_converted(student, [step], args.out, base=base)
     loaded = heads.load_converted(folder)
-    probe = docs[-8:]
-    new, back, old = (torch.as_tensor(m.encode(probe)) for m in (student, loaded, model))  # (8, 384) each
-    same = float((back - new).abs().max())
-    fidelity = float((new * old).sum(-1).mean())
+    probe = texts[-8:]
     result = {
-        "to": args.to, "step": step, "out": str(folder),
+        "model": name, "to": args.to, "step": step, "out": str(folder),
         "kv_bytes_per_token": {"before": heads.kv_cache_bytes_per_token(model, torch.float32),
                                "after": heads.kv_cache_bytes_per_token(student, torch.float32)},
-        "seconds": time.perf_counter() - t0, "reload_max_abs_diff": same, "cosine_to_original": fidelity,
+        "seconds": time.perf_counter() - t0,
     }  # fmt: skip
+    if lm:
+        assert isinstance(student, TransformerLM) and isinstance(loaded, TransformerLM)
+        ids, real = pad_batch(probe)  # (8, N) each
+        with torch.no_grad():
+            new, back, old = (m(ids, attention_mask=real) for m in (student, loaded, model))  # (8, N, V) each
+        agree = (new.argmax(-1) == old.argmax(-1))[real].float().mean()
+        result |= {
+            "reload_max_abs_diff": float((back - new).abs().max()),
+            "next_token_agreement": float(agree),
+        }
+        what = f"next-token agreement with the original {float(agree):.1%} on {int(real.sum())} tokens"
+    else:
+        assert isinstance(student, SentenceEncoder) and isinstance(loaded, SentenceEncoder)
+        enc = [torch.as_tensor(m.encode(probe)) for m in (student, loaded, model)]  # (8, 384) each
+        fidelity = float((enc[0] * enc[2]).sum(-1).mean())
+        result |= {
+            "reload_max_abs_diff": float((enc[1] - enc[0]).abs().max()),
+            "cosine_to_original": fidelity,
+        }
+        what = f"mean cosine to the original {fidelity:.3f} on 8 docstrings"
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     kv = result["kv_bytes_per_token"]
     make_console().print(
-        f"{args.to}: KV cache {kv['before']} -> {kv['after']} bytes per token (float32); mean cosine to the "
-        f"original {fidelity:.3f} on 8 docstrings; saved to {folder}/ (model.safetensors, surgery.json), "
-        f"reloaded with mh.heads.load_converted: max |diff| {same:.1e}"
+        f"{name} {args.to}: KV cache {kv['before']} -> {kv['after']} bytes per token (float32); {what}; "
+        f"saved to {folder}/ (model.safetensors, surgery.json), reloaded with mh.heads.load_converted: "
+        f"max |diff| {result['reload_max_abs_diff']:.1e}",
+        markup=False,
     )
     return 0
 
 
 def register_convert(sub: argparse._SubParsersAction) -> None:
     """Add ``heads convert`` (reached as ``multihead heads convert ...``; see cli/main.py)."""
+    from ..heads.mla import ROPE_SELECT
     from .console import positive_int
 
     p = sub.add_parser(
         "heads-convert",
         prog="multihead heads convert",
-        description="Shrink all-MiniLM-L6-v2's KV cache by head surgery - GQA (aligned merge), MLA "
-        "(activation-aware joint SVD of keys and values) or importance pruning - optionally recover by "
-        "distillation (mh.heads.recover) on standard-library docstrings, and save a safetensors checkpoint "
-        "that mh.heads.load_converted(DIR) loads back.",
+        description="Shrink a model's KV cache by head surgery - GQA (aligned merge), MLA (activation-aware "
+        "joint SVD of keys and values; partial RoPE on rotary models) or importance pruning (MiniLM) - "
+        "optionally recover by distillation (mh.heads.recover) on standard-library docstrings, and save a "
+        "safetensors checkpoint that mh.heads.load_converted(DIR) loads back. The model is the bundled "
+        "all-MiniLM-L6-v2, or a LLaMA / Mistral / Qwen2 save_pretrained directory (--hf DIR; its "
+        "tokenizer.json when present, else the texts' bytes) or a random-weight preset (--preset NAME).",
     )
     p.add_argument("--to", choices=("gqa", "mla", "prune"), default="mla", help="the surgery (default mla)")
+    p.add_argument("--hf", metavar="DIR", default=None, help="a LLaMA-family save_pretrained directory")
+    p.add_argument("--preset", default=None, help="a random-weight LM preset, e.g. llama-tiny")
     p.add_argument("--kv-heads", type=positive_int, default=2, help="GQA kv heads per layer (default 2)")
     p.add_argument("--kv-rank", type=positive_int, default=128, help="MLA latent width (default 128)")
+    p.add_argument(
+        "--rope-dims", type=positive_int, default=None,
+        help="rotary models: rotary dims kept per head, even (default head dim / 4)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rope-select", choices=ROPE_SELECT, default="norm",
+        help="rotary models: which frequency pairs each kv head keeps (default norm)",
+    )  # fmt: skip
     p.add_argument("--fraction", type=_fraction, default=1 / 3, help="heads pruned (default 1/3)")
     p.add_argument("--recover-minutes", type=float, default=0.0, help="distillation wall time (default 0)")
     p.add_argument("--recover-steps", type=positive_int, default=None, help="or a number of steps")

@@ -6,6 +6,7 @@
     mh.heads.prune(model, {0: [3, 7], 5: [1]})               # really removes them
     mh.heads.to_gqa(model, 4, method="aligned")              # MHA -> GQA, Procrustes-aligned merge
     small = mh.heads.to_mla(model, 128, calibration=texts)   # MHA -> MLA copy, joint SVD of W_K, W_V
+    mla_lm = mh.heads.to_mla(lm, 64, rope_dims=8, calibration=ids)   # rotary LM: partial RoPE (MHA2MLA)
     mh.heads.recover(small, model, texts, minutes=5)         # distil the original back into it
 
 Every tool addresses heads as (layer, head): layer i is the model's i-th TransformerLayer, head h its

@@ -18,14 +18,40 @@ Exact reparametrisations applied first (the converted model computes the same fu
 - balance: keys enter only through q . k and values only through W^O v, so ``k -> a k, q -> q / a`` and
   ``v -> b v, W^O -> W^O / b`` change nothing; a and b make the key and value blocks equally large
   (Frobenius norm, on X when given) so that the shared rank is not spent on whichever is larger;
-- biases: a key bias adds q . b_K to every score of a query row, which softmax ignores, so it is dropped;
+- biases: a key bias adds q . b_K to every score of a query row, which softmax ignores, so it is dropped
+  (on the rotary features it turns with the key's position, so there it stays, on the rope key);
   a value bias adds b_V to every head's output (the probabilities sum to one), so it moves into the W^O
   bias as W^O b_V. (A row that attends to no key at all would differ; the models here have none.)
 
-Positions: models with absolute positions (BERT/MiniLM, GPT-2) have no rotary, so the latent carries
-everything (``rope_dims = 0``); rotary models are not converted yet.
+Positions. Models with absolute positions (BERT/MiniLM, GPT-2) have no rotary, so the latent carries
+everything (``rope_dims = 0``). Rotary models (LLaMA, Mistral, Qwen2) convert with MHA2MLA's partial RoPE:
+per kv head, keep R / 2 of the D / 2 rotary frequency pairs and remove the rotation from the others, whose
+features become position-free ("nope") dims:
 
-Shape legend: d width, Hq query heads, Hkv kv heads, D head dim, r kv_rank, T calibration tokens.
+    q_i . k_g  ->  q_i^nope . k_g^nope  +  RoPE(q_i^rope) . RoPE(k_g^rope)        (D - R) + R features
+
+The nope keys of every kv head are factorised jointly with the values, ``[W_K^nope; W_V]`` (Hkv (2D - R),
+d) -> rank r, one latent shared by all heads as in DeepSeek's MLA; the kept rope keys stay exact, one per
+kv head: :class:`LatentAttention` with
+``rope_heads = Hkv`` and a :class:`~multihead.nn.positions.PartialRotary` that rotates each head's kept
+pairs at their original frequencies. That is MHA2MLA's layout (each head keeps its own rope dims and
+caches them), not DeepSeek's single shared rotary key: a shared key would have to merge heads whose kept
+pairs differ, an approximation the per-head key does not need. The cache holds r + Hkv R numbers per
+token and layer. Removing rotary from the dropped pairs is the one change that is not exact at full rank
+(MHA2MLA recovers it by fine-tuning: ``mh.heads.recover``); keeping every pair (R = D) with r =
+:func:`max_kv_rank` reproduces the model. Which pairs to keep (``rope_select``, MHA2MLA's choices):
+
+- "norm": per kv head, the R / 2 pairs of largest contribution ``sum_t sum_(i in group) ||q_i,t^(p)||
+  ||k_t^(p)||`` (2-norms of the pair's two features; rotation keeps them) over the calibration tokens,
+  or without calibration over the expected norms under white inputs (the Frobenius norms of the pair's
+  weight rows and biases);
+- "high": the R / 2 highest frequencies (pairs 0 .. R/2 - 1), the same for every head;
+- "low": the R / 2 lowest frequencies;
+- "uniform": R / 2 pairs evenly spaced over the D / 2 (pair ``floor(j D / R)`` for j < R / 2), starting
+  with the highest frequency.
+
+Shape legend: d width, Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, r kv_rank, R rope_dims kept
+per head, P = R / 2 kept pairs, T calibration tokens.
 """
 
 from __future__ import annotations
@@ -37,17 +63,107 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..core.checks import check_int
 from ..nn.attention import MultiHeadAttention
+from ..nn.positions import PartialRotary, RotaryEmbedding
 from ..variants.latent import LatentAttention
 from .access import layers_of, plain_attention
 from .gqa import calibration_inputs
 
-__all__ = ["latent_from_attention", "max_kv_rank", "to_mla"]
+__all__ = [
+    "ROPE_SELECT",
+    "default_rope_dims",
+    "latent_from_attention",
+    "max_kv_rank",
+    "select_rope_pairs",
+    "to_mla",
+]
+
+#: How :func:`to_mla` chooses the rotary pairs each kv head keeps (see the module docstring).
+ROPE_SELECT = ("norm", "high", "low", "uniform")
 
 
-def max_kv_rank(attn: MultiHeadAttention) -> int:
-    """The rank at which the joint factorisation is exact: min(2 Hkv D, d)."""
-    return min(2 * attn.n_kv_heads * attn.head_dim, attn.d_model)
+def max_kv_rank(attn: MultiHeadAttention, rope_dims: int = 0) -> int:
+    """The rank at which the joint factorisation is exact: min(2 Hkv D, d), or with ``rope_dims`` = R
+    rotary dims kept per head (outside the latent) min(Hkv (2D - R), d)."""
+    return min(attn.n_kv_heads * (2 * attn.head_dim - rope_dims), attn.d_model)
+
+
+def _pair_features(rotary: RotaryEmbedding, D: int) -> tuple[Tensor, Tensor]:
+    """The two features of each rotary pair within a head: (D/2,) first, (D/2,) second."""
+    i = torch.arange(D // 2)
+    return (2 * i, 2 * i + 1) if rotary.interleaved else (i, i + D // 2)
+
+
+def _pair_norms(t: Tensor, first: Tensor, second: Tensor) -> Tensor:
+    """2-norms of each pair of t (..., D): (..., D/2)."""
+    return (t[..., first].square() + t[..., second].square()).sqrt()
+
+
+def select_rope_pairs(
+    attn: MultiHeadAttention, rope_dims: int, select: str = "norm", x: Tensor | None = None
+) -> Tensor:
+    """The rotary frequency pairs each kv head of ``attn`` keeps: (Hkv, R / 2) indices, ascending per row
+    (pair p rotates features p and p + D/2 - or 2p, 2p + 1 interleaved - by ``pos * base^(-2p/D)``).
+
+    Args:
+        attn: a MultiHeadAttention with a RotaryEmbedding over its whole head dim.
+        rope_dims: R, the rotary dims kept per head: even, 2 <= R <= D.
+        select: one of :data:`ROPE_SELECT` (see the module docstring).
+        x: None, or (T, d) inputs of this layer for the "norm" scores.
+
+    Raises:
+        ValueError: an attention without such a rotary, a bad rope_dims or select.
+    """
+    Hq, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    rotary = attn.rotary
+    if not isinstance(rotary, RotaryEmbedding) or rotary.head_dim != D:
+        raise ValueError(
+            f"to_mla keeps rotary pairs of a RotaryEmbedding over the whole head dim {D}; this layer has "
+            f"{rotary!r}"
+        )
+    _check_rope_dims(rope_dims, D)
+    if select not in ROPE_SELECT:
+        raise ValueError(f"rope_select must be one of {list(ROPE_SELECT)}, got {select!r}")
+    half, P = D // 2, rope_dims // 2
+    if select == "high":
+        return torch.arange(P).expand(Hkv, P).clone()  # (Hkv, P)
+    if select == "low":
+        return torch.arange(half - P, half).expand(Hkv, P).clone()  # (Hkv, P)
+    if select == "uniform":
+        return (torch.arange(P) * half // P).expand(Hkv, P).clone()  # (Hkv, P)
+    first, second = _pair_features(rotary, D)
+    w, b = attn.qkv_proj.weight.double(), attn.qkv_proj.bias
+    w_q, w_k = w[: Hq * D], w[Hq * D : (Hq + Hkv) * D]  # (Hq D, d), (Hkv D, d)
+    b_q = None if b is None else b[: Hq * D].double()
+    b_k = None if b is None else b[Hq * D : (Hq + Hkv) * D].double()
+    if x is None:  # E ||W x + b||^2 over white x = ||W||_F^2 + ||b||^2, per feature
+        q2 = w_q.square().sum(1) + (0 if b_q is None else b_q.square())  # (Hq D,)
+        k2 = w_k.square().sum(1) + (0 if b_k is None else b_k.square())  # (Hkv D,)
+        qn = _pair_norms(q2.sqrt().reshape(Hq, D), first, second)  # (Hq, D/2)
+        kn = _pair_norms(k2.sqrt().reshape(Hkv, D), first, second)  # (Hkv, D/2)
+        score = qn.reshape(Hkv, Hq // Hkv, half).sum(1) * kn  # (Hkv, D/2)
+    else:
+        xd = x.double()
+        q = xd @ w_q.T + (0 if b_q is None else b_q)  # (T, Hq D)
+        k = xd @ w_k.T + (0 if b_k is None else b_k)  # (T, Hkv D)
+        qn = _pair_norms(q.reshape(-1, Hkv, Hq // Hkv, D), first, second).sum(2)  # (T, Hkv, D/2)
+        kn = _pair_norms(k.reshape(-1, Hkv, D), first, second)  # (T, Hkv, D/2)
+        score = (qn * kn).sum(0)  # (Hkv, D/2)
+    return score.topk(P, dim=1).indices.sort(dim=1).values  # (Hkv, P)
+
+
+def _check_rope_dims(rope_dims: Any, D: int) -> int:
+    """rope_dims for a rotary layer: an even int in [2, D]."""
+    R = check_int(
+        "rope_dims", rope_dims, 2, D,
+        fix=f"the rotary dims kept per head, an even number up to the head dim {D} (pairs rotate together)",
+    )  # fmt: skip
+    if R % 2:
+        raise ValueError(
+            f"rope_dims must be even (rotary features rotate in pairs), got {R}; pass {R - 1} or {R + 1}"
+        )
+    return R
 
 
 def _top_right_vectors(m: Tensor, r: int) -> Tensor:
@@ -72,113 +188,187 @@ def _factor(w: Tensor, r: int, x: Tensor | None) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def latent_from_attention(attn: MultiHeadAttention, kv_rank: int, x: Tensor | None = None) -> LatentAttention:
-    """A :class:`LatentAttention` (rope_dims 0, no latent norm) approximating ``attn``'s keys and values
-    with a rank-``kv_rank`` latent (see the module docstring); exact at :func:`max_kv_rank`.
+def latent_from_attention(
+    attn: MultiHeadAttention,
+    kv_rank: int,
+    x: Tensor | None = None,
+    *,
+    rope_dims: int = 0,
+    rope_select: str = "norm",
+) -> LatentAttention:
+    """A :class:`LatentAttention` (no latent norm) approximating ``attn``'s keys and values with a
+    rank-``kv_rank`` latent (see the module docstring); exact at :func:`max_kv_rank` without rotary, or
+    with rotary when every pair is kept (rope_dims = D).
 
     Args:
-        attn: a plain MultiHeadAttention without rotary and without attention sinks.
-        kv_rank: r, 1 <= r <= min(2 Hkv D, d).
-        x: None, or (T, d) calibration inputs of this layer (activation-aware factorisation).
+        attn: a plain MultiHeadAttention without attention sinks; with rotary, a RotaryEmbedding over its
+            whole head dim.
+        kv_rank: r, 1 <= r <= :func:`max_kv_rank` (attn, rope_dims).
+        x: None, or (T, d) calibration inputs of this layer (activation-aware factorisation, and the
+            "norm" pair scores).
+        rope_dims: R, rotary dims kept per head: 0 without rotary; with rotary an even 2 <= R <= D.
+        rope_select: which pairs, one of :data:`ROPE_SELECT`.
 
     Raises:
-        ValueError: a rotary or sink attention, a kv_rank out of range.
+        ValueError: a sink attention, a rope_dims that does not fit the layer (non-zero without rotary,
+            odd, out of [2, D] with rotary), an unknown rope_select, a kv_rank out of range.
     """
     Hq, Hkv, D, d = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.d_model
-    if attn.rotary is not None:
-        raise ValueError(
-            f"to_mla converts attention without rotary (absolute positions: BERT, GPT-2); this layer has "
-            f"{attn.rotary!r}; use mh.heads.to_gqa for rotary models"
-        )
     if attn.sinks is not None:
         raise ValueError(
             "to_mla cannot convert attention with sinks (its value bias would not fold into W^O)"
         )
-    top = max_kv_rank(attn)
-    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= top:
+    if attn.rotary is None and rope_dims != 0:
         raise ValueError(
-            f"kv_rank must be an int in [1, {top}] (min(2 * kv heads * head dim, d_model) = "
-            f"min({2 * Hkv * D}, "
-            f"{d}), where the factorisation is exact), got {kv_rank!r}"
+            f"rope_dims={rope_dims!r}: to_mla converts models without rotary (absolute positions) with "
+            "rope_dims=None or 0 - there is no rotary key to keep"
+        )
+    R = 0 if attn.rotary is None else _check_rope_dims(rope_dims, D)
+    pairs = None if attn.rotary is None else select_rope_pairs(attn, R, rope_select, x)  # (Hkv, P)
+    top = max_kv_rank(attn, R)
+    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= top:
+        why = f"min(2 * kv heads * head dim, d_model) = min({2 * Hkv * D}, {d})"
+        if R:
+            why = f"min(kv heads * (2 * head dim - rope_dims), d_model) = min({Hkv * (2 * D - R)}, {d})"
+        raise ValueError(
+            f"kv_rank must be an int in [1, {top}] ({why}, where the factorisation is exact), got {kv_rank!r}"
         )
     w, b = attn.qkv_proj.weight.double(), attn.qkv_proj.bias
-    w_q, w_k, w_v = w.split([Hq * D, Hkv * D, Hkv * D])  # (Hq D, d), (Hkv D, d), (Hkv D, d)
+    bd = None if b is None else b.double()
+    # Each head's features reordered [nope | rope] (rope: the kept pairs' first then second features).
+    order = torch.arange(D).expand(Hkv, D)  # (Hkv, D): no rotary, all nope
+    rot = attn.rotary
+    if pairs is not None:
+        assert isinstance(rot, RotaryEmbedding)  # select_rope_pairs checked it
+        first, second = _pair_features(rot, D)
+        rope = torch.cat([first[pairs], second[pairs]], dim=1)  # (Hkv, R)
+        keep = torch.ones(Hkv, D, dtype=torch.bool)
+        keep.scatter_(1, rope, False)
+        nope = torch.arange(D).expand(Hkv, D)[keep].reshape(Hkv, D - R)  # (Hkv, D - R), ascending
+        order = torch.cat([nope, rope], dim=1)  # (Hkv, D)
+    G, Dn = Hq // Hkv, D - R
+    q_rows = (torch.arange(Hq)[:, None] * D + order.repeat_interleave(G, 0)).flatten()  # (Hq D,)
+    k_rows = (Hq * D + torch.arange(Hkv)[:, None] * D + order).flatten()  # (Hkv D,)
+    k_nope_rows = k_rows.reshape(Hkv, D)[:, :Dn].flatten()  # (Hkv Dn,)
+    k_rope_rows = k_rows.reshape(Hkv, D)[:, Dn:].flatten()  # (Hkv R,)
+    w_q, w_kn, w_kr = w[q_rows], w[k_nope_rows], w[k_rope_rows]  # (Hq D, d), (Hkv Dn, d), (Hkv R, d)
+    w_v = w[(Hq + Hkv) * D :]  # (Hkv D, d)
     xd = None if x is None else x.double()
-    nk = (w_k if xd is None else xd @ w_k.T).norm()
+    nk = (w_kn if xd is None else xd @ w_kn.T).norm()
     nv = (w_v if xd is None else xd @ w_v.T).norm()
-    a = math.sqrt(float(nv / nk)) if nk > 0 and nv > 0 else 1.0  # keys x a, values x 1/a: equal norms
-    up, down = _factor(torch.cat([w_k * a, w_v / a]), kv_rank, xd)  # (2 Hkv D, r), (r, d)
-    G = Hq // Hkv
-    uk = up[: Hkv * D].reshape(Hkv, D, kv_rank).repeat_interleave(G, dim=0)  # (Hq, D, r)
-    uv = up[Hkv * D :].reshape(Hkv, D, kv_rank).repeat_interleave(G, dim=0)  # (Hq, D, r)
+    a = math.sqrt(float(nv / nk)) if nk > 0 and nv > 0 else 1.0  # nope keys x a, values x 1/a: equal norms
+    up, down = _factor(torch.cat([w_kn * a, w_v / a]), kv_rank, xd)  # (Hkv (Dn + D), r), (r, d)
+    uk = up[: Hkv * Dn].reshape(Hkv, Dn, kv_rank).repeat_interleave(G, dim=0)  # (Hq, Dn, r)
+    uv = up[Hkv * Dn :].reshape(Hkv, D, kv_rank).repeat_interleave(G, dim=0)  # (Hq, D, r)
+    q_scale = torch.ones(Hq, D, dtype=torch.float64)
+    q_scale[:, :Dn] = 1 / a  # the nope queries carry 1 / a; the rope part is untouched
     wo = attn.o_proj.weight.double()  # (d, Hq D)
     has_bias = b is not None or attn.o_proj.bias is not None
     ref = attn.qkv_proj.weight
+    rotary = (
+        PartialRotary(pairs, D, rot.base) if pairs is not None and isinstance(rot, RotaryEmbedding) else None
+    )
     new = LatentAttention(
-        d, Hq, kv_rank=kv_rank, rope_dims=0, nope_dims=D, v_head_dim=D, kv_norm=False,
+        d, Hq, kv_rank=kv_rank, rope_dims=R, nope_dims=Dn, v_head_dim=D, rope_heads=Hkv if R else 1,
+        rotary=rotary, kv_norm=False,
         scale=attn.score_scale if attn.score_scale is not None else 1.0 / math.sqrt(D),
         bias=has_bias, dropout=attn.dropout, backend=attn.backend, device=ref.device, dtype=ref.dtype,
     )  # fmt: skip
     assert new.q_proj is not None
-    with torch.no_grad():
-        new.q_proj.weight.copy_(w_q / a)
-        new.kv_down.weight.copy_(down)
-        new.kv_up.weight.copy_(torch.cat([uk, uv], dim=1).reshape(Hq * 2 * D, kv_rank))  # head by head
-        new.o_proj.weight.copy_(wo * a)
-        if has_bias:
-            bq, bv = (
-                (torch.zeros(Hq * D), torch.zeros(Hkv * D)) if b is None else (b[: Hq * D], b[-Hkv * D :])
-            )
-            bo = torch.zeros(d) if attn.o_proj.bias is None else attn.o_proj.bias.double()
-            bv_q = bv.double().reshape(Hkv, D).repeat_interleave(G, dim=0).reshape(Hq * D)  # (Hq D,)
-            new.q_proj.bias.copy_(bq / a)
-            new.kv_down.bias.zero_()
-            new.o_proj.bias.copy_(bo + wo @ bv_q)  # the value bias, through W^O
+    new.q_proj.weight.copy_(w_q * q_scale.reshape(Hq * D, 1))
+    new.kv_down.weight.copy_(torch.cat([down, w_kr]))  # (r + Hkv R, d): [W_DKV | W_KR^1 .. W_KR^Hkv]
+    new.kv_up.weight.copy_(torch.cat([uk, uv], dim=1).reshape(Hq * (Dn + D), kv_rank))  # head by head
+    new.o_proj.weight.copy_(wo * a)
+    if has_bias:
+        bq = torch.zeros(Hq * D, dtype=torch.float64) if bd is None else bd[q_rows]  # (Hq D,)
+        bkr = torch.zeros(Hkv * R, dtype=torch.float64) if bd is None else bd[k_rope_rows]  # (Hkv R,)
+        bv = torch.zeros(Hkv * D, dtype=torch.float64) if bd is None else bd[(Hq + Hkv) * D :]  # (Hkv D,)
+        bo = torch.zeros(d, dtype=torch.float64) if attn.o_proj.bias is None else attn.o_proj.bias.double()
+        bv_q = bv.reshape(Hkv, D).repeat_interleave(G, dim=0).reshape(Hq * D)  # (Hq D,)
+        new.q_proj.bias.copy_(bq * q_scale.flatten())
+        # the nope key bias only adds q . b to every score of a row (softmax ignores it); the rope key bias
+        # rotates with the key's position, so it stays
+        new.kv_down.bias.copy_(torch.cat([torch.zeros(kv_rank, dtype=torch.float64), bkr]))
+        new.o_proj.bias.copy_(bo + wo @ bv_q)  # the value bias, through W^O
     return new.train(attn.training)
 
 
+def default_rope_dims(attn: MultiHeadAttention) -> int:
+    """The rope_dims :func:`to_mla` keeps when given None: 0 without rotary, else a quarter of the head
+    dim rounded down to an even number (at least 2)."""
+    return 0 if attn.rotary is None else max(2, attn.head_dim // 4 // 2 * 2)
+
+
 def to_mla(
-    model: nn.Module, kv_rank: int, rope_dims: int | None = None, calibration: Any = None
+    model: nn.Module,
+    kv_rank: int,
+    rope_dims: int | None = None,
+    calibration: Any = None,
+    *,
+    rope_select: str = "norm",
 ) -> nn.Module:
     """A copy of ``model`` whose every self-attention is multi-head latent attention with a latent of
     width ``kv_rank`` (joint low-rank factorisation of the keys and values; see the module docstring).
 
-    The KV cache per token and layer shrinks from 2 Hkv D numbers to ``kv_rank``
-    (:func:`~multihead.heads.kv_cache_bytes_per_token` counts it). At ``kv_rank`` = min(2 Hkv D, d) the
-    copy computes the same function as the model (up to rounding).
+    The KV cache per token and layer shrinks from 2 Hkv D numbers to ``kv_rank`` (absolute positions) or
+    ``kv_rank + Hkv * rope_dims`` (rotary: the kept rotary keys of every kv head;
+    :func:`~multihead.heads.kv_cache_bytes_per_token` counts it). At ``kv_rank`` = :func:`max_kv_rank`
+    the copy computes the same function as the model (up to rounding) - for a rotary model when
+    ``rope_dims`` is the whole head dim; fewer rotary dims remove the rotation from the others (MHA2MLA's
+    partial RoPE), a change ``mh.heads.recover`` trains the copy to absorb.
 
     Args:
-        model: a multihead model whose layers are plain MultiHeadAttention without rotary (MiniLM,
-            Bert, GPT-2 from_hf). It is not changed.
-        kv_rank: r, the latent width, 1 <= r <= min(2 Hkv D, d) in every layer.
-        rope_dims: None or 0: no decoupled rotary key (absolute positions).
+        model: a multihead model whose layers are plain MultiHeadAttention without sinks: MiniLM, Bert,
+            GPT-2 (absolute positions), or a rotary TransformerLM (LLaMA / Mistral / Qwen2 from_hf, MHA
+            or GQA). It is not changed.
+        kv_rank: r, the latent width, 1 <= r <= :func:`max_kv_rank` in every layer: min(2 Hkv D, d), or
+            with rotary min(Hkv (2D - rope_dims), d).
+        rope_dims: rotary models: R, the rotary dims each head keeps (even, 2 <= R <= D; R / 2 frequency
+            pairs); None: D / 4 rounded down to even (at least 2). Absolute positions: None or 0.
         calibration: None (factorise the weights) or inputs - texts for a SentenceEncoder, token ids
-            ((n, N) int tensor or id lists) for any model - for the activation-aware factorisation.
+            ((n, N) int tensor or id lists) for any model - for the activation-aware factorisation and
+            the "norm" pair scores.
+        rope_select: which pairs each kv head keeps: "norm" (largest 2-norm contribution, on the
+            calibration inputs when given), "high" / "low" (highest / lowest frequencies), "uniform"
+            (evenly spaced); see the module docstring.
 
     Returns:
         the converted copy, in the model's training mode.
 
     Raises:
-        ValueError: a rope_dims other than None/0, a layer that is not a plain MultiHeadAttention, a
-            rotary or sink layer, a kv_rank out of range, calibration inputs the model cannot take.
+        ValueError: a layer that is not a plain MultiHeadAttention, a sink layer, a rotary other than a
+            RotaryEmbedding over the whole head dim, a rope_dims other than None/0 without rotary or odd /
+            out of [2, D] with rotary, an unknown rope_select, a kv_rank out of range, calibration inputs
+            the model cannot take.
     """
-    if rope_dims not in (None, 0):
-        raise ValueError(
-            f"rope_dims={rope_dims!r}: to_mla converts models without rotary (absolute positions) only, so "
-            "there is no rotary key to keep; pass rope_dims=None or 0"
-        )
+    if rope_select not in ROPE_SELECT:
+        raise ValueError(f"rope_select must be one of {list(ROPE_SELECT)}, got {rope_select!r}")
     layers = layers_of(model)
     attns = [plain_attention(layer, i, "to_mla") for i, layer in enumerate(layers)]
+    dims = []
     for attn in attns:
-        if attn.rotary is not None or attn.sinks is not None:
-            latent_from_attention(attn, kv_rank)  # raises the reason
-        top = max_kv_rank(attn)
+        if attn.rotary is not None and not (
+            isinstance(attn.rotary, RotaryEmbedding) and attn.rotary.head_dim == attn.head_dim
+        ):
+            raise ValueError(
+                f"to_mla converts rotary attention with a RotaryEmbedding over the whole head dim "
+                f"{attn.head_dim}; this layer has {attn.rotary!r}"
+            )
+        R = default_rope_dims(attn) if rope_dims is None else rope_dims
+        dims.append(R)
+        if attn.sinks is not None or (attn.rotary is None and R != 0):
+            latent_from_attention(attn, kv_rank, rope_dims=R)  # raises the reason
+        if attn.rotary is not None:
+            _check_rope_dims(R, attn.head_dim)
+        top = max_kv_rank(attn, R)
         if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= top:
-            latent_from_attention(attn, kv_rank)  # raises the reason
+            latent_from_attention(attn, kv_rank, rope_dims=R)  # raises the reason
     xs: list[Tensor | None] = [None] * len(layers)
     if calibration is not None:
         xs = list(calibration_inputs(model, calibration, what="to_mla(calibration=...)"))
     out = copy.deepcopy(model)
-    for layer, x in zip(layers_of(out), xs):
-        layer.self_attn = latent_from_attention(layer.self_attn, kv_rank, x)
+    for layer, x, R in zip(layers_of(out), xs, dims):
+        layer.self_attn = latent_from_attention(
+            layer.self_attn, kv_rank, x, rope_dims=R, rope_select=rope_select
+        )
     return out

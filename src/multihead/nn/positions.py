@@ -12,6 +12,8 @@ Shape legend: B batch, H heads, N positions, D head dim, d model width.
 - :class:`RotaryEmbedding` (Su et al., 2021, RoFormer; LLaMA, Mistral, Qwen2) rotates each pair of
   q/k features by ``pos * theta_i`` with ``theta_i = base^(-2i/D)``, so that ``q_m . k_n`` depends on the
   positions only through ``m - n``.
+- :class:`PartialRotary` rotates only some of those pairs, a chosen subset per group of heads, at their
+  original frequencies (the partial RoPE of MHA2MLA, Ji et al., 2025).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LearnedPositions", "RotaryEmbedding", "SinusoidalPositions", "sinusoidal_table"]
+__all__ = ["LearnedPositions", "PartialRotary", "RotaryEmbedding", "SinusoidalPositions", "sinusoidal_table"]
 
 
 def _check_size(name: str, value: object, minimum: int = 1) -> int:
@@ -349,6 +351,106 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}, interleaved={self.interleaved}"
+
+
+class PartialRotary(nn.Module):
+    """Rotary on a subset of the frequency pairs of ``RotaryEmbedding(full_dim, base)``, one subset per
+    group of heads: the partial RoPE of MHA2MLA (Ji et al., 2025, "Towards Economical Inference: Enabling
+    DeepSeek's Multi-Head Latent Attention in Any Transformer-based LLMs"), which keeps a few rotary pairs
+    of each head and drops the rotation of the others.
+
+    Args:
+        pairs: (G, P) integer tensor: for each of G head groups, the frequency indices i it keeps
+            (0 <= i < full_dim / 2), in the order of its features. Pair m of group g rotates by
+            ``pos * theta_{pairs[g, m]}`` with ``theta_i = base^(-2i/full_dim)`` - the frequencies the
+            full rotary gives those pairs, computed by the same formula, so that keeping every pair in
+            order reproduces ``RotaryEmbedding(full_dim, base)`` bit for bit.
+        full_dim: the head dim of the rotary whose frequencies are kept.
+        base: its frequency base.
+
+    Features of x (B, H, N, R), R = 2P = ``head_dim``, are in the half-split layout: features m and m + P
+    form pair m. H must be a multiple of G; head h belongs to group ``h // (H / G)`` (H = G for one key per
+    group, H = the query heads for the queries: the GQA grouping). ``pairs`` is a buffer, saved in the
+    state dict (a data-dependent choice); integer, so ``.to(dtype)`` leaves it exact.
+
+    Raises:
+        ValueError: pairs that are not a non-empty (G, P) integer tensor of indices in [0, full_dim / 2),
+            a full_dim that is not a positive even int, a base that is not a finite number > 0.
+    """
+
+    pairs: Tensor
+
+    def __init__(self, pairs: Tensor, full_dim: int, base: float = 10000.0):
+        super().__init__()
+        self.full = RotaryEmbedding(full_dim, base)  # validates full_dim and base; the frequency source
+        ok = isinstance(pairs, Tensor) and pairs.dim() == 2 and pairs.numel() > 0
+        if not ok or pairs.is_floating_point() or pairs.is_complex() or pairs.dtype == torch.bool:
+            got = f"{pairs.dtype} {tuple(pairs.shape)}" if isinstance(pairs, Tensor) else type(pairs).__name__
+            raise ValueError(f"PartialRotary pairs must be a non-empty (G, P) integer tensor, got {got}")
+        half = full_dim // 2
+        if int(pairs.min()) < 0 or int(pairs.max()) >= half:
+            raise ValueError(
+                f"PartialRotary pairs must index the {half} frequency pairs of full_dim={full_dim}: "
+                f"values in [0, {half}), got min {int(pairs.min())} and max {int(pairs.max())}"
+            )
+        self.register_buffer("pairs", pairs.detach().long().clone())
+        self.groups, self.head_dim = int(pairs.shape[0]), 2 * int(pairs.shape[1])
+
+    @property
+    def base(self) -> float:
+        return self.full.base
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos and sin of every group's kept angles: positions (N,) -> (G, 1, N, P), broadcasting over
+        x viewed as (B, G, H / G, N, P); (B, N) -> (B, G, 1, N, P)."""
+        cos, sin = self.full.cos_sin(positions, dtype, device)  # (N, D/2) or (B, 1, N, D/2)
+        idx = self.pairs.to(device)  # (G, P)
+        out = []
+        for t in (cos, sin):
+            t = t[..., idx]  # (N, G, P) or (B, 1, N, G, P)
+            if t.dim() == 3:
+                out.append(t.permute(1, 0, 2).unsqueeze(1))  # (G, 1, N, P)
+            else:
+                out.append(t.squeeze(1).permute(0, 2, 1, 3).unsqueeze(2))  # (B, G, 1, N, P)
+        return out[0], out[1]
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate x (B, H, N, R) at positions (N,) or (B, N); returns (B, H, N, R) in x's dtype.
+
+        Raises:
+            ValueError: x not a 4-dim float tensor with last dim ``head_dim`` and a head count that is a
+                multiple of the groups, positions that are not integers (N,) or (B, N) matching x.
+        """
+        if (
+            not isinstance(x, Tensor)
+            or x.dim() != 4
+            or not x.is_floating_point()
+            or x.shape[-1] != self.head_dim
+        ):
+            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"PartialRotary expects a float tensor (B, H, N, {self.head_dim}), got {got}")
+        B, H, N, R = x.shape
+        if H % self.groups:
+            raise ValueError(
+                f"PartialRotary has {self.groups} head groups; x has {H} heads, not a multiple of them"
+            )
+        positions = _check_positions(positions, "PartialRotary")
+        if positions.shape[-1] != N or (positions.dim() == 2 and positions.shape[0] not in (1, B)):
+            raise ValueError(
+                f"PartialRotary positions of shape {tuple(positions.shape)} do not fit x of shape "
+                f"{tuple(x.shape)}; pass (N,) = ({N},) or (B, N) = ({B}, {N})"
+            )
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos, sin = self.cos_sin(positions, f, x.device)  # (G, 1, N, P) or (B, G, 1, N, P)
+        xg = x.to(f).reshape(B, self.groups, H // self.groups, N, R)  # (B, G, H/G, N, R)
+        x1, x2 = xg[..., : R // 2], xg[..., R // 2 :]  # 2 x (B, G, H/G, N, P)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)  # (B, G, H/G, N, R)
+        return out.reshape(B, H, N, R).to(x.dtype)  # (B, H, N, R)
+
+    def extra_repr(self) -> str:
+        return (
+            f"groups={self.groups}, head_dim={self.head_dim}, full_dim={self.full.head_dim}, base={self.base}"
+        )
 
 
 def _head_dim_of(w: Tensor, n_heads: int) -> int:

@@ -15,12 +15,17 @@ Kernels, all library ones (nothing hand-written but the per-channel rounding and
   engine): activations quantized to int8 per tensor on the fly, int8 x int8 -> int32 products. The fast
   path for fp32 activations on x86 CPUs (about 3-4x fp32 on the 155M model, BENCHMARKS.md), at the price
   of rounding the activations too: about twice the logit error of weight-only int8. The weights are
-  packed once, at the first call.
+  packed once, at the first call. bf16/fp16 activations are widened to fp32 for the call (a vector per
+  decode step) and the result rounded back.
 - ``"int8pack"``: ``torch._weight_int8pack_mm``, weight-only int8 (gpt-fast's CPU kernel): activations
-  stay bf16/fp16/fp32; fast for bf16/fp16 decode, slow for fp32 on CPU.
+  stay bf16/fp16/fp32; slow for fp32 on CPU, and for bf16 on a CPU without bf16 units: measured on an
+  AVX2 CPU, one thread, batch-1 decode GEMVs of the 155M model, 2-3x slower than fbgemm for bf16
+  activations and 10-30x for fp32 (BENCHMARKS.md, "Decoding by dtype").
 - ``"dequant"``: ``F.linear`` on the weight dequantized per call: any device and dtype, no speed gain.
 
-``"auto"`` takes fbgemm for fp32 on a CPU with that engine, int8pack for bf16/fp16, else dequant.
+``"auto"`` takes fbgemm on a CPU with that engine for fp32 activations, and for bf16/fp16 ones when the
+CPU has no bf16/fp16 arithmetic (:data:`CPU_HALF_MATH`: AVX512-BF16, AVX512-FP16 or AMX); int8pack for
+bf16/fp16 otherwise; else dequant.
 Quantized models are for inference: the int8 weights are buffers and take no gradient.
 
 Shape legend: I input features, O output features, V vocabulary, d embedding width, ... leading dims.
@@ -40,7 +45,7 @@ from ..approx.apply import apply
 from ..approx.base import Approximation
 from ..core.functional import attention
 from ..core.problem import Problem
-from ..nn.kv_cache import KVCache, dequantize_int8, quantize_int8
+from ..nn.kv_cache import KVCache, dequantize_int8, int8_rounded, quantize_int8
 from .lm import TransformerLM
 
 __all__ = ["KERNELS", "Int8Embedding", "Int8Linear", "KVInt8", "model_bytes", "quantize"]
@@ -48,13 +53,18 @@ __all__ = ["KERNELS", "Int8Embedding", "Int8Linear", "KVInt8", "model_bytes", "q
 KERNELS = ("auto", "fbgemm", "int8pack", "dequant")
 
 
-def _has_vnni() -> bool:
-    """x86 VNNI (AVX512-VNNI / AVX-VNNI) adds int8 products in int32 without fbgemm's int16 saturation."""
+def _cpu_flags() -> str:
+    """The CPU feature flags of /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return f.read()
     except OSError:
-        return False
+        return ""
+
+
+def _has_vnni() -> bool:
+    """x86 VNNI (AVX512-VNNI / AVX-VNNI) adds int8 products in int32 without fbgemm's int16 saturation."""
+    flags = _cpu_flags()
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
@@ -62,11 +72,18 @@ def _has_vnni() -> bool:
 #: full 8 bits are safe and cut the activation rounding error in half
 REDUCE_RANGE = not _has_vnni()
 
+#: the CPU computes in bf16 / fp16 natively (AVX512-BF16, AVX512-FP16, AMX): "auto" then keeps half
+#: activations on the weight-only int8pack kernel; without them fbgemm is faster (see the module doc)
+CPU_HALF_MATH = any(f in _cpu_flags() for f in ("avx512_bf16", "avx512_fp16", "amx_bf16"))
+
 
 def _per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
     """w (O, I) -> int8 (O, I) and fp32 scale (O,), ``scale = absmax(row) / 127`` (kv_cache's format)."""
     q, scale = quantize_int8(w, torch.float32)  # (O, I), (O, 1)
     return q, scale[:, 0]
+
+
+_FBGEMM_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fbgemm_ready() -> bool:
@@ -81,7 +98,8 @@ class Int8Linear(nn.Module):
         kernel: "auto" | "fbgemm" | "int8pack" | "dequant".
 
     Raises:
-        ValueError: an unknown kernel; at call time, "fbgemm" with non-fp32 input or without the engine.
+        ValueError: an unknown kernel; at call time, "fbgemm" with input that is not fp32 / bf16 / fp16 on
+            the CPU, or without the engine.
     """
 
     weight_int8: Tensor
@@ -103,22 +121,24 @@ class Int8Linear(nn.Module):
         """The kernel a call with ``x`` runs (resolves "auto")."""
         if self.kernel != "auto":
             return self.kernel
-        if x.device.type == "cpu" and x.dtype == torch.float32 and _fbgemm_ready():
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        fbgemm_wins = x.dtype == torch.float32 or (half and not CPU_HALF_MATH)
+        if x.device.type == "cpu" and fbgemm_wins and _fbgemm_ready():
             return "fbgemm"
-        if x.dtype in (torch.bfloat16, torch.float16):
-            return "int8pack"
-        return "dequant"
+        return "int8pack" if half else "dequant"
 
     def forward(self, x: Tensor) -> Tensor:
         kernel = self.choose(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, I)
         if kernel == "fbgemm":
-            if x.dtype != torch.float32 or not _fbgemm_ready():
+            if x.dtype not in _FBGEMM_INPUTS or x.device.type != "cpu" or not _fbgemm_ready():
                 raise ValueError(
-                    f"Int8Linear kernel 'fbgemm' needs fp32 CPU input, got {x.dtype} on {x.device}"
+                    f"Int8Linear kernel 'fbgemm' needs fp32, bf16 or fp16 CPU input and torch's fbgemm / x86 "
+                    f"quantized engine, got {x.dtype} on {x.device}; use kernel='auto'"
                 )
-            y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._fbgemm_weight(), REDUCE_RANGE)
+            x32 = x2.to(torch.float32).contiguous()  # (M, I), x2 itself when fp32
+            y = torch.ops.quantized.linear_dynamic(x32, self._fbgemm_weight(), REDUCE_RANGE).to(x.dtype)
         elif kernel == "int8pack":
             y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self.scale.to(x.dtype))  # (M, O)
         else:
@@ -176,7 +196,9 @@ class KVInt8(Approximation):
 
     ``k, v -> int8 (per (batch, head, position), scale = absmax / 127) -> dequantized``; the scores,
     softmax and weights are computed by :func:`multihead.attention` in the input precision (fp32
-    accumulation for half inputs). Any mask, bias and dropout apply.
+    accumulation for half inputs). Any mask, bias and dropout apply. Keys and values that come straight
+    from an ``"int8"`` KV cache (:func:`multihead.nn.kv_cache.int8_rounded`) are already rounded and are
+    not rounded again.
     """
 
     supports_causal = True
@@ -185,11 +207,16 @@ class KVInt8(Approximation):
     summary = "exact attention on keys and values rounded to int8 per token"
 
     def attend(self, p: Problem) -> Tensor:
-        k = dequantize_int8(*quantize_int8(p.k, p.k.dtype), p.k.dtype)  # (B, Hkv, Nk, D)
-        v = dequantize_int8(*quantize_int8(p.v, p.v.dtype), p.v.dtype)  # (B, Hkv, Nk, Dv)
+        k, v = _rounded(p.k), _rounded(p.v)  # (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)
         out = attention(p.q, k, v, mask=p.mask, bias=p.bias, scale=p.scale, dropout_p=p.dropout_p)
         assert isinstance(out, Tensor)
         return out
+
+
+def _rounded(x: Tensor) -> Tensor:
+    """x (..., D) rounded to int8 per token and back; keys and values an int8 KV cache returned are
+    already rounded and pass through (a decode step then rounds only its new token, in the cache)."""
+    return x if int8_rounded(x) else dequantize_int8(*quantize_int8(x, x.dtype), x.dtype)  # (..., D)
 
 
 class _QuantizedLM(TransformerLM):
@@ -204,7 +231,7 @@ class _QuantizedLM(TransformerLM):
         if kind == "sliding" and self.sliding_window is None:
             raise ValueError("a 'sliding' cache needs a model built with sliding_window=...; use 'dense'")
         window = self.sliding_window if kind == "sliding" else None
-        device = next(self.buffers()).device
+        device = next(iter([*self.buffers(), *self.parameters()])).device  # int8 weights are buffers
         return [
             KVCache(
                 batch_size,

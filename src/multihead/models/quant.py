@@ -86,8 +86,12 @@ def _per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
 _FBGEMM_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+#: torch was built with the fbgemm / x86 quantized engine (asked once: the query costs microseconds)
+_FBGEMM = any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
+
+
 def _fbgemm_ready() -> bool:
-    return any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
+    return _FBGEMM
 
 
 class Int8Linear(nn.Module):
@@ -123,23 +127,25 @@ class Int8Linear(nn.Module):
             return self.kernel
         half = x.dtype in (torch.bfloat16, torch.float16)
         fbgemm_wins = x.dtype == torch.float32 or (half and not CPU_HALF_MATH)
-        if x.device.type == "cpu" and fbgemm_wins and _fbgemm_ready():
+        if _FBGEMM and fbgemm_wins and x.device.type == "cpu":
             return "fbgemm"
         return "int8pack" if half else "dequant"
 
     def forward(self, x: Tensor) -> Tensor:
         kernel = self.choose(x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)  # (M, I)
-        if kernel == "fbgemm":
-            if x.dtype not in _FBGEMM_INPUTS or x.device.type != "cpu" or not _fbgemm_ready():
+        if kernel == "fbgemm":  # any leading dims, no reshape: the decode step's path, kept short
+            if x.dtype not in _FBGEMM_INPUTS or x.device.type != "cpu" or not _FBGEMM:
                 raise ValueError(
                     f"Int8Linear kernel 'fbgemm' needs fp32, bf16 or fp16 CPU input and torch's fbgemm / x86 "
                     f"quantized engine, got {x.dtype} on {x.device}; use kernel='auto'"
                 )
-            x32 = x2.to(torch.float32).contiguous()  # (M, I), x2 itself when fp32
-            y = torch.ops.quantized.linear_dynamic(x32, self._fbgemm_weight(), REDUCE_RANGE).to(x.dtype)
-        elif kernel == "int8pack":
+            x32 = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()  # (..., I)
+            y = torch.ops.quantized.linear_dynamic(x32, self._fbgemm_weight(), REDUCE_RANGE)  # (..., O)
+            y = y if x.dtype == torch.float32 else y.to(x.dtype)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (M, I)
+        if kernel == "int8pack":
             y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self.scale.to(x.dtype))  # (M, O)
         else:
             y = F.linear(x2, self.weight_int8.to(x.dtype) * self.scale.to(x.dtype)[:, None])  # (M, O)

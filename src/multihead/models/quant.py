@@ -18,14 +18,13 @@ Kernels, all library ones (nothing hand-written but the per-channel rounding and
   packed once, at the first call. bf16/fp16 activations are widened to fp32 for the call (a vector per
   decode step) and the result rounded back.
 - ``"int8pack"``: ``torch._weight_int8pack_mm``, weight-only int8 (gpt-fast's CPU kernel): activations
-  stay bf16/fp16/fp32; slow for fp32 on CPU, and for bf16 on a CPU without bf16 units: measured on an
-  AVX2 CPU, one thread, batch-1 decode GEMVs of the 155M model, 2-3x slower than fbgemm for bf16
-  activations and 10-30x for fp32 (BENCHMARKS.md, "Decoding by dtype").
+  stay bf16/fp16/fp32; slower than fbgemm on CPU: measured on an AVX-512 CPU with AVX512-BF16 (torch's
+  AVX512 kernels), one thread, the batch-1 decode GEMVs of the 155M model: 2-3x fbgemm's time with bf16
+  activations, 10-30x with fp32 ones (BENCHMARKS.md, "Decoding by dtype").
 - ``"dequant"``: ``F.linear`` on the weight dequantized per call: any device and dtype, no speed gain.
 
-``"auto"`` takes fbgemm on a CPU with that engine for fp32 activations, and for bf16/fp16 ones when the
-CPU has no bf16/fp16 arithmetic (:data:`CPU_HALF_MATH`: AVX512-BF16, AVX512-FP16 or AMX); int8pack for
-bf16/fp16 otherwise; else dequant.
+``"auto"`` takes fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine, int8pack for
+bf16/fp16 elsewhere, else dequant.
 Quantized models are for inference: the int8 weights are buffers and take no gradient.
 
 Shape legend: I input features, O output features, V vocabulary, d embedding width, ... leading dims.
@@ -35,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,7 +44,8 @@ from torch import Tensor, nn
 from ..approx.apply import apply
 from ..approx.base import Approximation
 from ..core.functional import attention
-from ..core.problem import Problem
+from ..core.numerics import acc_dtype
+from ..core.problem import AttentionOutput, Problem
 from ..nn.kv_cache import KVCache, dequantize_int8, int8_rounded, quantize_int8
 from .lm import TransformerLM
 
@@ -53,28 +54,19 @@ __all__ = ["KERNELS", "Int8Embedding", "Int8Linear", "KVInt8", "model_bytes", "q
 KERNELS = ("auto", "fbgemm", "int8pack", "dequant")
 
 
-def _cpu_flags() -> str:
-    """The CPU feature flags of /proc/cpuinfo ("" where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 def _has_vnni() -> bool:
     """x86 VNNI (AVX512-VNNI / AVX-VNNI) adds int8 products in int32 without fbgemm's int16 saturation."""
-    flags = _cpu_flags()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
 #: fbgemm's 7-bit activations (``reduce_range``) avoid int16 overflow on CPUs without VNNI; with VNNI the
 #: full 8 bits are safe and cut the activation rounding error in half
 REDUCE_RANGE = not _has_vnni()
-
-#: the CPU computes in bf16 / fp16 natively (AVX512-BF16, AVX512-FP16, AMX): "auto" then keeps half
-#: activations on the weight-only int8pack kernel; without them fbgemm is faster (see the module doc)
-CPU_HALF_MATH = any(f in _cpu_flags() for f in ("avx512_bf16", "avx512_fp16", "amx_bf16"))
 
 
 def _per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -125,11 +117,9 @@ class Int8Linear(nn.Module):
         """The kernel a call with ``x`` runs (resolves "auto")."""
         if self.kernel != "auto":
             return self.kernel
-        half = x.dtype in (torch.bfloat16, torch.float16)
-        fbgemm_wins = x.dtype == torch.float32 or (half and not CPU_HALF_MATH)
-        if _FBGEMM and fbgemm_wins and x.device.type == "cpu":
+        if _FBGEMM and x.dtype in _FBGEMM_INPUTS and x.device.type == "cpu":
             return "fbgemm"
-        return "int8pack" if half else "dequant"
+        return "int8pack" if x.dtype in (torch.bfloat16, torch.float16) else "dequant"
 
     def forward(self, x: Tensor) -> Tensor:
         kernel = self.choose(x)
@@ -212,17 +202,33 @@ class KVInt8(Approximation):
     supports_dropout = True
     summary = "exact attention on keys and values rounded to int8 per token"
 
+    def run(self, p: Problem) -> AttentionOutput:
+        """As :meth:`Approximation.run`; keys and values straight from an int8 cache skip the rounding
+        (a decode step then rounds only its new token, in the cache).
+
+        Raises:
+            ValueError: the reason :meth:`why_not` gives, when it gives one.
+        """
+        if not (int8_rounded(p.k) and int8_rounded(p.v)):
+            return super().run(p)
+        reason = self.why_not(p)
+        if reason is not None:
+            raise ValueError(reason)
+        acc = acc_dtype(p.dtype)  # the working dtype of the rounding path, so both paths agree
+        out = self._exact(replace(p, q=p.q.to(acc), k=p.k.to(acc), v=p.v.to(acc)))  # (B, Hq, Nq, Dv)
+        return AttentionOutput(out.to(p.dtype), None, None)
+
     def attend(self, p: Problem) -> Tensor:
-        k, v = _rounded(p.k), _rounded(p.v)  # (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)
-        out = attention(p.q, k, v, mask=p.mask, bias=p.bias, scale=p.scale, dropout_p=p.dropout_p)
+        k = dequantize_int8(*quantize_int8(p.k, p.k.dtype), p.k.dtype)  # (B, Hkv, Nk, D)
+        v = dequantize_int8(*quantize_int8(p.v, p.v.dtype), p.v.dtype)  # (B, Hkv, Nk, Dv)
+        return self._exact(replace(p, k=k, v=v))
+
+    @staticmethod
+    def _exact(p: Problem) -> Tensor:
+        """Exact attention of ``p`` -> (B, Hq, Nq, Dv), its mask, bias, scale and dropout."""
+        out = attention(p.q, p.k, p.v, mask=p.mask, bias=p.bias, scale=p.scale, dropout_p=p.dropout_p)
         assert isinstance(out, Tensor)
         return out
-
-
-def _rounded(x: Tensor) -> Tensor:
-    """x (..., D) rounded to int8 per token and back; keys and values an int8 KV cache returned are
-    already rounded and pass through (a decode step then rounds only its new token, in the cache)."""
-    return x if int8_rounded(x) else dequantize_int8(*quantize_int8(x, x.dtype), x.dtype)  # (..., D)
 
 
 class _QuantizedLM(TransformerLM):

@@ -19,12 +19,14 @@ Kernels, all library ones (nothing hand-written but the per-channel rounding and
   decode step) and the result rounded back.
 - ``"int8pack"``: ``torch._weight_int8pack_mm``, weight-only int8 (gpt-fast's CPU kernel): activations
   stay bf16/fp16/fp32; slower than fbgemm on CPU: measured on an AVX-512 CPU with AVX512-BF16 (torch's
-  AVX512 kernels), one thread, the batch-1 decode GEMVs of the 155M model: 2-3x fbgemm's time with bf16
-  activations, 10-30x with fp32 ones (BENCHMARKS.md, "Decoding by dtype").
+  AVX512 kernels), one thread, the batch-1 decode GEMVs of the 155M model: 1.4-2.4x fbgemm's time with
+  bf16 activations (all but the smallest layer), 10-40x with fp32 ones (BENCHMARKS.md, "Decoding by
+  dtype").
 - ``"dequant"``: ``F.linear`` on the weight dequantized per call: any device and dtype, no speed gain.
 
-``"auto"`` takes fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine, int8pack for
-bf16/fp16 elsewhere, else dequant.
+``"auto"`` takes fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine (speed first: the
+activations are rounded too; ``kernel="int8pack"`` keeps bf16 weight-only), int8pack for bf16/fp16
+elsewhere, else dequant.
 Quantized models are for inference: the int8 weights are buffers and take no gradient.
 
 Shape legend: I input features, O output features, V vocabulary, d embedding width, ... leading dims.

@@ -17,7 +17,7 @@ The bandwidth limit of a contestant is the measured read bandwidth divided by th
 decode step reads (all parameters and buffers but the input embedding, which is read one row at a time;
 a tied output head is counted). The read bandwidth is the best of several fp32 matrix-vector products
 over 256 MiB (the operation decoding repeats, on a matrix no cache holds), measured again in every round;
-the maximum is kept. The KV cache is not counted (at a 256-token prompt it is under 1% of the weights).
+the maximum is kept. The KV cache is not counted (at a 256-token prompt it is about 1% of the weights).
 
 Contestants run interleaved, round after round, so a load change on a shared machine hits all of them;
 the ratios come from the same run.

@@ -7,6 +7,7 @@ import torch
 
 import multihead as mh
 from multihead.models import quant
+from multihead.nn import kv_cache
 
 # Stated tolerance of a quantized model: per-channel int8 rounds each weight by at most scale / 2, i.e.
 # 0.4% of its row's largest weight; through a small LM this moves logits by at most this fraction of
@@ -94,3 +95,78 @@ def test_bad_arguments(lm, kwargs, match):
         quant.quantize(lm, **kwargs)
     with pytest.raises(ValueError, match="Int8Linear kernel must be one of"):
         quant.Int8Linear(torch.nn.Linear(2, 2), kernel="fast")
+
+
+def test_int8_cache_keys_are_not_rounded_twice():
+    g = torch.Generator().manual_seed(0)
+    cache = mh.KVCache(1, 2, 8, 16, kind="int8")
+    k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(2))
+    k_all, v_all = cache.update(k, v)
+    assert kv_cache.int8_rounded(k_all) and kv_cache.int8_rounded(v_all)
+    assert not kv_cache.int8_rounded(k) and not kv_cache.int8_rounded(k_all.clone())
+    assert not kv_cache.int8_rounded(mh.KVCache(1, 2, 8, 16).update(k, v)[0])  # a dense cache's view
+    # rounding them again would change nothing but the last float bit
+    again = kv_cache.dequantize_int8(*kv_cache.quantize_int8(k_all), torch.float32)
+    torch.testing.assert_close(again, k_all, rtol=1e-6, atol=0)
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    exact = mh.attention(q, k_all, v_all, mask=mh.causal())
+    torch.testing.assert_close(quant.KVInt8()(q, k_all, v_all, mask=mh.causal()), exact)  # passed through
+    # a fresh tensor with the same values is rounded again: the result agrees to the float bit
+    torch.testing.assert_close(quant.KVInt8()(q, k_all.clone(), v_all.clone(), mask=mh.causal()), exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_int8_skips_only_the_rounding(dtype, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    cache = mh.KVCache(1, 2, 8, 16, kind="int8", dtype=dtype)
+    k_all, v_all = cache.update(*(torch.randn(1, 2, 5, 8, generator=g).to(dtype) for _ in range(2)))
+    q = torch.randn(1, 4, 1, 8, generator=g).to(dtype)
+    calls = []
+    real = quant.quantize_int8
+    monkeypatch.setattr(quant, "quantize_int8", lambda *a: calls.append(1) or real(*a))
+    fast = quant.KVInt8()(q, k_all, v_all, mask=mh.causal())
+    assert calls == []  # the cache's own keys and values: nothing rounded again
+    slow = quant.KVInt8()(q, k_all.clone(), v_all.clone(), mask=mh.causal())
+    assert len(calls) == 2 and fast.dtype == slow.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: the re-rounded scale moves the last bf16 bit
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=tol, atol=tol)
+
+
+def test_kv_int8_rounds_keys_that_did_not_come_from_an_int8_cache(lm, ids):
+    q = quant.quantize(lm, weights=None)  # K/V rounding only
+    with torch.no_grad():
+        dense_cache = q.generate(ids[:, :6], 6, cache="dense")  # keys rounded by KVInt8 every step
+        int8_cache = q.generate(ids[:, :6], 6, cache="int8")  # rounded once, in the cache
+        exact = lm.generate(ids[:, :6], 6)
+    assert torch.equal(dense_cache, int8_cache)
+    assert dense_cache.shape == exact.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fbgemm_takes_half_activations_on_cpu(dtype):
+    if not quant._fbgemm_ready():
+        pytest.skip("this torch build has no fbgemm / x86 quantized engine")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    x = torch.randn(2, 3, 64)
+    fb, ref = quant.Int8Linear(lin, kernel="fbgemm"), quant.Int8Linear(lin, kernel="dequant")
+    y = fb(x.to(dtype))
+    assert y.dtype == dtype and y.shape == (2, 3, 48)
+    with torch.no_grad():
+        expect = ref(x)
+    span = float(expect.max() - expect.min())
+    assert float((y.float() - expect).abs().max()) <= LOGIT_TOL * span
+    assert fb.choose(x.to(dtype)) == "fbgemm"
+    assert quant.Int8Linear(lin).choose(x.to(dtype)) == "fbgemm"  # auto: the faster CPU kernel
+    with pytest.raises(ValueError, match="'fbgemm' needs fp32, bf16 or fp16 CPU input"):
+        fb(x.double())
+
+
+def test_bf16_quantized_lm_within_tolerance_of_bf16(lm, ids):
+    lm16 = quant.copy.deepcopy(lm).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = lm16(ids).float()
+        out = quant.quantize(lm16)(ids).float()
+    span = float(ref.max() - ref.min())
+    assert float((out - ref).abs().max()) <= LOGIT_TOL * span
+    assert float((out.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9

@@ -302,7 +302,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--preset",
         type=_arg_type(_preset_name),
         default=None,
-        help=f"a model shape: {', '.join(cost.PRESETS)}, llama-155m, llama-tiny",
+        help=f"a model shape: {', '.join(cost.PRESETS)}, llama-155m, llama-20m, llama-tiny",
     )
     model.add_argument("--hf", metavar="DIR", default=None, help="a Hugging Face directory (its config.json)")
     p.add_argument(

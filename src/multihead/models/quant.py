@@ -15,12 +15,18 @@ Kernels, all library ones (nothing hand-written but the per-channel rounding and
   engine): activations quantized to int8 per tensor on the fly, int8 x int8 -> int32 products. The fast
   path for fp32 activations on x86 CPUs (about 3-4x fp32 on the 155M model, BENCHMARKS.md), at the price
   of rounding the activations too: about twice the logit error of weight-only int8. The weights are
-  packed once, at the first call.
+  packed once, at the first call. bf16/fp16 activations are widened to fp32 for the call (a vector per
+  decode step) and the result rounded back.
 - ``"int8pack"``: ``torch._weight_int8pack_mm``, weight-only int8 (gpt-fast's CPU kernel): activations
-  stay bf16/fp16/fp32; fast for bf16/fp16 decode, slow for fp32 on CPU.
+  stay bf16/fp16/fp32; slower than fbgemm on CPU: measured on an AVX-512 CPU with AVX512-BF16 (torch's
+  AVX512 kernels), one thread, the batch-1 decode GEMVs of the 155M model: 1.4-2.4x fbgemm's time with
+  bf16 activations (all but the smallest layer), 10-40x with fp32 ones (BENCHMARKS.md, "Decoding by
+  dtype").
 - ``"dequant"``: ``F.linear`` on the weight dequantized per call: any device and dtype, no speed gain.
 
-``"auto"`` takes fbgemm for fp32 on a CPU with that engine, int8pack for bf16/fp16, else dequant.
+``"auto"`` takes fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine (speed first: the
+activations are rounded too; ``kernel="int8pack"`` keeps bf16 weight-only), int8pack for bf16/fp16
+elsewhere, else dequant.
 Quantized models are for inference: the int8 weights are buffers and take no gradient.
 
 Shape legend: I input features, O output features, V vocabulary, d embedding width, ... leading dims.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,9 +45,11 @@ from torch import Tensor, nn
 
 from ..approx.apply import apply
 from ..approx.base import Approximation
-from ..core.functional import attention
-from ..core.problem import Problem
-from ..nn.kv_cache import KVCache, dequantize_int8, quantize_int8
+from ..backends import registry
+from ..backends.auto import first_fit
+from ..core.numerics import acc_dtype
+from ..core.problem import AttentionOutput, Problem
+from ..nn.kv_cache import KVCache, dequantize_int8, int8_rounded, quantize_int8
 from .lm import TransformerLM
 
 __all__ = ["KERNELS", "Int8Embedding", "Int8Linear", "KVInt8", "model_bytes", "quantize"]
@@ -69,8 +78,15 @@ def _per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale[:, 0]
 
 
+_FBGEMM_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+#: torch was built with the fbgemm / x86 quantized engine (asked once: the query costs microseconds)
+_FBGEMM = any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
+
+
 def _fbgemm_ready() -> bool:
-    return any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
+    return _FBGEMM
 
 
 class Int8Linear(nn.Module):
@@ -81,7 +97,8 @@ class Int8Linear(nn.Module):
         kernel: "auto" | "fbgemm" | "int8pack" | "dequant".
 
     Raises:
-        ValueError: an unknown kernel; at call time, "fbgemm" with non-fp32 input or without the engine.
+        ValueError: an unknown kernel; at call time, "fbgemm" with input that is not fp32 / bf16 / fp16 on
+            the CPU, or without the engine.
     """
 
     weight_int8: Tensor
@@ -103,23 +120,25 @@ class Int8Linear(nn.Module):
         """The kernel a call with ``x`` runs (resolves "auto")."""
         if self.kernel != "auto":
             return self.kernel
-        if x.device.type == "cpu" and x.dtype == torch.float32 and _fbgemm_ready():
+        if _FBGEMM and x.dtype in _FBGEMM_INPUTS and x.device.type == "cpu":
             return "fbgemm"
-        if x.dtype in (torch.bfloat16, torch.float16):
-            return "int8pack"
-        return "dequant"
+        return "int8pack" if x.dtype in (torch.bfloat16, torch.float16) else "dequant"
 
     def forward(self, x: Tensor) -> Tensor:
         kernel = self.choose(x)
+        if kernel == "fbgemm":  # any leading dims, no reshape: the decode step's path, kept short
+            if x.dtype not in _FBGEMM_INPUTS or x.device.type != "cpu" or not _FBGEMM:
+                raise ValueError(
+                    f"Int8Linear kernel 'fbgemm' needs fp32, bf16 or fp16 CPU input and torch's fbgemm / x86 "
+                    f"quantized engine, got {x.dtype} on {x.device}; use kernel='auto'"
+                )
+            x32 = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()  # (..., I)
+            y = torch.ops.quantized.linear_dynamic(x32, self._fbgemm_weight(), REDUCE_RANGE)  # (..., O)
+            y = y if x.dtype == torch.float32 else y.to(x.dtype)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, I)
-        if kernel == "fbgemm":
-            if x.dtype != torch.float32 or not _fbgemm_ready():
-                raise ValueError(
-                    f"Int8Linear kernel 'fbgemm' needs fp32 CPU input, got {x.dtype} on {x.device}"
-                )
-            y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._fbgemm_weight(), REDUCE_RANGE)
-        elif kernel == "int8pack":
+        if kernel == "int8pack":
             y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self.scale.to(x.dtype))  # (M, O)
         else:
             y = F.linear(x2, self.weight_int8.to(x.dtype) * self.scale.to(x.dtype)[:, None])  # (M, O)
@@ -176,7 +195,9 @@ class KVInt8(Approximation):
 
     ``k, v -> int8 (per (batch, head, position), scale = absmax / 127) -> dequantized``; the scores,
     softmax and weights are computed by :func:`multihead.attention` in the input precision (fp32
-    accumulation for half inputs). Any mask, bias and dropout apply.
+    accumulation for half inputs). Any mask, bias and dropout apply. Keys and values that come straight
+    from an ``"int8"`` KV cache (:func:`multihead.nn.kv_cache.int8_rounded`) are already rounded and are
+    not rounded again.
     """
 
     supports_causal = True
@@ -184,12 +205,32 @@ class KVInt8(Approximation):
     supports_dropout = True
     summary = "exact attention on keys and values rounded to int8 per token"
 
+    def run(self, p: Problem) -> AttentionOutput:
+        """As :meth:`Approximation.run`; keys and values straight from an int8 cache skip the rounding
+        (a decode step then rounds only its new token, in the cache).
+
+        Raises:
+            ValueError: the reason :meth:`why_not` gives, when it gives one.
+        """
+        if not (int8_rounded(p.k) and int8_rounded(p.v)):
+            return super().run(p)
+        reason = self.why_not(p)
+        if reason is not None:
+            raise ValueError(reason)
+        acc = acc_dtype(p.dtype)  # the working dtype of the rounding path, so both paths agree
+        out = self._exact(replace(p, q=p.q.to(acc), k=p.k.to(acc), v=p.v.to(acc)))  # (B, Hq, Nq, Dv)
+        return AttentionOutput(out.to(p.dtype), None, None)
+
     def attend(self, p: Problem) -> Tensor:
         k = dequantize_int8(*quantize_int8(p.k, p.k.dtype), p.k.dtype)  # (B, Hkv, Nk, D)
         v = dequantize_int8(*quantize_int8(p.v, p.v.dtype), p.v.dtype)  # (B, Hkv, Nk, Dv)
-        out = attention(p.q, k, v, mask=p.mask, bias=p.bias, scale=p.scale, dropout_p=p.dropout_p)
-        assert isinstance(out, Tensor)
-        return out
+        return self._exact(replace(p, k=k, v=v))
+
+    @staticmethod
+    def _exact(p: Problem) -> Tensor:
+        """Exact attention of ``p`` -> (B, Hq, Nq, Dv), its mask, bias, scale and dropout, on the backend
+        ``auto`` picks (``p`` is already a checked call: no second validation on a decode step)."""
+        return registry.get(first_fit(p)).run(p).out
 
 
 class _QuantizedLM(TransformerLM):
@@ -204,7 +245,7 @@ class _QuantizedLM(TransformerLM):
         if kind == "sliding" and self.sliding_window is None:
             raise ValueError("a 'sliding' cache needs a model built with sliding_window=...; use 'dense'")
         window = self.sliding_window if kind == "sliding" else None
-        device = next(self.buffers()).device
+        device = next(iter([*self.buffers(), *self.parameters()])).device  # int8 weights are buffers
         return [
             KVCache(
                 batch_size,

@@ -30,12 +30,13 @@ call. Decode under ``torch.no_grad()`` / ``torch.inference_mode()``; train witho
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["KINDS", "KVCache"]
+__all__ = ["KINDS", "KVCache", "int8_rounded"]
 
 #: The cache kinds, in the order the docs present them.
 KINDS = ("dense", "sliding", "int8")
@@ -69,6 +70,18 @@ def quantize_int8(x: Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[
 def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """q int8 (..., D) and scale (..., 1) -> (..., D) in ``dtype``, multiplied in the scale's dtype."""
     return (q.to(scale.dtype) * scale).to(dtype)
+
+
+# the keys and values the "int8" caches returned, by id, while they live (a weak reference each)
+_ROUNDED: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+
+def int8_rounded(t: Tensor) -> bool:
+    """Whether ``t`` is the very tensor of keys or values an ``"int8"`` :class:`KVCache` returned: its
+    tokens already lie on their per-token int8 grid, so rounding them again would only repeat the
+    arithmetic (``quantize_int8`` then ``dequantize_int8`` is the identity up to the last float bit).
+    Any other tensor, a copy or a view of one included, is False."""
+    return _ROUNDED.get(id(t)) is t
 
 
 class KVCache(nn.Module):
@@ -208,6 +221,7 @@ class KVCache(nn.Module):
             self._seen = end
             k_all = dequantize_int8(self.k[:, :, :end], self.k_scale[:, :, :end], self._dtype)  # (B,Hkv,L,D)
             v_all = dequantize_int8(self.v[:, :, :end], self.v_scale[:, :, :end], self._dtype)  # (B,Hkv,L,Dv)
+            _ROUNDED[id(k_all)], _ROUNDED[id(v_all)] = k_all, v_all  # see int8_rounded
             return k_all, v_all
         self.k[:, :, start:end] = k_new.detach()  # (B, Hkv, n, D) written by index
         self.v[:, :, start:end] = v_new.detach()  # (B, Hkv, n, Dv)

@@ -1,0 +1,307 @@
+"""``multihead bench decode``: decode speed per dtype against Hugging Face, and the bandwidth limit.
+
+    multihead bench decode                                   # llama-20m, 256-token prompt, seconds
+    multihead bench decode --preset llama-155m --threads 1 --rounds 3 --new-tokens 32
+
+A LLaMA-shaped model with random weights is built once by transformers (``LlamaForCausalLM`` from the
+preset's config) and converted with ``mh.pretrained.from_hf``, so both sides hold the same weights.
+Contestants: multihead and transformers' ``generate`` in fp32 and in bf16 (``model.to(torch.bfloat16)``),
+and ``mh.quant.quantize(model, weights="int8", kv="int8")`` of the fp32 and of the bf16 model (int8
+weights per output channel, int8 KV cache). Greedy decoding; decode tokens/s excludes the prefill:
+``(new - 1) / (t(new tokens) - t(1 token))``, each time the fastest of the rounds (load on a shared
+machine only ever adds time; with too few new tokens the prefill's noise swamps the difference).
+Without transformers the multihead rows run alone (random weights from ``mh.pretrained.random_lm``)
+and the report says why the Hugging Face rows are missing.
+
+The bandwidth limit of a contestant is the measured read bandwidth divided by the bytes of weights every
+decode step reads (all parameters and buffers but the input embedding, which is read one row at a time;
+a tied output head is counted). The read bandwidth is the best of several fp32 matrix-vector products
+over 256 MiB (the operation decoding repeats, on a matrix no cache holds), measured again in every round;
+the maximum is kept. The KV cache is not counted (at a 256-token prompt it is about 1% of the weights).
+
+Contestants run interleaved, round after round, so a load change on a shared machine hits all of them;
+the ratios come from the same run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import pretrained
+from ..core.checks import check_int
+from ..models import quant
+from ..models.lm import TransformerLM
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "ROWS",
+    "read_bandwidth",
+    "render",
+    "run",
+    "step_bytes",
+    "summary_lines",
+    "to_json",
+]
+
+DEFAULT_PRESET = "llama-20m"
+
+#: (row name, implementation, dtype) in print order; int8 rows have no transformers peer of their dtype
+ROWS: tuple[tuple[str, str, str], ...] = (
+    ("HF fp32", "transformers", "fp32"),
+    ("multihead fp32", "multihead", "fp32"),
+    ("HF bf16", "transformers", "bf16"),
+    ("multihead bf16", "multihead", "bf16"),
+    ("multihead int8 (fp32 activations)", "multihead", "int8"),
+    ("multihead int8 (bf16 activations)", "multihead", "int8+bf16"),
+)
+
+Generate = Callable[[int], Tensor]
+
+
+def step_bytes(model: nn.Module, embedding: str) -> int:
+    """Bytes one decode step reads: every parameter and buffer but the input embedding's (one row of it
+    is read), each storage once; a storage the output head ``lm_head`` shares with the embedding is
+    counted.
+
+    Args:
+        model: a causal LM with an ``lm_head`` submodule.
+        embedding: the input embedding's submodule path ("embed", "model.embed_tokens").
+    """
+    emb = model.get_submodule(embedding)
+    skip = {t.untyped_storage().data_ptr() for t in [*emb.parameters(), *emb.buffers()]}
+    head = model.get_submodule("lm_head")
+    skip -= {t.untyped_storage().data_ptr() for t in [*head.parameters(), *head.buffers()]}
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Best-of-``reps`` read bandwidth (bytes/s) of a matrix-vector product over ``nbytes`` of fp32.
+
+    Raises:
+        ValueError: ``nbytes`` under 1 MiB or ``reps`` < 1.
+    """
+    check_int("nbytes", nbytes, 1 << 20)
+    check_int("reps", reps, 1)
+    n = int((nbytes // 4) ** 0.5)
+    a, x = torch.ones(n, n), torch.ones(n)  # (n, n), (n,): the values do not matter, the bytes do
+    best = 0.0
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mv(a, x)
+        best = max(best, a.numel() * 4 / (time.perf_counter() - start))
+    return best
+
+
+def _timed(gen: Generate, n: int) -> float:
+    """Seconds to generate n tokens (prefill included)."""
+    start = time.perf_counter()
+    gen(n)
+    return time.perf_counter() - start
+
+
+def _hf_models(preset: str) -> tuple[nn.Module, TransformerLM, str]:
+    """transformers' fp32 model of the preset (random weights) and our conversion; the version."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        **{k: v for k, v in pretrained.preset_config(preset).items() if k != "model_type"}
+    )
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = None  # generate exactly n tokens
+    torch.manual_seed(0)
+    hf32 = tf.LlamaForCausalLM(config).eval()
+    ours = pretrained.from_hf(hf32)
+    assert isinstance(ours, TransformerLM)
+    return hf32, ours, tf.__version__
+
+
+def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate, int]], dict[str, Any]]:
+    """name -> (generate n tokens, bytes per step) for every row that can run; what was skipped and why."""
+    info: dict[str, Any] = {"transformers": None, "skipped": None}
+    try:
+        hf32, ours32, info["transformers"] = _hf_models(preset)
+    except ImportError as e:
+        hf32 = None
+        ours32 = pretrained.random_lm(preset, seed=0)
+        info["skipped"] = f"HF rows skipped: transformers is not installed ({e}); pip install transformers"
+    ours16 = copy.deepcopy(ours32).to(torch.bfloat16)
+    models: dict[str, tuple[nn.Module, str]] = {
+        "multihead fp32": (ours32, "embed"),
+        "multihead bf16": (ours16, "embed"),
+        "multihead int8 (fp32 activations)": (quant.quantize(ours32, weights="int8", kv="int8"), "embed"),
+        "multihead int8 (bf16 activations)": (quant.quantize(ours16, weights="int8", kv="int8"), "embed"),
+    }
+    if hf32 is not None:
+        models["HF fp32"] = (hf32, "model.embed_tokens")
+        models["HF bf16"] = (copy.deepcopy(hf32).to(torch.bfloat16), "model.embed_tokens")
+
+    def gen(name: str, model: nn.Module) -> Generate:
+        if name.startswith("HF"):
+            return lambda n: model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)  # type: ignore[operator]
+        return lambda n: model.generate(prompt, n)  # type: ignore[operator]
+
+    out = {
+        name: (gen(name, models[name][0]), step_bytes(*models[name])) for name, _, _ in ROWS if name in models
+    }
+    return out, info
+
+
+def run(
+    preset: str = DEFAULT_PRESET,
+    *,
+    threads: int | None = None,
+    rounds: int = 3,
+    new_tokens: int = 32,
+    prompt: int = 256,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Measure every row of :data:`ROWS`, interleaved round after round; return the report (a dict).
+
+    Args:
+        preset: a name of ``multihead.pretrained.PRESETS`` (default llama-20m; llama-155m the full one).
+        threads: torch threads during the run (restored after); None keeps torch's own.
+        rounds: interleaved rounds; each rate is the fastest round's.
+        new_tokens: tokens generated per timed call (>= 2: the rate is of the steps after the first).
+        prompt: prompt tokens (random ids, fixed seed).
+        progress: called with a short text before each measurement.
+
+    Returns:
+        ``{"preset", "threads", "prompt_len", "new_tokens", "rounds", "read_bandwidth_GBps", "transformers",
+        "skipped", "tokens_identical_fp32", "tokens_identical_bf16", "rows": [{"name", "impl", "dtype",
+        "bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit", "vs_hf_fp32",
+        "vs_hf_same_dtype"}]}``; ratios to absent rows are None.
+
+    Raises:
+        ValueError: an unknown preset; threads, rounds or prompt < 1; new_tokens < 2; a prompt longer
+            than the preset's max_position_embeddings allows with the new tokens.
+    """
+    config = pretrained.preset_config(preset)
+    if threads is not None:
+        check_int("threads", threads, 1)
+    check_int("rounds", rounds, 1)
+    check_int("new_tokens", new_tokens, 2)
+    check_int("prompt", prompt, 1)
+    if prompt + new_tokens > config["max_position_embeddings"]:
+        raise ValueError(
+            f"prompt + new_tokens = {prompt + new_tokens} exceeds preset {preset!r}'s "
+            f"max_position_embeddings={config['max_position_embeddings']}; use a shorter prompt"
+        )
+    say = progress or (lambda what: None)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        say(f"building {preset}")
+        ids = torch.randint(0, config["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(1))
+        contestants, info = _contestants(preset, ids)
+        one: dict[str, list[float]] = {k: [] for k in contestants}
+        many: dict[str, list[float]] = {k: [] for k in contestants}
+        bandwidth = 0.0
+        with torch.inference_mode():
+            say("greedy tokens against transformers")
+            tokens = {name: gen(8) for name, (gen, _) in contestants.items()}  # also a warm-up
+            same = {
+                d: torch.equal(tokens[f"HF {d}"], tokens[f"multihead {d}"]) if f"HF {d}" in tokens else None
+                for d in ("fp32", "bf16")
+            }
+            for r in range(rounds):
+                say(f"round {r + 1}/{rounds}: read bandwidth")
+                bandwidth = max(bandwidth, read_bandwidth())
+                for name, (gen, _) in contestants.items():
+                    say(f"round {r + 1}/{rounds}: {name}")
+                    one[name].append(_timed(gen, 1))
+                    many[name].append(_timed(gen, new_tokens))
+        threads_used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    # the fastest of the rounds: on a shared machine every disturbance only adds time
+    tok_s = {k: (new_tokens - 1) / max(min(many[k]) - min(one[k]), 1e-9) for k in contestants}
+    rows = []
+    for name, impl, dtype in ROWS:
+        if name not in contestants:
+            continue
+        nbytes = contestants[name][1]
+        limit = bandwidth / nbytes
+        peer = f"HF {dtype}"
+        rows.append(
+            {
+                "name": name,
+                "impl": impl,
+                "dtype": dtype,
+                "bytes_per_token": nbytes,
+                "tok_s": tok_s[name],
+                "limit_tok_s": limit,
+                "fraction_of_limit": tok_s[name] / limit,
+                "vs_hf_fp32": tok_s[name] / tok_s["HF fp32"] if "HF fp32" in tok_s else None,
+                "vs_hf_same_dtype": tok_s[name] / tok_s[peer] if peer in tok_s else None,
+            }
+        )
+    return {
+        "preset": preset,
+        "threads": threads_used,
+        "prompt_len": prompt,
+        "new_tokens": new_tokens,
+        "rounds": rounds,
+        "read_bandwidth_GBps": bandwidth / 1e9,
+        **info,
+        "tokens_identical_fp32": same["fp32"],
+        "tokens_identical_bf16": same["bf16"],
+        "rows": rows,
+    }
+
+
+def to_json(doc: dict[str, Any]) -> str:
+    """The report as indented JSON."""
+    return json.dumps(doc, indent=2)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.2f}x"
+
+
+def render(doc: dict[str, Any]) -> Any:
+    """The report as a rich Table (title: the workload and the measured read bandwidth)."""
+    from rich.table import Table
+
+    title = (
+        f"{doc['preset']} decode: prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, "
+        f"{doc['threads']} torch thread(s), fastest of {doc['rounds']} interleaved round(s); "
+        f"read bandwidth {doc['read_bandwidth_GBps']:.1f} GB/s"
+    )
+    table = Table(title=title)
+    for col in ("contestant", "MB/token", "tok/s", "bandwidth limit", "of limit", "vs HF fp32", "vs HF same"):
+        table.add_column(col, justify="left" if col == "contestant" else "right")
+    for r in doc["rows"]:
+        table.add_row(
+            r["name"],
+            f"{r['bytes_per_token'] / 1e6:.1f}",
+            f"{r['tok_s']:.1f}",
+            f"{r['limit_tok_s']:.1f}",
+            f"{r['fraction_of_limit']:.0%}",
+            _ratio(r["vs_hf_fp32"]),
+            _ratio(r["vs_hf_same_dtype"]),
+        )
+    return table
+
+
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    """The lines printed under the table: the token check, or why transformers' rows are missing."""
+    if doc["skipped"]:
+        return [doc["skipped"]]
+    same = {d: doc[f"tokens_identical_{d}"] for d in ("fp32", "bf16")}
+    return [
+        f"greedy 8 tokens identical to transformers {doc['transformers']}: fp32 "
+        f"{'yes' if same['fp32'] else 'NO'}; bf16 {'yes' if same['bf16'] else 'no'}"
+    ]

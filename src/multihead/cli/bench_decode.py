@@ -1,0 +1,67 @@
+"""``multihead bench decode``: decode tokens/s per dtype (fp32, bf16, int8) against transformers'
+``generate``, with bytes read per token, the measured read bandwidth and the bandwidth limit."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..bench import decode
+from .console import positive_int
+
+__all__ = ["register"]
+
+
+def register(sub) -> None:
+    """Register ``decode`` on the subparsers of ``multihead bench``."""
+    from ..pretrained import PRESETS
+
+    p = sub.add_parser(
+        "decode",
+        help="decode tokens/s per dtype against transformers, and the bandwidth limit",
+        description=decode.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=decode.DEFAULT_PRESET,
+        help=f"model shape, random weights (default {decode.DEFAULT_PRESET}: seconds; llama-155m: minutes)",
+    )
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument(
+        "--rounds", type=positive_int, default=3, help="interleaved rounds; the fastest counts (default 3)"
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        default=32,
+        help="tokens per timed generate call, >= 2 (default 32)",
+    )
+    p.add_argument("--prompt", type=positive_int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.set_defaults(func=_cmd_decode)
+
+
+def _cmd_decode(args) -> int:
+    """Run the decode benchmark with a status line; print the table (or JSON)."""
+    from rich.console import Console
+
+    console = Console(highlight=False, stderr=args.json)
+    if not console.is_terminal:
+        console.width = 160
+    with console.status("decode benchmark") as status:
+        doc = decode.run(
+            args.preset,
+            threads=args.threads,
+            rounds=args.rounds,
+            new_tokens=args.new_tokens,
+            prompt=args.prompt,
+            progress=lambda what: status.update(what),
+        )
+    if args.json:
+        print(decode.to_json(doc))
+        return 0
+    console.print(decode.render(doc))
+    for line in decode.summary_lines(doc):
+        console.print(line)
+    return 0

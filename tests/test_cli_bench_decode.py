@@ -1,0 +1,98 @@
+"""``multihead bench decode`` in-process: every row, finite figures, the HF rows skipped with a reason."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import math
+import re
+import sys
+
+import pytest
+import torch
+
+from multihead.bench import decode
+from multihead.cli.main import main
+
+TINY = ["bench", "decode", "--preset", "llama-tiny", "--rounds", "1", "--new-tokens", "3", "--prompt", "8"]
+FIGURES = ("bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit")
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_every_row_with_finite_figures(capsys):
+    pytest.importorskip("transformers", reason="the HF rows need the test extra (transformers)")
+    threads = torch.get_num_threads()
+    assert main([*TINY, "--threads", "1", "--json"]) == 0
+    assert torch.get_num_threads() == threads  # the run restores torch's thread count
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in doc["rows"]] == [name for name, _, _ in decode.ROWS]
+    assert doc["threads"] == 1 and doc["skipped"] is None
+    assert _finite_positive(doc["read_bandwidth_GBps"])
+    assert doc["tokens_identical_fp32"] is True  # same weights, same greedy tokens as transformers
+    rows = {r["name"]: r for r in doc["rows"]}
+    for r in doc["rows"]:
+        assert all(_finite_positive(r[k]) for k in FIGURES), r
+        assert _finite_positive(r["vs_hf_fp32"]), r
+        assert r["limit_tok_s"] == pytest.approx(doc["read_bandwidth_GBps"] * 1e9 / r["bytes_per_token"])
+        if r["dtype"] in ("fp32", "bf16"):
+            assert r["vs_hf_same_dtype"] == pytest.approx(r["tok_s"] / rows[f"HF {r['dtype']}"]["tok_s"])
+        else:
+            assert r["vs_hf_same_dtype"] is None  # transformers has no int8 row to compare with
+    # bytes per token: the same weights on both sides (buffers such as rotary tables differ a little);
+    # bf16 halves them, int8 weights quarter them (plus fp32 scales and norms)
+    for d in ("fp32", "bf16"):
+        ours, theirs = rows[f"multihead {d}"]["bytes_per_token"], rows[f"HF {d}"]["bytes_per_token"]
+        assert ours == pytest.approx(theirs, rel=0.01)
+    fp32 = rows["multihead fp32"]["bytes_per_token"]
+    assert rows["multihead bf16"]["bytes_per_token"] == pytest.approx(fp32 / 2, rel=0.02)
+    assert 3.0 < fp32 / rows["multihead int8 (fp32 activations)"]["bytes_per_token"] < 4.0
+
+
+def test_table_names_every_row(capsys):
+    pytest.importorskip("transformers", reason="the HF rows need the test extra (transformers)")
+    assert main(TINY) == 0
+    out = capsys.readouterr().out
+    for name, _, _ in decode.ROWS:
+        assert name in out
+    assert "read bandwidth" in out and "identical to transformers" in out
+
+
+def test_without_transformers_the_hf_rows_are_skipped_with_a_reason(monkeypatch, capsys):
+    real_import = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ModuleNotFoundError(name)
+        return real_import(name, *args, **kwargs)
+
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    assert main([*TINY, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 4
+    assert "transformers is not installed" in doc["skipped"]
+    for r in doc["rows"]:
+        assert all(_finite_positive(r[k]) for k in FIGURES), r
+        assert r["vs_hf_fp32"] is None and r["vs_hf_same_dtype"] is None
+    assert main(TINY) == 0
+    assert "HF rows skipped: transformers is not installed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--new-tokens", "1"], r"new_tokens must be .*2"),
+        (["--prompt", "1100"], r"exceeds preset 'llama-tiny'.s max_position_embeddings=1024"),
+        (["--preset", "gpt-5"], r"invalid choice: 'gpt-5'"),
+        (["--rounds", "0"], r"expected an integer >= 1, got '0'"),
+    ],
+)
+def test_bad_arguments_exit_2(extra, match, capsys):
+    assert main([*TINY, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(match, err), err

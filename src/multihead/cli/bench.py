@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench import suite
+from . import bench_hf
 
 __all__ = ["register"]
 
@@ -49,7 +50,7 @@ def register(sub) -> None:
     p.add_argument("--seq", type=int, default=8192, help="with --distributed: global sequence length")
     # Whole-model benchmarks (``multihead bench NAME``): each cli/bench_NAME.py registers itself here.
     whole = p.add_subparsers(dest="what", metavar="NAME", title="whole-model benchmarks")
-    del whole  # registered below as cli/bench_<name>.py files land: bench_<name>.register(whole)
+    bench_hf.register(whole)
 
 
 def _cmd_bench(args) -> int:

@@ -59,12 +59,12 @@ def test_decode_rows_agree_token_for_token(doc):
     assert rows["multihead"]["calls"] == 4 * 2  # 4 tokens: the prefill and 3 decode steps, 2 layers each
 
 
-def test_eager_above_the_cap_is_skipped_with_a_reason(capsys):
+def test_eager_above_the_cap_is_skipped_with_a_reason_and_the_floor_row(capsys):
     argv = ["bench", "hf", "--lengths", "128", "--repeats", "1", "--new-tokens", "0"]
-    assert main([*argv, "--impls", "multihead,eager", "--eager-cap", "64"]) == 0
+    assert main([*argv, "--impls", "multihead,eager", "--eager-cap", "64", "--floor"]) == 0
     out = capsys.readouterr().out
     assert "skipped: N > 64" in out
-    for impl in ("multihead", "sdpa", "eager"):
+    for impl in ("multihead", "sdpa", "eager", "floor (no attention)"):
         assert impl in out
     assert "decode" not in out  # --new-tokens 0 skips the decode table
 

@@ -36,9 +36,10 @@ from typing import Any, TextIO
 
 import torch
 
-__all__ = ["IMPLS", "WINDOW", "build_model", "run", "tables", "to_json"]
+__all__ = ["FLOOR", "IMPLS", "WINDOW", "build_model", "run", "tables", "to_json"]
 
 IMPLS = ("multihead", "sdpa", "eager", "flex_attention")
+FLOOR = "floor"  # an attention that computes nothing: the model's own activations, the floor of any impl
 WINDOW = 1024
 VOCAB = 1024
 LAYERS, D_MODEL, HEADS = 2, 512, 8
@@ -85,6 +86,14 @@ def _worker(impl: str, max_len: int, threads: int) -> None:
     os.dup2(2, 1)  # library chatter on fd 1 must not corrupt the answers
     torch.set_num_threads(threads)
     model = build_model(max_len)
+    if impl == FLOOR:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        from ..hf import mask_interface
+
+        AttentionInterface.register(FLOOR, _no_attention)
+        AttentionMaskInterface.register(FLOOR, mask_interface)
     model.set_attn_implementation(impl)
     from ..hf import register
 
@@ -134,6 +143,14 @@ def _worker(impl: str, max_len: int, threads: int) -> None:
             res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"}
         answer.write(json.dumps(res) + "\n")
         answer.flush()
+
+
+def _no_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any
+) -> tuple[torch.Tensor, None]:
+    """The floor row's attention: only the (B, Sq, Hq, Dv) output buffer every implementation returns."""
+    B, H, S, _ = query.shape
+    return query.new_zeros(B, S, H, value.shape[-1]), None  # (B, Sq, Hq, Dv)
 
 
 def _generate(model: Any, prompt: torch.Tensor, new: int) -> tuple[float, list[int]]:
@@ -216,6 +233,7 @@ def run(
     impls: Sequence[str] = IMPLS,
     eager_cap: int = 8192,
     threads: int = 1,
+    floor: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Measure prefill at every length and decode, each implementation in its own worker process.
@@ -228,6 +246,8 @@ def run(
         impls: implementations to compare; "sdpa" (the reference of every ratio) is always added.
         eager_cap: "eager" is skipped above this many tokens (its (1, 8, N, N) fp32 scores per layer).
         threads: torch intra-op threads in every worker (1 on a shared machine).
+        floor: also a "floor" row: the model with an attention that computes nothing (its output buffer
+            only), whose peak is what the rest of the model holds - no implementation can go below it.
         progress: called with a short description before each measurement.
 
     Returns:
@@ -251,7 +271,7 @@ def run(
     unknown = [i for i in impls if i not in IMPLS]
     if unknown:
         raise ValueError(f"impls {unknown!r} unknown; choose from {list(IMPLS)}")
-    names = ["sdpa"] + [i for i in IMPLS if i in impls and i != "sdpa"]
+    names = ["sdpa"] + [i for i in IMPLS if i in impls and i != "sdpa"] + ([FLOOR] if floor else [])
     say = progress or (lambda what: None)
     max_len = max([*ns, prompt + new_tokens])
     workers = {i: _Worker(i, max_len, threads) for i in names}
@@ -263,17 +283,17 @@ def run(
             runs: dict[str, list[dict[str, Any]]] = {i: [] for i in names}
             skip: dict[str, str] = {}
             if "eager" in names and n > eager_cap:
-                gib = 3 * LAYERS * HEADS * n * n * 4 / 2**30
+                gib = HEADS * n * n * 4 / 2**30
                 skip["eager"] = (
-                    f"skipped: N > {eager_cap} (eager keeps (1, 8, N, N) fp32 score tensors, ~{gib:.0f} GiB "
-                    "at this N); raise --eager-cap to run it"
+                    f"skipped: N > {eager_cap} (eager holds a few (1, {HEADS}, N, N) fp32 tensors per layer, "
+                    f"{gib:.0f} GiB each at this N); raise --eager-cap to run it"
                 )
             for r in range(repeats):
                 for impl in names:
                     if impl in skip:
                         continue
                     say(f"prefill N={n} {impl} ({r + 1}/{repeats})")
-                    save = os.path.join(tmp, f"{impl}-{n}.pt") if r == 0 else None
+                    save = os.path.join(tmp, f"{impl}-{n}.pt") if r == 0 and impl != FLOOR else None
                     res = workers[impl].ask({"op": "prefill", "n": n, "save": save})
                     if "error" in res:
                         skip[impl] = res["error"]
@@ -311,7 +331,7 @@ def _prefill_rows(
     peaks = {i: [x["peak_bytes"] / 2**20 for x in runs[i] if x["peak_bytes"] is not None] for i in names}
     base_m = _med(peaks["sdpa"])
     rows = []
-    for impl in sorted(names, key=IMPLS.index):
+    for impl in sorted(names, key=(*IMPLS, FLOOR).index):
         secs = [x["seconds"] for x in runs[impl]]
         med, peak = _med(secs), _med(peaks[impl])
         diff = None
@@ -323,6 +343,8 @@ def _prefill_rows(
             if impl != "sdpa":
                 os.remove(path)
         note = skip.get(impl)
+        if impl == FLOOR and note is None:
+            note = "attention computes nothing: the peak of the rest of the model"
         if note is None and runs[impl] and not all(x["finite"] for x in runs[impl]):
             note = "output not finite"
         rows.append(
@@ -406,7 +428,7 @@ def tables(doc: dict[str, Any]) -> list[Any]:
             continue
         pre.add_row(
             str(r["n"]),
-            r["impl"],
+            "floor (no attention)" if r["impl"] == FLOOR else r["impl"],
             _num(r["seconds"], ".3f"),
             _num(r["speed_vs_sdpa"], ".2f") + "x",
             _num(r["peak_mib"], ".0f"),

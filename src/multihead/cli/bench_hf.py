@@ -69,6 +69,11 @@ def register(sub) -> None:
         "--eager-cap", type=positive_int, default=8192, help="skip eager above this many tokens (8192)"
     )
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also the model with an attention that computes nothing: the peak memory no impl goes below",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.set_defaults(func=_cmd_bench_hf)
 
@@ -96,6 +101,7 @@ def _cmd_bench_hf(args: argparse.Namespace) -> int:
             impls=args.impls or hf.IMPLS,
             eager_cap=args.eager_cap,
             threads=args.threads,
+            floor=args.floor,
             progress=lambda what: status.update(what),
         )
     if args.json:

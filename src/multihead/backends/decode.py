@@ -121,10 +121,10 @@ def _all_keys(p: Problem) -> AttentionOutput:
 def unmasked_step(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor | None:
     """A decode step with no mask and no bias straight from tensors (no Problem, no backend choice), for
     callers that already know every query row sees every key (``multihead.hf``'s attention function):
-    the G query heads of a kv head folded into its rows, as in :func:`_all_keys`, and one call of torch's
-    fused SDPA kernel. None when the step needs the general path: a cache long enough that splitting it
-    over the cores pays off (:func:`n_chunks`), more than ``MAX_ROWS`` rows, no keys, or head counts
-    that do not group.
+    the G query heads of a kv head folded into its rows, as in :func:`_all_keys`, and one torch SDPA call
+    (its fused flash kernel on CPU, the kernel :func:`_all_keys` calls). None when the step needs the
+    general path: a cache long enough that splitting it over the cores pays off (:func:`n_chunks`), more
+    than ``MAX_ROWS`` rows, no keys, or head counts that do not group.
 
     Args:
         q: (B, Hq, Nq, D) queries.

@@ -54,7 +54,9 @@ def _mask_and_bias(
     )
 
 
-def _decode_step(attention_mask: Any, query: Tensor, key: Tensor, value: Tensor, scaling: float | None):
+def _decode_step(
+    attention_mask: Any, query: Tensor, key: Tensor, value: Tensor, scaling: float | None
+) -> Tensor | None:
     """out (B, Hq, 1, Dv) of a one-row step whose mask lets it see every key; None when the mask restricts
     the keys or the decode kernel cannot take the call (the general path then runs)."""
     if isinstance(attention_mask, HFMask):

@@ -127,3 +127,31 @@ def test_plain_decode_step_reads_a_cache_view_in_place(dtype):
     gold = mh.attention(*(t.double() for t in (q, k, v)), mask=mh.causal(), backend="reference")
     plain = mh.attention(q, k.contiguous(), v.contiguous(), mask=mh.causal(), backend="matrix")
     assert max_err(got, gold) <= max(2 * max_err(plain, gold), 1e-12)
+
+
+def test_unmasked_step_matches_reference_and_declines_the_rest():
+    """decode.unmasked_step (the HF attention function's fast path): GQA folded into rows, exact against
+    the float64 reference; None for what needs the general path."""
+    from multihead.backends.decode import MAX_ROWS, MIN_CHUNK, unmasked_step
+
+    g = torch.Generator().manual_seed(5)
+    for nq in (1, 3):
+        q = torch.randn(2, 6, nq, 16, generator=g)  # (B, Hq, Nq, D)
+        k, v = (torch.randn(2, 3, 50, 16, generator=g) for _ in range(2))  # (B, Hkv, Nk, D): G = 2
+        out = unmasked_step(q, k, v, 0.2)
+        assert out is not None and out.shape == (2, 6, nq, 16)
+        ref = mh.attention(q.double(), k.double(), v.double(), scale=0.2, backend="reference")
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    q1 = torch.randn(1, 4, 1, 16, generator=g)  # (1, Hq, 1, D)
+    assert unmasked_step(torch.randn(1, 4, MAX_ROWS + 1, 16), k[:1, :2], v[:1, :2], None) is None
+    assert unmasked_step(torch.randn(1, 5, 1, 16), k[:1], v[:1], None) is None  # 5 heads on 3 kv heads
+    assert unmasked_step(q1, k[:1, :, :0], v[:1, :, :0], None) is None  # no keys
+    long_k = torch.randn(1, 2, 2 * MIN_CHUNK, 16)  # two (batch, kv head) lanes, a long cache
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # 2 lanes for 4 threads: split over the cores, the general path
+        assert unmasked_step(q1, long_k, long_k, None) is None
+        torch.set_num_threads(1)  # 2 lanes keep one thread busy: one call
+        assert unmasked_step(q1, long_k, long_k, None) is not None
+    finally:
+        torch.set_num_threads(n)

@@ -380,3 +380,53 @@ def test_import_multihead_does_not_import_transformers():
 
     code = "import sys, multihead, multihead.hf; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_decode_step_fast_path_is_exact_and_counted(monkeypatch):
+    """A one-row step that sees every key skips the Problem and goes to the decode kernel call: the same
+    output as the reference backend (GQA folded, a static cache's unused slots dropped), still counted."""
+    import multihead.hf.attention as hf_attention
+    from multihead.backends import decode
+
+    taken = []
+
+    def spy(q, k, v, scale):
+        out = decode.unmasked_step(q, k, v, scale)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(hf_attention, "unmasked_step", spy)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 1, 8, generator=g)  # (B, Hq, 1, D)
+    k, v = (torch.randn(2, 3, 40, 8, generator=g) for _ in range(2))  # (B, Hkv, 40, D): G = 2
+    before = FN.calls
+    for keep, scaling in ((40, None), (25, 0.3)):  # keep < 40: a static cache's slots past the prompt
+        out, weights = FN(torch.nn.Module(), q, k, v, HFMask(None, keep, 40, 1), scaling=scaling)
+        ref = mh.attention(q, k[:, :, :keep], v[:, :, :keep], scale=scaling, backend="reference")
+        assert weights is None and out.shape == (2, 1, 6, 8) and out.is_contiguous()
+        torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    assert taken == [True, True] and FN.calls - before == 2
+    # a mask left to apply, a soft-cap or weights asked for: the general path, never the fast one
+    FN(torch.nn.Module(), q, k, v, HFMask(mh.sliding_window(8), 40, 40, 1))
+    FN(torch.nn.Module(), q, k, v, HFMask(None, 40, 40, 1), softcap=2.0)
+    assert taken == [True, True]
+
+
+def test_unpadded_greedy_decode_matches_eager_through_the_fast_path():
+    """No padding and a dynamic cache: every decode step runs the fast path (GQA llama, windowed mistral
+    inside its window and past it) and the tokens and step logits equal eager's."""
+    for name in ("llama", "mistral"):
+        model = _model(name)
+        ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))  # (B, N)
+        am = torch.ones_like(ids)
+        runs = {}
+        for impl in ("eager", "multihead"):
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                runs[impl] = model.generate(
+                    input_ids=ids, attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                    output_logits=True, return_dict_in_generate=True,
+                )  # fmt: skip
+        assert torch.equal(runs["eager"].sequences, runs["multihead"].sequences), name
+        for a, b in zip(runs["eager"].logits, runs["multihead"].logits):
+            assert float((a - b).abs().max() / a.abs().max()) <= REL, name

@@ -97,10 +97,22 @@ def test_after_uniform_prune_hf_gets_the_new_head_count():
 
 def test_uneven_prune_and_other_models_are_refused():
     lm = mh.heads.prune(mh.pretrained.from_hf(_hf("llama")), {0: [0, 1]})
-    with pytest.raises(ValueError, match="different"):
+    with pytest.raises(ValueError, match="different") as e:
         mh.pretrained.to_hf(lm)
+    a0, a1 = lm.layers[0].self_attn, lm.layers[1].self_attn
+    assert f"layer 1: {a1.n_heads}/{a1.n_kv_heads}/{a1.head_dim}" in str(e.value)  # every layer's counts
+    assert f"layer 0: {a0.n_heads}/" in str(e.value) and "per_layer_config" in str(e.value)
     with pytest.raises(ValueError, match="TransformerLM"):
         mh.pretrained.to_hf(torch.nn.Linear(2, 2))
+    # the reason holds: transformers' LLaMA modeling code does not take per-layer head counts from its config
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    try:
+        cfg = transformers.LlamaConfig(**small, **heads, per_layer_config={0: {"num_attention_heads": 2}})
+        built = transformers.AutoModelForCausalLM.from_config(cfg)
+    except Exception:  # refused (transformers 5.x), or no per-layer configs at all
+        return
+    assert [a.self_attn.q_proj.out_features for a in built.model.layers] == [32, 32]  # ignored, not honoured
 
 
 def test_bert_round_trip(tmp_path):

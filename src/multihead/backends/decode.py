@@ -21,6 +21,7 @@ more partial of the final merge (lse ``sink_h``, output 0), added once.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.masks import Causal
@@ -117,6 +118,37 @@ def _all_keys(p: Problem) -> AttentionOutput:
     return AttentionOutput(o, None, lse if p.return_lse else None)
 
 
+def unmasked_step(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor | None:
+    """A decode step with no mask and no bias straight from tensors (no Problem, no backend choice), for
+    callers that already know every query row sees every key (``multihead.hf``'s attention function):
+    the G query heads of a kv head folded into its rows, as in :func:`_all_keys`, and one torch SDPA call
+    (its fused flash kernel on CPU, the kernel :func:`_all_keys` calls). None when the step needs the
+    general path: a cache long enough that splitting it over the cores pays off (:func:`n_chunks`), more
+    than ``MAX_ROWS`` rows, no keys, or head counts that do not group.
+
+    Args:
+        q: (B, Hq, Nq, D) queries.
+        k: (B, Hkv, Nk, D) keys, ``Hq % Hkv == 0``.
+        v: (B, Hkv, Nk, Dv) values.
+        scale: score scale (None: 1/sqrt(D)).
+
+    Returns:
+        out (B, Hq, Nq, Dv) in q's dtype, or None.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if not 0 < Nq <= MAX_ROWS or Nk == 0 or Hkv == 0 or Hq % Hkv or k.shape[0] != B or v.shape[0] != B:
+        return None
+    if Nk >= 2 * MIN_CHUNK and _lanes_split(B * Hkv, Nk) > 1:
+        return None
+    G = Hq // Hkv
+    if G == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, Hq, Nq, Dv)
+    qg = q.reshape(B, Hkv, G * Nq, D)  # (B, Hkv, G*Nq, D): groups folded into rows
+    o = F.scaled_dot_product_attention(qg, k, v, scale=scale)  # (B, Hkv, G*Nq, Dv)
+    return o.reshape(B, Hq, Nq, o.shape[-1])  # unfold
+
+
 def _rows(t: Tensor) -> Tensor:
     """t itself when its last dim is contiguous - the kernel takes any other strides, so the view of
     the first L positions of a preallocated KV cache is read in place - else a contiguous copy."""
@@ -141,7 +173,10 @@ def _merge_tail(p: Problem, o: Tensor, lse: Tensor, k0: int) -> tuple[Tensor, Te
 
 def n_chunks(p: Problem, length: int) -> int:
     """How many chunks to cut a span of ``length`` keys into so every core has a (B, kv head) to work on."""
-    lanes = p.B * p.Hkv
+    return _lanes_split(p.B * p.Hkv, length)
+
+
+def _lanes_split(lanes: int, length: int) -> int:
     threads = torch.get_num_threads()
     n = 1
     while lanes * n < 2 * threads and length // (2 * n) >= MIN_CHUNK:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench import suite
-from . import bench_decode
+from . import bench_decode, bench_hf
 
 __all__ = ["register"]
 
@@ -51,6 +51,7 @@ def register(sub) -> None:
     # Whole-model benchmarks (``multihead bench NAME``): each cli/bench_NAME.py registers itself here.
     whole = p.add_subparsers(dest="what", metavar="NAME", title="whole-model benchmarks")
     bench_decode.register(whole)
+    bench_hf.register(whole)
 
 
 def _cmd_bench(args) -> int:

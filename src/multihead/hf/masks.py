@@ -67,22 +67,36 @@ def _closure(fn: Callable) -> dict[str, Any]:
         return {}
 
 
+_OWNERS: dict[Any, str] = {}  # code object -> owner name: transformers builds fresh closures every step
+
+
 def _owner(fn: Callable) -> str:
     """``'sliding_window_overlay'`` for ``sliding_window_overlay.<locals>.inner_mask``, else the name."""
+    code = getattr(fn, "__code__", None)
+    hit = _OWNERS.get(code) if code is not None else None
+    if hit is not None:
+        return hit
     qual = getattr(fn, "__qualname__", "")
     module = getattr(fn, "__module__", "") or ""
     if not module.startswith("transformers."):
-        return ""
-    return qual.split(".<locals>.")[0] if ".<locals>." in qual else qual
+        owner = ""
+    else:
+        owner = qual.split(".<locals>.")[0] if ".<locals>." in qual else qual
+    if code is not None and len(_OWNERS) < 256:
+        _OWNERS[code] = owner
+    return owner
 
 
 def parse(fn: Callable) -> Node:
     """Read a transformers mask function into a :class:`Node` tree (unknown parts become ``fn`` nodes)."""
-    owner, free = _owner(fn), _closure(fn)
+    owner = _owner(fn)
     if owner == "causal_mask_function":
         return Node("causal", fn)
     if owner == "bidirectional_mask_function":
         return Node("all", fn)
+    if not owner:
+        return Node("fn", fn)
+    free = _closure(fn)
     if owner == "sliding_window_overlay" and isinstance(free.get("sliding_window"), int):
         return Node("overlay", fn, size=free["sliding_window"])
     if owner == "padding_mask_function" and isinstance(free.get("padding_mask"), Tensor):

@@ -29,11 +29,17 @@ def _attentions(model: Any) -> list[MultiHeadAttention]:
             f"layers {bad} hold {type(attns[bad[0]]).__name__}, not a MultiHeadAttention: transformers "
             "models have no such layer (a layer pruned to zero heads cannot be written back)"
         )
-    shapes = {(a.n_heads, a.n_kv_heads, a.head_dim) for a in attns}
-    if len(shapes) > 1:
+    shapes = [(a.n_heads, a.n_kv_heads, a.head_dim) for a in attns]
+    if len(set(shapes)) > 1:
+        per_layer = ", ".join(f"layer {i}: {h}/{kv}/{d}" for i, (h, kv, d) in enumerate(shapes))
         raise ValueError(
-            f"layers have different (heads, kv heads, head_dim) {sorted(shapes)}; a transformers config "
-            "gives every layer the same: prune/convert every layer alike"
+            f"layers have different (heads, kv heads, head_dim): {per_layer}. The transformers configs of "
+            "the families to_hf writes (LLaMA, Mistral, Qwen2, GPT-2, BERT) hold one num_attention_heads / "
+            "num_key_value_heads / head_dim for every layer, and their modeling code does not read a "
+            "per_layer_config override of them (transformers refuses the global value then), so a model "
+            "with uneven per-layer pruning cannot be written back: prune or convert every layer to the same "
+            "head counts (e.g. mh.heads.prune with the same number of heads in each layer), or keep the "
+            "multihead model"
         )
     return attns
 
@@ -260,7 +266,9 @@ def to_hf(model: nn.Module) -> nn.Module:
         ``BertModel`` in eval mode, in the model's dtype, whose config carries the edited head counts.
 
     Raises:
-        ValueError: another kind of model, layers of different shapes, weights the family cannot hold.
+        ValueError: another kind of model, weights the family cannot hold, or layers of different shapes
+            (uneven per-layer pruning: these families' configs hold one head count for every layer, and
+            their modeling code does not read transformers' ``per_layer_config`` overrides of it).
         ImportError: transformers is not installed.
     """
     if type(model).__name__ == "Bert" and hasattr(model, "embeddings") and hasattr(model, "encoder"):

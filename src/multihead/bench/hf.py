@@ -1,0 +1,471 @@
+"""``multihead bench hf``: multihead as a Hugging Face attention backend against transformers' own.
+
+A Mistral-shaped model (transformers ``MistralConfig``: 2 layers, d=512, 8 heads, sliding window 1024,
+random weights, fp32, batch 1) built offline, once per attention implementation, each in its own worker
+process (``python -m multihead.bench.hf --worker IMPL``), so that one implementation's peak memory never
+hides behind another's freed pages:
+
+* prefill at every N of ``lengths``: wall time of ``model.model(input_ids)`` (median of ``repeats`` rounds,
+  the implementations interleaved inside each round), the peak resident set above the loaded model
+  (Linux ``VmHWM`` after a ``clear_refs`` reset, glibc's mmap threshold fixed), and the max |difference|
+  of the last hidden state against "sdpa"; "multihead" against "sdpa", "eager" (skipped above
+  ``eager_cap`` tokens: it holds (1, 8, N, N) fp32 scores per layer) and "flex_attention" (compiled per
+  shape; a failure is reported with its reason instead of a row of numbers);
+* decode: tokens/s of ``model.generate`` (greedy, dynamic cache) of ``new_tokens`` after a
+  ``prompt``-token prompt, "multihead" against "sdpa", interleaved, and whether the tokens are identical.
+
+Ratios are against "sdpa" measured in the same run: ``speed`` = sdpa seconds / impl seconds (> 1: faster),
+``memory`` = impl peak / sdpa peak (< 1: less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import torch
+
+__all__ = ["FLOOR", "IMPLS", "WINDOW", "build_model", "run", "tables", "to_json"]
+
+IMPLS = ("multihead", "sdpa", "eager", "flex_attention")
+FLOOR = "floor"  # an attention that computes nothing: the model's own activations, the floor of any impl
+WINDOW = 1024
+VOCAB = 1024
+LAYERS, D_MODEL, HEADS = 2, 512, 8
+WARM = 256  # tokens of the warm-up prefill each worker runs before its first measurement
+
+
+def build_model(max_len: int) -> Any:
+    """The benchmark's Mistral-shaped random-weight causal LM (attn_implementation "sdpa"; switch it with
+    ``model.set_attn_implementation``), with multihead registered as "multihead".
+
+    Raises:
+        ImportError: when transformers is not installed.
+    """
+    import transformers
+
+    from ..hf import register
+
+    register()
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=D_MODEL,
+        intermediate_size=1408,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        sliding_window=WINDOW,
+        max_position_embeddings=max_len,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def _ids(n: int, seed: int, low: int = 0) -> torch.Tensor:
+    return torch.randint(low, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))  # (1, n)
+
+
+# -- the worker: one implementation, one loaded model, requests as JSON lines -------------------------
+def _worker(impl: str, max_len: int, threads: int) -> None:
+    """Serve ``{"op": "prefill" | "decode", ...}`` requests on stdin, one JSON answer per line on the real
+    stdout (anything else the libraries print goes to stderr)."""
+    from .approx import peak_rss_tracker
+
+    answer: TextIO = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # library chatter on fd 1 must not corrupt the answers
+    torch.set_num_threads(threads)
+    model = build_model(max_len)
+    if impl == FLOOR:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        from ..hf import mask_interface
+
+        AttentionInterface.register(FLOOR, _no_attention)
+        AttentionMaskInterface.register(FLOOR, mask_interface)
+    model.set_attn_implementation(impl)
+    from ..hf import register
+
+    counter = register()  # the function "multihead" runs: its calls prove our backend ran
+    warmed: set[int] = set()  # prefill lengths warmed up
+    decode_warm = False
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            with torch.no_grad():
+                if req["op"] == "prefill":
+                    n = int(req["n"])
+                    warm = n if impl == "flex_attention" else WARM  # flex compiles per shape
+                    if warm not in warmed:
+                        model.model(input_ids=_ids(min(warm, n), 3), use_cache=False)
+                        warmed.add(warm)
+                    ids = _ids(n, 1)
+                    calls = counter.calls  # type: ignore[attr-defined]
+                    gc.collect()
+                    extra = peak_rss_tracker()
+                    start = time.perf_counter()
+                    h = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, n, d)
+                    seconds = time.perf_counter() - start
+                    peak = None if extra is None else extra()
+                    if req.get("save"):
+                        torch.save(h, req["save"])
+                    res: dict[str, Any] = {
+                        "seconds": seconds,
+                        "peak_bytes": peak,
+                        "finite": bool(torch.isfinite(h).all()),
+                        "calls": counter.calls - calls,  # type: ignore[attr-defined]
+                    }
+                    del h
+                else:
+                    prompt, new = int(req["prompt"]), int(req["new"])
+                    if not decode_warm:
+                        _generate(model, _ids(16, 2, low=1), 4)
+                        decode_warm = True
+                    calls = counter.calls  # type: ignore[attr-defined]
+                    seconds, tokens = _generate(model, _ids(prompt, 2, low=1), new)
+                    res = {
+                        "seconds": seconds,
+                        "tokens": tokens,
+                        "calls": counter.calls - calls,  # type: ignore[attr-defined]
+                    }
+        except Exception as e:  # reported in the table: flex refusing CPU shapes, out of memory, ...
+            res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"}
+        answer.write(json.dumps(res) + "\n")
+        answer.flush()
+
+
+def _no_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any
+) -> tuple[torch.Tensor, None]:
+    """The floor row's attention: only the (B, Sq, Hq, Dv) output buffer every implementation returns."""
+    B, H, S, _ = query.shape
+    return query.new_zeros(B, S, H, value.shape[-1]), None  # (B, Sq, Hq, Dv)
+
+
+def _generate(model: Any, prompt: torch.Tensor, new: int) -> tuple[float, list[int]]:
+    """Seconds of a greedy ``generate`` of exactly ``new`` tokens after ``prompt`` (1, P), and the tokens.
+    Token 0 is the pad id handed to generate, so prompts draw from 1..VOCAB-1."""
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )  # (1, P + new)
+    seconds = time.perf_counter() - start
+    return seconds, out[0, prompt.shape[1] :].tolist()
+
+
+class _Worker:
+    """A worker process for one implementation; ``ask(req)`` sends a request and waits for the answer."""
+
+    def __init__(self, impl: str, max_len: int, threads: int):
+        self.impl = impl
+        self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the worker
+        cmd = [sys.executable, "-m", "multihead.bench.hf", "--worker", impl, str(max_len), str(threads)]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, bufsize=1
+        )
+
+    def ask(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if line:
+            return dict(json.loads(line))
+        self.proc.wait()
+        self.err.seek(0)
+        tail = [t for t in self.err.read().strip().splitlines() if t.strip()]
+        last = tail[-1] if tail else "no output"
+        return {"error": f"worker exited with code {self.proc.returncode}: {last}"}
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.err.close()
+
+
+# -- the measurement --------------------------------------------------------------------------------
+def _check_lengths(lengths: Sequence[int]) -> list[int]:
+    out = []
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"lengths must be positive token counts, got {n!r} in {list(lengths)!r}")
+        out.append(n)
+    if not out:
+        raise ValueError("lengths must name at least one prefill length, got an empty list")
+    return out
+
+
+def _med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def run(
+    lengths: Sequence[int] = (4096, 8192, 16384),
+    *,
+    repeats: int = 3,
+    new_tokens: int = 64,
+    prompt: int = 512,
+    impls: Sequence[str] = IMPLS,
+    eager_cap: int = 8192,
+    threads: int = 1,
+    floor: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Measure prefill at every length and decode, each implementation in its own worker process.
+
+    Args:
+        lengths: prefill lengths N (tokens).
+        repeats: timed rounds; in each round every implementation runs once (interleaved).
+        new_tokens: tokens ``generate`` produces in the decode rows (0 skips decode).
+        prompt: the decode prompt's length.
+        impls: implementations to compare; "sdpa" (the reference of every ratio) is always added.
+        eager_cap: "eager" is skipped above this many tokens (its (1, 8, N, N) fp32 scores per layer).
+        threads: torch intra-op threads in every worker (1 on a shared machine).
+        floor: also a "floor" row: the model with an attention that computes nothing (its output buffer
+            only), whose peak is what the rest of the model holds - no implementation can go below it.
+        progress: called with a short description before each measurement.
+
+    Returns:
+        ``{"setup": {...}, "prefill": [row, ...], "decode": {...} | None}``; a prefill row is
+        ``{"n", "impl", "seconds", "all_seconds", "speed_vs_sdpa", "peak_mib", "memory_vs_sdpa",
+        "max_abs_diff", "calls", "note"}`` (numbers None and ``note`` the reason when it did not run).
+
+    Raises:
+        ValueError: for a non-positive length, repeats, prompt or thread count, negative new_tokens, or
+            an unknown implementation.
+        ImportError: when transformers is not installed.
+    """
+    import transformers
+
+    ns = _check_lengths(lengths)
+    for name, value, least in (("repeats", repeats, 1), ("prompt", prompt, 1), ("threads", threads, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
+        raise ValueError(f"new_tokens must be an integer >= 0 (0 skips decode), got {new_tokens!r}")
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown:
+        raise ValueError(f"impls {unknown!r} unknown; choose from {list(IMPLS)}")
+    names = ["sdpa"] + [i for i in IMPLS if i in impls and i != "sdpa"] + ([FLOOR] if floor else [])
+    say = progress or (lambda what: None)
+    max_len = max([*ns, prompt + new_tokens])
+    workers = {i: _Worker(i, max_len, threads) for i in names}
+    tmp = tempfile.mkdtemp(prefix="mh-bench-hf-")
+    rows: list[dict[str, Any]] = []
+    decode: dict[str, Any] | None = None
+    try:
+        for n in ns:
+            runs: dict[str, list[dict[str, Any]]] = {i: [] for i in names}
+            skip: dict[str, str] = {}
+            if "eager" in names and n > eager_cap:
+                gib = HEADS * n * n * 4 / 2**30
+                skip["eager"] = (
+                    f"skipped: N > {eager_cap} (eager holds a few (1, {HEADS}, N, N) fp32 tensors per layer, "
+                    f"{gib:.0f} GiB each at this N); raise --eager-cap to run it"
+                )
+            for r in range(repeats):
+                for impl in names:
+                    if impl in skip:
+                        continue
+                    say(f"prefill N={n} {impl} ({r + 1}/{repeats})")
+                    save = os.path.join(tmp, f"{impl}-{n}.pt") if r == 0 and impl != FLOOR else None
+                    res = workers[impl].ask({"op": "prefill", "n": n, "save": save})
+                    if "error" in res:
+                        skip[impl] = res["error"]
+                    else:
+                        runs[impl].append(res)
+            rows += _prefill_rows(n, names, runs, skip, tmp)
+        if new_tokens:
+            decode = _decode(workers, prompt, new_tokens, repeats, say)
+    finally:
+        for w in workers.values():
+            w.close()
+        for f in os.listdir(tmp):
+            os.remove(os.path.join(tmp, f))
+        os.rmdir(tmp)
+    setup = {
+        "model": f"MistralConfig: {LAYERS} layers, d={D_MODEL}, {HEADS} heads, sliding window {WINDOW}, "
+        "random weights, fp32, batch 1",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": threads,
+        "repeats": repeats,
+        "lengths": ns,
+        "eager_cap": eager_cap,
+    }
+    return {"setup": setup, "prefill": rows, "decode": decode}
+
+
+def _prefill_rows(
+    n: int, names: list[str], runs: dict[str, list[dict[str, Any]]], skip: dict[str, str], tmp: str
+) -> list[dict[str, Any]]:
+    """One row per implementation at length n, with ratios against sdpa's medians."""
+    ref_path = os.path.join(tmp, f"sdpa-{n}.pt")
+    ref = torch.load(ref_path) if os.path.exists(ref_path) else None
+    base_s = _med([x["seconds"] for x in runs["sdpa"]])
+    peaks = {i: [x["peak_bytes"] / 2**20 for x in runs[i] if x["peak_bytes"] is not None] for i in names}
+    base_m = _med(peaks["sdpa"])
+    rows = []
+    for impl in sorted(names, key=(*IMPLS, FLOOR).index):
+        secs = [x["seconds"] for x in runs[impl]]
+        med, peak = _med(secs), _med(peaks[impl])
+        diff = None
+        path = os.path.join(tmp, f"{impl}-{n}.pt")
+        if ref is not None and os.path.exists(path):
+            out = torch.load(path)
+            diff = float((out - ref).abs().max())
+            del out
+            if impl != "sdpa":
+                os.remove(path)
+        note = skip.get(impl)
+        if impl == FLOOR and note is None:
+            note = "attention computes nothing: the peak of the rest of the model"
+        if note is None and runs[impl] and not all(x["finite"] for x in runs[impl]):
+            note = "output not finite"
+        rows.append(
+            {
+                "n": n,
+                "impl": impl,
+                "seconds": med,
+                "all_seconds": secs,
+                "speed_vs_sdpa": base_s / med if med and base_s else None,
+                "peak_mib": peak,
+                "memory_vs_sdpa": peak / base_m if peak is not None and base_m else None,
+                "max_abs_diff": diff,
+                "calls": sum(x["calls"] for x in runs[impl]),
+                "note": note,
+            }
+        )
+    if os.path.exists(ref_path):
+        os.remove(ref_path)
+    return rows
+
+
+def _decode(
+    workers: dict[str, _Worker], prompt: int, new: int, repeats: int, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Interleaved ``generate`` rounds, multihead against sdpa."""
+    impls = [i for i in ("multihead", "sdpa") if i in workers]
+    rates: dict[str, list[float]] = {i: [] for i in impls}
+    tokens: dict[str, list[list[int]]] = {i: [] for i in impls}
+    errors: dict[str, str] = {}
+    calls: dict[str, int] = dict.fromkeys(impls, 0)
+    for r in range(repeats):
+        for impl in impls:
+            if impl in errors:
+                continue
+            say(f"decode {new} tokens {impl} ({r + 1}/{repeats})")
+            res = workers[impl].ask({"op": "decode", "prompt": prompt, "new": new})
+            if "error" in res:
+                errors[impl] = res["error"]
+                continue
+            rates[impl].append(new / res["seconds"])
+            tokens[impl].append(res["tokens"])
+            calls[impl] += res["calls"]
+    base = _med(rates.get("sdpa", []))
+    rows = []
+    for impl in impls:
+        med = _med(rates[impl])
+        rows.append(
+            {
+                "impl": impl,
+                "tok_s": med,
+                "all_tok_s": rates[impl],
+                "vs_sdpa": med / base if med and base else None,
+                "calls": calls[impl],
+                "note": errors.get(impl),
+            }
+        )
+    seqs = [tuple(t) for i in impls for t in tokens[i]]
+    return {"prompt": prompt, "new_tokens": new, "rows": rows, "tokens_identical": len(set(seqs)) == 1}
+
+
+# -- output -----------------------------------------------------------------------------------------
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def tables(doc: dict[str, Any]) -> list[Any]:
+    """The prefill table and the decode table as ``rich`` tables (a note under a row that did not run)."""
+    from rich.table import Table
+
+    s = doc["setup"]
+    pre = Table(
+        title="prefill: multihead inside a Hugging Face model vs transformers' own attention",
+        caption=f"{s['model']}; torch {s['torch']}, transformers {s['transformers']}, {s['threads']} "
+        f"thread(s), median of {s['repeats']} interleaved rounds, peak = resident set above the loaded model",
+    )
+    for col in ("N", "impl", "prefill s", "speed vs sdpa", "peak extra MiB", "memory vs sdpa", "max |diff|"):
+        pre.add_column(col, justify="left" if col == "impl" else "right")
+    for r in doc["prefill"]:
+        if r["seconds"] is None:
+            pre.add_row(str(r["n"]), r["impl"], r["note"] or "did not run", "", "", "", "")
+            continue
+        pre.add_row(
+            str(r["n"]),
+            "floor (no attention)" if r["impl"] == FLOOR else r["impl"],
+            _num(r["seconds"], ".3f"),
+            _num(r["speed_vs_sdpa"], ".2f") + "x",
+            _num(r["peak_mib"], ".0f"),
+            _num(r["memory_vs_sdpa"], ".2f"),
+            _num(r["max_abs_diff"], ".1e"),
+        )
+    out = [pre]
+    d = doc["decode"]
+    if d is not None:
+        dec = Table(
+            title=f"decode: generate {d['new_tokens']} tokens after a {d['prompt']}-token prompt",
+            caption=f"greedy, dynamic cache; tokens identical: {'yes' if d['tokens_identical'] else 'NO'}",
+        )
+        for col in ("impl", "tok/s", "vs sdpa", "runs tok/s"):
+            dec.add_column(col, justify="left" if col == "impl" else "right")
+        for r in d["rows"]:
+            runs = " ".join(f"{x:.1f}" for x in r["all_tok_s"])
+            if r["tok_s"] is None:
+                dec.add_row(r["impl"], r["note"] or "did not run", "", "")
+            else:
+                dec.add_row(r["impl"], _num(r["tok_s"], ".1f"), _num(r["vs_sdpa"], ".2f") + "x", runs)
+        out.append(dec)
+    return out
+
+
+def to_json(doc: dict[str, Any]) -> str:
+    """The results as indented JSON."""
+    return json.dumps(doc, indent=1)
+
+
+def _main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="worker of multihead bench hf (not for direct use)")
+    ap.add_argument("--worker", nargs=3, metavar=("IMPL", "MAX_LEN", "THREADS"), required=True)
+    args = ap.parse_args(argv)
+    impl, max_len, threads = args.worker
+    _worker(impl, int(max_len), int(threads))
+
+
+if __name__ == "__main__":
+    _main()

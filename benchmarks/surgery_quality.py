@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--train", default="changed", help="changed | attention | all")
     p.add_argument("--texts", type=int, default=2000, help="training docstrings")
     p.add_argument("--rank", type=int, default=128, help="MLA kv_rank (default 128)")
+    p.add_argument("--calibration", type=int, default=64, help="docstrings that calibrate MLA (default 64)")
     p.add_argument("--kv-heads", type=int, default=2, help="GQA kv heads (default 2)")
     p.add_argument("--variants", default="gqa,mla", help="comma-separated: gqa, mla, prune (default gqa,mla)")
     p.add_argument("--bootstrap", type=int, default=100)
@@ -47,7 +48,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = mh.pretrained.minilm()
     docs = mh.pretrained.stdlib_docstrings(args.texts, max_chars=600)
-    calibration = docs[:64]
+    calibration = docs[: args.calibration]
     chosen = args.variants.split(",")
     variants = {}
     if "gqa" in chosen:

@@ -37,6 +37,8 @@ def test_convert_mla_writes_a_checkpoint_that_loads_back(tmp_path, capsys, minil
     assert result["kv_bytes_per_token"] == {"before": 6 * 768 * 4, "after": 6 * 48 * 4}
     assert result["reload_max_abs_diff"] <= 1e-5
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "surgery.json"}
+    # the MiniLM encoder has no transformers form after surgery: the result says why, nothing is written
+    assert result["hf"] == {"written": False, "why": "transformers' BertModel has no latent attention"}
     loaded = heads.load_converted(out)
     assert all(isinstance(layer.self_attn, mh.variants.LatentAttention) for layer in heads.layers_of(loaded))
 
@@ -104,3 +106,25 @@ def test_convert_a_save_pretrained_llama_directory(tmp_path, capsys):
     ref = mh.pretrained.load(tmp_path / "llama")
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     assert torch.allclose(heads.load_converted(out)(ids), ref(ids), atol=1e-4)
+    assert result["hf"]["written"] is False and "LatentAttention" in result["hf"]["why"]
+
+
+def test_convert_to_gqa_also_writes_a_transformers_checkpoint(tmp_path, capsys):
+    tf = pytest.importorskip("transformers", reason="the transformers export needs: pip install -e '.[hf]'")
+    config = tf.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    out = tmp_path / "gqa"
+    argv = ["heads", "convert", "--hf", str(tmp_path / "llama"), "--to", "gqa", "--kv-heads", "1"]
+    assert main([*argv, "--texts", "70", "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["hf"]["written"] is True and result["hf"]["max_abs_diff"] <= 1e-4
+    back = tf.AutoModelForCausalLM.from_pretrained(out / "hf")  # plain transformers, nothing of ours
+    assert back.config.num_key_value_heads == 1 and back.config.num_attention_heads == 4
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = heads.load_converted(out)(ids)  # (2, 12, 300)
+        assert torch.allclose(back(ids).logits, want, atol=1e-4)

@@ -242,6 +242,7 @@ def convert(args: argparse.Namespace) -> int:
             "cosine_to_original": fidelity,
         }
         what = f"mean cosine to the original {fidelity:.3f} on 8 docstrings"
+    result["hf"] = _export_hf(student, folder / "hf") if lm else _no_hf(args.to)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -252,7 +253,48 @@ def convert(args: argparse.Namespace) -> int:
         f"max |diff| {result['reload_max_abs_diff']:.1e}",
         markup=False,
     )
+    hf = result["hf"]
+    make_console().print(
+        f"transformers checkpoint: {hf['dir']}/ (AutoModelForCausalLM.from_pretrained; logits max |diff| "
+        f"{hf['max_abs_diff']:.1e})"
+        if hf["written"]
+        else f"no transformers checkpoint: {hf['why']}",
+        markup=False,
+    )
     return 0
+
+
+def _no_hf(to: str) -> dict:
+    """Why a converted MiniLM has no transformers checkpoint."""
+    why = (
+        "transformers' BertModel has no latent attention"
+        if to == "mla"
+        else "transformers' BertModel holds 12 key/value heads per query head set (no GQA, no per-layer "
+        "head counts)"
+    )
+    return {"written": False, "why": why}
+
+
+def _export_hf(student: Any, folder: Path) -> dict:
+    """Write ``student`` as a transformers checkpoint in ``folder`` with ``mh.pretrained.to_hf`` where its
+    family allows (LLaMA / Mistral / Qwen2 after GQA), load it back with plain transformers and compare
+    logits; else say why not (a latent-attention model, or transformers missing)."""
+    import torch
+
+    from ..pretrained import to_hf
+
+    try:
+        hf_model = to_hf(student)
+    except (ValueError, ImportError) as e:
+        return {"written": False, "why": str(e)}
+    from transformers import AutoModelForCausalLM
+
+    hf_model.save_pretrained(folder)
+    back = AutoModelForCausalLM.from_pretrained(folder, dtype=hf_model.dtype).eval()
+    ids = torch.arange(1, 17).remainder(student.vocab_size)[None]  # (1, 16)
+    with torch.no_grad():
+        diff = (back(ids).logits - student(ids)).abs().max()
+    return {"written": True, "dir": str(folder), "max_abs_diff": float(diff)}
 
 
 def register_convert(sub: argparse._SubParsersAction) -> None:

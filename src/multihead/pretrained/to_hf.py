@@ -59,6 +59,13 @@ def _split_qkv(attn: Any, prefix: str, sd: dict[str, Tensor], names=("q", "k", "
 def _family(model: Any) -> str:
     layer = model.layers[0]
     ffn = layer.ffn
+    designs = {type(lyr.self_attn).__name__ for lyr in model.layers} - {"MultiHeadAttention"}
+    if designs:
+        raise ValueError(
+            f"to_hf writes the textbook attention of these families; this model's layers use "
+            f"{sorted(designs)} (e.g. after mh.heads.to_mla), which their transformers classes cannot hold; "
+            "save it with mh.heads.save_converted instead"
+        )
     if model.positions == "rotary" and hasattr(ffn, "w1") and hasattr(ffn, "w3"):
         attn = layer.self_attn
         has_qkv_bias = getattr(attn.qkv_proj, "bias", None) is not None

@@ -31,13 +31,15 @@ elsewhere, else dequant.
 Quantized models are for inference: the int8 weights are buffers and take no gradient.
 
 ``quantize(model, weights="bf16", kv=None)`` returns a bf16 copy (``model.to(torch.bfloat16)``, the
-embedding included) whose every ``nn.Linear`` (the untied output head too) is a :class:`Bf16Linear`: the
+embedding included) whose every ``nn.Linear`` (the output head too) is a :class:`Bf16Linear`: the
 same bf16 weight, reordered once by oneDNN for batch-1 products (``torch.ops.mkldnn._reorder_linear_weight``)
 and multiplied by ``torch.ops.mkldnn._linear_pointwise``. The results are those of ``F.linear`` on the
-bf16 weight (bit-identical in our tests); a decode step's matrix-vector products run about 2-2.5x faster
-than torch's own bf16 GEMV on an AVX512-BF16 CPU (BENCHMARKS.md, "Decoding by dtype"). A TransformerLM
-copy generates with a bf16 "dense" KV cache. Where oneDNN or its bf16 support is missing (or the weight
-is not a CPU bf16 one) a Bf16Linear runs plain ``F.linear`` and says why in ``why_not_packed``.
+bf16 weight (bit-identical in our tests); a decode step's matrix-vector products take 1.7-2.2x less time
+than torch's own bf16 GEMV on an AVX512-BF16 CPU, and the 155M LLaMA shape decodes 1.4-1.7x faster than
+transformers in bf16 (BENCHMARKS.md, "Decoding by dtype"). A TransformerLM copy generates with a bf16
+"dense" KV cache. A head tied to the embedding gets its own packed copy (the embedding stays plain).
+Where oneDNN or its bf16 support is missing (or the weight is not a CPU bf16 one) a Bf16Linear runs
+plain ``F.linear`` and says why in ``why_not_packed``.
 The packed copy is for inference: its parameters take no gradient, and a Bf16Linear refuses an input
 that requires one (oneDNN's op has no backward). It holds only the packed weight (no second copy):
 ``state_dict()`` gives the plain bf16 ``weight`` (and ``bias``), ``load_state_dict`` repacks, and

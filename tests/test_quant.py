@@ -281,3 +281,13 @@ def test_bf16_state_dict_copies_and_moves_hold_the_plain_weight(lm, ids):
         wide = copy.deepcopy(q).float()  # cast off bf16: unpacked, with the reason, still correct
         assert not wide.lm_head.packed and "torch.float32" in (wide.lm_head.why_not_packed or "")
         assert torch.equal(wide(ids), lm16.float()(ids))
+
+
+def test_quantize_bf16_with_int8_kv_equals_int8_kv_on_plain_bf16(lm, ids):
+    lm16 = copy.deepcopy(lm).to(torch.bfloat16)
+    both = quant.quantize(lm, weights="bf16", kv="int8")
+    kv_only = quant.quantize(lm16, weights=None, kv="int8")
+    assert both.cache_kind == "int8" and both.cache_dtype == torch.bfloat16
+    with torch.no_grad():  # same bf16 products, same int8 rounding of keys and values
+        assert torch.equal(both(ids), kv_only(ids))
+        assert torch.equal(both.generate(ids, 10), kv_only.generate(ids, 10))

@@ -1,4 +1,5 @@
-"""The batch-1 products of a decode step per int8 kernel, against fp32 and bf16 ``F.linear``.
+"""The batch-1 products of a decode step per int8 kernel, against fp32 and bf16 ``F.linear`` and the
+oneDNN-prepacked bf16 weight of ``mh.quant.Bf16Linear``.
 
     python benchmarks/int8_gemv.py --threads 1
 
@@ -42,10 +43,12 @@ def shape_row(i: int, o: int, reps: int) -> list[float]:
     x = torch.randn(1, i)
     xb, wb = x.bfloat16(), lin.weight.bfloat16()
     q = quant.Int8Linear(lin, kernel="fbgemm")
+    packed = quant.Bf16Linear(lin)  # plain F.linear (its why_not_packed says why) without oneDNN bf16
     w8, s32, s16 = q.weight_int8, q.scale, q.scale.bfloat16()
     calls: list[Callable[[], object]] = [
         lambda: F.linear(x, lin.weight),
         lambda: F.linear(xb, wb),
+        lambda: packed(xb),
         lambda: q(x),
         lambda: q(xb),
         lambda: torch._weight_int8pack_mm(x, w8, s32),
@@ -62,9 +65,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cpu = torch.backends.cpu.get_cpu_capability()
     print(f"torch {torch.__version__}, CPU capability {cpu}, {args.threads} thread(s), microseconds")
+    print(f"bf16 prepacked: {quant.bf16_prepack_unavailable() or 'oneDNN prepacked'}")
     heads = (
         "fp32 F.linear",
         "bf16 F.linear",
+        "bf16 prepacked",
         "fbgemm fp32 in",
         "fbgemm bf16 in",
         "int8pack fp32",

@@ -13,6 +13,7 @@ import torch
 
 from multihead.bench import decode
 from multihead.cli.main import main
+from multihead.models import quant
 
 TINY = ["bench", "decode", "--preset", "llama-tiny", "--rounds", "1", "--new-tokens", "3", "--prompt", "8"]
 FIGURES = ("bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit")
@@ -46,6 +47,10 @@ def test_every_row_with_finite_figures(capsys):
     for d in ("fp32", "bf16"):
         ours, theirs = rows[f"multihead {d}"]["bytes_per_token"], rows[f"HF {d}"]["bytes_per_token"]
         assert ours == pytest.approx(theirs, rel=0.01)
+    # the prepacked row reads the same bf16 weights and generates the same tokens as plain bf16
+    assert rows["multihead bf16 prepacked"]["bytes_per_token"] == rows["multihead bf16"]["bytes_per_token"]
+    assert doc["tokens_identical_prepacked"] is True
+    assert doc["bf16_prepacked"] == (quant.bf16_prepack_unavailable() or "oneDNN prepacked")
     fp32 = rows["multihead fp32"]["bytes_per_token"]
     assert rows["multihead bf16"]["bytes_per_token"] == pytest.approx(fp32 / 2, rel=0.02)
     assert 3.0 < fp32 / rows["multihead int8 (fp32 activations)"]["bytes_per_token"] < 4.0
@@ -58,6 +63,7 @@ def test_table_names_every_row(capsys):
     for name, _, _ in decode.ROWS:
         assert name in out
     assert "read bandwidth" in out and "identical to transformers" in out
+    assert "greedy 8 tokens identical to multihead bf16: yes" in out
 
 
 def test_without_transformers_the_hf_rows_are_skipped_with_a_reason(monkeypatch, capsys):
@@ -73,7 +79,7 @@ def test_without_transformers_the_hf_rows_are_skipped_with_a_reason(monkeypatch,
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     assert main([*TINY, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 4
+    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 5
     assert "transformers is not installed" in doc["skipped"]
     for r in doc["rows"]:
         assert all(_finite_positive(r[k]) for k in FIGURES), r

@@ -1,9 +1,14 @@
-"""Int8 weights and int8 K/V: within a stated tolerance of fp32, smaller, and generating."""
+"""Int8 weights and int8 K/V: within a stated tolerance of fp32, smaller, and generating; oneDNN-packed
+bf16 weights: the results of plain bf16."""
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import multihead as mh
 from multihead.models import quant
@@ -85,7 +90,8 @@ def test_encoder_quantizes_too():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"weights": "int4"}, r"quantize weights must be 'int8' or None, got 'int4'"),
+        ({"weights": "int4"}, r"quantize weights must be 'int8', 'bf16' or None, got 'int4'"),
+        ({"weights": "bfloat16"}, r"quantize weights must be 'int8', 'bf16' or None, got 'bfloat16'"),
         ({"kv": "fp8"}, r"quantize kv must be 'int8' or None, got 'fp8'"),
         ({"kernel": "cuda"}, r"quantize kernel must be one of \['auto', 'fbgemm', 'int8pack', 'dequant'\]"),
     ],
@@ -170,3 +176,118 @@ def test_bf16_quantized_lm_within_tolerance_of_bf16(lm, ids):
     span = float(ref.max() - ref.min())
     assert float((out - ref).abs().max()) <= LOGIT_TOL * span
     assert float((out.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
+
+
+# -- bf16 weights prepacked by oneDNN ------------------------------------------------------------------
+
+needs_packing = pytest.mark.skipif(
+    quant.bf16_prepack_unavailable() is not None,
+    reason=f"oneDNN bf16 packing unavailable here: {quant.bf16_prepack_unavailable()}",
+)
+
+
+@needs_packing
+@pytest.mark.parametrize("shape", [(1, 96), (1, 1, 96), (3, 7, 96), (300, 96)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_linear_equals_plain_bf16_f_linear(shape, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
+    packed = quant.Bf16Linear(lin)
+    assert packed.packed and packed.why_not_packed is None
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    with torch.no_grad():
+        # measured: bit-identical for batch-1 rows and for batches (same oneDNN bf16 GEMM, fp32 accumulation)
+        assert torch.equal(packed(x), F.linear(x, lin.weight, lin.bias))
+        assert torch.equal(packed(x.transpose(0, -1).contiguous().transpose(0, -1)), lin(x))  # strided x
+    assert torch.equal(packed.weight, lin.weight.detach())  # a plain copy, made on access
+    with pytest.raises(ValueError, match=r"Bf16Linear needs bf16 input x, got torch\.float32"):
+        packed(x.float())
+
+
+@needs_packing
+def test_bf16_linear_refuses_inputs_that_need_a_gradient():
+    packed = quant.Bf16Linear(torch.nn.Linear(8, 4).to(torch.bfloat16))
+    x = torch.randn(2, 8, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="Bf16Linear is inference only: x requires grad"):
+        packed(x)
+    with torch.no_grad():
+        assert packed(x).shape == (2, 4)
+
+
+def test_quantize_bf16_generates_the_tokens_of_plain_bf16(lm, ids):
+    lm16 = copy.deepcopy(lm).to(torch.bfloat16)
+    q = quant.quantize(lm, weights="bf16", kv=None)  # from the fp32 model: the copy is cast to bf16
+    linears = [m for m in q.modules() if isinstance(m, quant.Bf16Linear)]
+    assert linears and not any(isinstance(m, torch.nn.Linear) for m in q.modules())
+    assert all(m.packed == (quant.bf16_prepack_unavailable() is None) for m in linears)
+    assert q.embed.weight.dtype == torch.bfloat16 and not any(p.requires_grad for p in q.parameters())
+    assert lm.embed.weight.dtype == torch.float32 and lm.layers[0].self_attn.qkv_proj.weight.requires_grad
+    cache = q.make_cache(2, 40)
+    assert cache[0].kind == "dense" and cache[0].dtype == torch.bfloat16
+    logits = q(ids)  # grad mode: the frozen copy needs no gradient, so the packed kernel runs
+    with torch.no_grad():
+        assert torch.equal(logits, lm16(ids))
+        assert torch.equal(q.generate(ids, 12), lm16.generate(ids, 12))
+    # this LM ties its head to the embedding: the packed head is a second copy (the embedding stays plain)
+    assert lm16.lm_head.weight is lm16.embed.weight
+    tied_copy = 500 * 64 * 2 if q.lm_head.packed else 0
+    assert quant.model_bytes(q) == quant.model_bytes(lm16) + tied_copy
+
+
+def test_quantize_bf16_falls_back_to_f_linear_with_the_reason(lm, ids, monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert quant.bf16_prepack_unavailable() == "oneDNN reports no bf16 support on this CPU"
+    q = quant.quantize(lm, weights="bf16", kv=None)
+    head = q.lm_head
+    assert isinstance(head, quant.Bf16Linear) and not head.packed
+    assert head.why_not_packed == "oneDNN reports no bf16 support on this CPU"
+    assert "F.linear (oneDNN reports no bf16 support" in repr(head)
+    assert head.weight.dtype == torch.bfloat16 and "weight" in dict(head.named_buffers())
+    lm16 = copy.deepcopy(lm).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(q(ids), lm16(ids))
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert quant.bf16_prepack_unavailable() == "torch was built without oneDNN (mkldnn)"
+
+
+@needs_packing
+def test_bf16_state_dict_copies_and_moves_hold_the_plain_weight(lm, ids):
+    lm16 = copy.deepcopy(lm).to(torch.bfloat16)
+    q = quant.quantize(lm16, weights="bf16", kv=None)
+    sd, ref = q.state_dict(), lm16.state_dict()
+    assert list(sd) == list(ref)  # the keys of the plain model, in its order
+    for k in ref:  # plain (strided) bf16 tensors, equal to the plain model's
+        assert sd[k].layout == torch.strided and torch.equal(sd[k], ref[k]), k
+    with torch.no_grad():
+        want = lm16(ids)
+        # load repacks: a model packed from other weights becomes this one
+        other = quant.quantize(mh.TransformerLM(500, 64, 2, 4, 128, n_kv_heads=2), weights="bf16", kv=None)
+        other.load_state_dict(sd)
+        assert other.lm_head.packed and torch.equal(other(ids), want)
+        bad = {**sd, "lm_head.weight": sd["lm_head.weight"][:, :10]}
+        with pytest.raises(RuntimeError, match=r"size mismatch for lm_head\.weight"):
+            other.load_state_dict(bad)
+        missing = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+        with pytest.raises(RuntimeError, match=r'Missing key.*"lm_head\.weight"'):
+            other.load_state_dict(missing)
+        twin = copy.deepcopy(q)  # through the plain weight: an opaque oneDNN tensor cannot be copied
+        assert twin.lm_head.packed and torch.equal(twin(ids), want)
+        buf = io.BytesIO()
+        torch.save(q, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert loaded.lm_head.packed and torch.equal(loaded(ids), want)
+        assert q.lm_head.packed  # copying left the original packed
+        wide = copy.deepcopy(q).float()  # cast off bf16: unpacked, with the reason, still correct
+        assert not wide.lm_head.packed and "torch.float32" in (wide.lm_head.why_not_packed or "")
+        assert torch.equal(wide(ids), lm16.float()(ids))
+
+
+def test_quantize_bf16_with_int8_kv_equals_int8_kv_on_plain_bf16(lm, ids):
+    lm16 = copy.deepcopy(lm).to(torch.bfloat16)
+    both = quant.quantize(lm, weights="bf16", kv="int8")
+    kv_only = quant.quantize(lm16, weights=None, kv="int8")
+    assert both.cache_kind == "int8" and both.cache_dtype == torch.bfloat16
+    with torch.no_grad():  # same bf16 products, same int8 rounding of keys and values
+        assert torch.equal(both(ids), kv_only(ids))
+        assert torch.equal(both.generate(ids, 10), kv_only.generate(ids, 10))

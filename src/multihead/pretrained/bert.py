@@ -60,7 +60,9 @@ class BertEmbeddings(nn.Module):
     def forward(self, ids: Tensor, positions: Tensor, token_type_ids: Tensor | None) -> Tensor:
         """ids (B, N), positions (N,) or (B, N), token types (B, N) or None (all 0) -> (B, N, d)."""
         x = self.word(ids) + self.position(positions)  # (B, N, d)
-        x = x + (self.token_type.weight[0] if token_type_ids is None else self.token_type(token_type_ids))
+        if token_type_ids is None:  # type 0 everywhere: one row, looked up (an int8 table has no .weight)
+            token_type_ids = ids.new_zeros(1)  # (1,) broadcast over (B, N)
+        x = x + self.token_type(token_type_ids)  # (B, N, d)
         return self.drop(self.norm(x))
 
 

@@ -28,6 +28,7 @@ d hidden size (384 for MiniLM).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -214,7 +215,7 @@ class SentenceEncoder(nn.Module):
         self, seqs: list[list[int]], head_mask: Tensor | Sequence[Tensor | None] | None = None
     ) -> Tensor:
         """Mean-pooled states (b, d) of one batch, its real tokens packed without padding."""
-        device = self.bert.embeddings.word.weight.device
+        device = next(chain(self.bert.parameters(), self.bert.buffers())).device  # int8 weights are buffers
         lengths = torch.tensor([len(s) for s in seqs], device=device)  # (b,)
         ids = torch.tensor([t for s in seqs for t in s], device=device)  # (T,)
         hidden = self.bert.forward_unpadded(ids, lengths, head_mask=head_mask)  # (T, d)

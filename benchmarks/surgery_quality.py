@@ -32,6 +32,22 @@ def _scores(model, bootstrap: int) -> dict[str, float]:
     return {k: out[k]["score"] for k in SETS} | {f"{k}_ci": (out[k]["low"], out[k]["high"]) for k in SETS}
 
 
+def pieces(docs: list[str], seed: int = 0) -> list[str]:
+    """The docstrings, their sentences (8-200 characters) and one 1-3 word span of each, shuffled."""
+    import random
+
+    rng = random.Random(seed)
+    out = list(docs)
+    for d in docs:
+        out += [s.strip() for s in d.replace("\n", " ").split(". ") if 8 <= len(s.strip()) <= 200]
+        words = [w for w in d.split() if w.isalpha()]
+        if words:
+            i = rng.randrange(len(words))
+            out.append(" ".join(words[i : i + rng.randint(1, 3)]))
+    rng.shuffle(out)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=4.0, help="recover wall time per model (default 4)")
@@ -42,6 +58,11 @@ def main() -> None:
     p.add_argument("--calibration", type=int, default=64, help="docstrings that calibrate MLA (default 64)")
     p.add_argument("--kv-heads", type=int, default=2, help="GQA kv heads (default 2)")
     p.add_argument("--variants", default="gqa,mla", help="comma-separated: gqa, mla, prune (default gqa,mla)")
+    p.add_argument(
+        "--pieces", action="store_true",
+        help="recover also on the docstrings' sentences and 1-3 word spans (short inputs like the "
+        "evaluation's words and review sentences), not only on whole docstrings",
+    )  # fmt: skip
     p.add_argument("--bootstrap", type=int, default=100)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
@@ -66,6 +87,7 @@ def main() -> None:
         for i in flat:
             drop.setdefault(i // H, []).append(i % H)
         variants["pruned 1/3 by importance"] = heads.prune(copy.deepcopy(model), drop)
+    train_texts = pieces(docs) if args.pieces else docs
     rows = []
     base = _scores(model, args.bootstrap)
     rows.append({"model": "original", "kv_bytes": heads.kv_cache_bytes_per_token(model), **base})
@@ -75,7 +97,9 @@ def main() -> None:
         rows.append({"model": name, "kv_bytes": heads.kv_cache_bytes_per_token(student), **before})
         print(rows[-1], flush=True)
         t = time.perf_counter()
-        heads.recover(student, model, docs, minutes=args.minutes, lr=args.lr, train=args.train, progress=True)
+        heads.recover(
+            student, model, train_texts, minutes=args.minutes, lr=args.lr, train=args.train, progress=True
+        )
         secs = time.perf_counter() - t
         after = _scores(student, args.bootstrap)
         rows.append({"model": f"{name} + recover {args.minutes:g} min", "kv_bytes": rows[-1]["kv_bytes"],
@@ -86,7 +110,7 @@ def main() -> None:
     for r in rows:
         pct = min(100 * r[k] / base[k] for k in SETS)
         print(f"| {r['model']} | {r['kv_bytes']} | {r['lee']:.3f} | {r['wordsim353']:.3f} | "
-              f"{r['polarity']:.3f} | {pct:.1f}% |")  # fmt: skip
+              f"{r['polarity']:.3f} | {pct:.2f}% |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

@@ -32,22 +32,6 @@ def _scores(model, bootstrap: int) -> dict[str, float]:
     return {k: out[k]["score"] for k in SETS} | {f"{k}_ci": (out[k]["low"], out[k]["high"]) for k in SETS}
 
 
-def pieces(docs: list[str], seed: int = 0) -> list[str]:
-    """The docstrings, their sentences (8-200 characters) and one 1-3 word span of each, shuffled."""
-    import random
-
-    rng = random.Random(seed)
-    out = list(docs)
-    for d in docs:
-        out += [s.strip() for s in d.replace("\n", " ").split(". ") if 8 <= len(s.strip()) <= 200]
-        words = [w for w in d.split() if w.isalpha()]
-        if words:
-            i = rng.randrange(len(words))
-            out.append(" ".join(words[i : i + rng.randint(1, 3)]))
-    rng.shuffle(out)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=4.0, help="recover wall time per model (default 4)")
@@ -60,8 +44,8 @@ def main() -> None:
     p.add_argument("--variants", default="gqa,mla", help="comma-separated: gqa, mla, prune (default gqa,mla)")
     p.add_argument(
         "--pieces", action="store_true",
-        help="recover also on the docstrings' sentences and 1-3 word spans (short inputs like the "
-        "evaluation's words and review sentences), not only on whole docstrings",
+        help="recover on mh.heads.mixed_lengths(docstrings): also their sentences and 1-3 word spans "
+        "(short inputs like the evaluation's words and review sentences), not only whole docstrings",
     )  # fmt: skip
     p.add_argument("--bootstrap", type=int, default=100)
     p.add_argument("--json", metavar="FILE")
@@ -87,7 +71,7 @@ def main() -> None:
         for i in flat:
             drop.setdefault(i // H, []).append(i % H)
         variants["pruned 1/3 by importance"] = heads.prune(copy.deepcopy(model), drop)
-    train_texts = pieces(docs) if args.pieces else docs
+    train_texts = heads.mixed_lengths(docs) if args.pieces else docs
     rows = []
     base = _scores(model, args.bootstrap)
     rows.append({"model": "original", "kv_bytes": heads.kv_cache_bytes_per_token(model), **base})

@@ -93,3 +93,15 @@ def test_bad_arguments(kw, match):
         heads.recover(heads.to_mla(teacher, 6), teacher, _ids(), **kw)
     with pytest.raises(ValueError, match="nothing to train"):
         heads.recover(copy.deepcopy(teacher), teacher, _ids(), steps=1)
+
+
+def test_mixed_lengths_keeps_the_texts_and_adds_sentences_and_word_spans():
+    texts = ["First sentence here. Second one is a bit longer. x", "Just words without a period"]
+    mixed = mh.heads.mixed_lengths(texts)
+    assert mixed == mh.heads.mixed_lengths(texts, seed=0) and sorted(mixed) != sorted(texts)
+    assert set(texts) <= set(mixed)
+    assert {"First sentence here", "Second one is a bit longer"} <= set(mixed)
+    spans = [m for m in mixed if m not in texts and len(m.split()) <= 3 and "." not in m]
+    assert len(spans) >= 2 and all(s in " ".join(texts) for s in spans)  # adjacent words of a text
+    with pytest.raises(ValueError, match="mixed_lengths takes a list of texts"):
+        mh.heads.mixed_lengths([[1, 2, 3]])

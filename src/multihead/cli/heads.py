@@ -209,8 +209,9 @@ def convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     student = heads.apply_surgery(model, step, calibration=None if args.to == "prune" else calibration)
     if args.recover_minutes or args.recover_steps:
+        recovery = texts if lm else heads.mixed_lengths(texts)  # sentences and word spans too (encoders)
         heads.recover(
-            student, model, texts, minutes=args.recover_minutes or None, steps=args.recover_steps,
+            student, model, recovery, minutes=args.recover_minutes or None, steps=args.recover_steps,
             progress=not args.json,
         )  # fmt: skip
     folder = heads.save_converted(student, [step], args.out, base=base)

@@ -7,7 +7,7 @@
     mh.heads.to_gqa(model, 4, method="aligned")              # MHA -> GQA, Procrustes-aligned merge
     small = mh.heads.to_mla(model, 128, calibration=texts)   # MHA -> MLA copy, joint SVD of W_K, W_V
     mla_lm = mh.heads.to_mla(lm, 64, rope_dims=8, calibration=ids)   # rotary LM: partial RoPE (MHA2MLA)
-    mh.heads.recover(small, model, texts, minutes=5)         # distil the original back into it
+    mh.heads.recover(small, model, mh.heads.mixed_lengths(texts), minutes=5)   # distil the original back
 
 Every tool addresses heads as (layer, head): layer i is the model's i-th TransformerLayer, head h its
 self-attention's query head h.
@@ -20,7 +20,7 @@ from .labels import HeadRole, roles, roles_grid, roles_table
 from .maps import attention_maps, capture_attention
 from .mla import max_kv_rank, to_mla
 from .pruning import EmptyAttention, prune
-from .recover import changed_parameters, distillation_loss, recover
+from .recover import changed_parameters, distillation_loss, mixed_lengths, recover
 from .scoring import gate_heads, importance, lm_loss, span_contrastive_loss
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "lm_loss",
     "load_converted",
     "max_kv_rank",
+    "mixed_lengths",
     "procrustes",
     "prune",
     "recover",

@@ -30,7 +30,38 @@ from ..pretrained.bert import Bert
 from ..pretrained.sentence_encoder import SentenceEncoder
 from .access import forward_ids, layers_of, model_device, pad_batch, to_id_lists
 
-__all__ = ["changed_parameters", "distillation_loss", "recover"]
+__all__ = ["changed_parameters", "distillation_loss", "mixed_lengths", "recover"]
+
+
+def mixed_lengths(texts: Sequence[str], seed: int = 0) -> list[str]:
+    """Recovery texts of every length from ``texts``: the texts, their sentences (8-200 characters) and a
+    1-3 word span of each, shuffled (seeded).
+
+    Distilling on long texts alone restores long-text behaviour and lets short inputs (single words,
+    one-sentence reviews) drift; cutting the same texts into sentences and word spans keeps both
+    (BENCHMARKS.md, "Head surgery that keeps quality").
+
+    Raises:
+        ValueError: ``texts`` not a sequence of strings.
+    """
+    import random
+    import string
+
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("mixed_lengths takes a list of texts (strings); token ids have no sentences to cut")
+    rng = random.Random(seed)
+    out = list(texts)
+    for text in texts:
+        sentences = (s.strip() for s in text.replace("\n", " ").split(". "))
+        out += [s for s in sentences if 8 <= len(s) <= 200]
+        words = text.split()
+        if words:
+            i = rng.randrange(len(words))
+            span = " ".join(words[i : i + rng.randint(1, 3)]).strip(string.punctuation)  # adjacent words
+            if any(c.isalpha() for c in span):
+                out.append(span)
+    rng.shuffle(out)
+    return out
 
 
 def changed_parameters(student: nn.Module, teacher: nn.Module) -> list[str]:

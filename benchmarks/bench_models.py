@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 import multihead as mh
+from multihead.bench.decode import read_bandwidth
 
 
 def median_rounds(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
@@ -90,19 +91,6 @@ def weight_bytes(lm: mh.TransformerLM) -> int:
     )
 
 
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Best-of-``reps`` read bandwidth (bytes/s) of a matrix-vector product over ``nbytes`` of fp32:
-    the operation decoding repeats, so the bound uses the bandwidth decoding can reach."""
-    n = int((nbytes // 4) ** 0.5)
-    a, x = torch.randn(n, n), torch.randn(n)
-    best = 0.0
-    for _ in range(reps):
-        start = time.perf_counter()
-        torch.mv(a, x)
-        best = max(best, a.numel() * 4 / (time.perf_counter() - start))
-    return best
-
-
 def bench_decode(prompt_len: int, new_tokens: int, rounds: int) -> dict:
     import transformers as tf
 
@@ -139,7 +127,7 @@ def bench_decode(prompt_len: int, new_tokens: int, rounds: int) -> dict:
             {
                 "transformers": decode_rate(hf_gen),
                 "multihead": decode_rate(ours_gen),
-                "bandwidth": read_bandwidth,
+                "bandwidth": lambda: read_bandwidth(1 << 30),  # 1 GiB: the same probe, bigger
             },
             rounds,
         )

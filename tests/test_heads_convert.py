@@ -89,14 +89,19 @@ def test_convert_a_rotary_lm_preset_to_mla_and_load_it_back(tmp_path, capsys):
     assert "rope_dims must be even" in capsys.readouterr().err
 
 
-def test_convert_a_save_pretrained_llama_directory(tmp_path, capsys):
-    tf = pytest.importorskip("transformers", reason="a LLaMA directory needs: pip install -e '.[oracles]'")
+def _llama_dir(tf, folder, n_kv_heads: int) -> None:
+    """A random-weight transformers LLaMA (2 layers, 4 heads of 16, vocab 300) saved in ``folder``."""
     config = tf.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
+        num_key_value_heads=n_kv_heads, max_position_embeddings=256,
     )  # fmt: skip
     torch.manual_seed(0)
-    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+def test_convert_a_save_pretrained_llama_directory(tmp_path, capsys):
+    tf = pytest.importorskip("transformers", reason="a LLaMA directory needs: pip install -e '.[oracles]'")
+    _llama_dir(tf, tmp_path / "llama", n_kv_heads=2)
     out = tmp_path / "mla"
     argv = ["heads", "convert", "--hf", str(tmp_path / "llama"), "--to", "mla", "--kv-rank", "32"]
     assert main([*argv, "--rope-dims", "16", "--texts", "70", "--out", str(out), "--json"]) == 0
@@ -111,12 +116,7 @@ def test_convert_a_save_pretrained_llama_directory(tmp_path, capsys):
 
 def test_convert_to_gqa_also_writes_a_transformers_checkpoint(tmp_path, capsys):
     tf = pytest.importorskip("transformers", reason="the transformers export needs: pip install -e '.[hf]'")
-    config = tf.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    _llama_dir(tf, tmp_path / "llama", n_kv_heads=4)
     out = tmp_path / "gqa"
     argv = ["heads", "convert", "--hf", str(tmp_path / "llama"), "--to", "gqa", "--kv-heads", "1"]
     assert main([*argv, "--texts", "70", "--out", str(out), "--json"]) == 0

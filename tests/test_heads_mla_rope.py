@@ -13,11 +13,11 @@ import torch
 
 import multihead as mh
 from multihead import heads
-from multihead.heads import access
-from multihead.heads.recover import _Layers  # the module, not the function heads.recover
 from multihead.nn.positions import PartialRotary
 from multihead.variants import LatentAttention, LatentCache
 from tests.numerics import TOL, max_err
+
+from .test_heads_recover import _loss  # distillation loss of a student LM against its teacher
 
 V = 97
 
@@ -247,18 +247,6 @@ def test_norm_selection_keeps_each_kv_heads_strongest_pairs():
     assert heads.mla.select_rope_pairs(attn, 8, "uniform").tolist() == [[0, 2, 4, 6], [0, 2, 4, 6]]
     conv = heads.to_mla(lm, 8, rope_dims=4)
     assert conv.layers[0].self_attn.rotary.pairs.tolist() == [strong[0], strong[1]]
-
-
-def _loss(student, teacher, ids) -> float:
-    ids_, real = access.pad_batch(ids.tolist())
-    hs, ht = _Layers(student), _Layers(teacher)
-    try:
-        with torch.no_grad():
-            s_out, t_out = access.forward_ids(student, ids_, real), access.forward_ids(teacher, ids_, real)
-            return float(heads.distillation_loss(hs.take(), ht.take(), s_out, t_out, real, lm=True))
-    finally:
-        hs.close()
-        ht.close()
 
 
 def test_recover_lowers_the_loss_of_a_converted_rotary_lm():

@@ -42,3 +42,56 @@ def test_flex_matches_reference():
         pytest.skip(f"flex_attention did not compile here: {type(e).__name__}")
     gold = mh.attention(q.double(), k.double(), v.double(), mask=mask, bias=bias, backend="reference")
     assert max_err(out, gold) < 1e-5
+
+
+def test_flex_gets_masks_and_biases_with_their_tensors_on_the_device_of_q():
+    # Compiled flex code cannot move a captured tensor (CUDA: "Buffers cannot be created while lowering a
+    # pointwise subgraph"), so the backend hands it copies whose tensors already live on q's device.
+    from multihead.core.placement import on_device
+
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    mask = (mh.document(ids) & mh.causal()) | ~mh.padding([3, 5])
+    bias = mh.alibi(4) + mh.softcap(20.0)
+    moved_mask, moved_bias = on_device(mask, "meta"), on_device(bias, "meta")
+
+    def tensors(obj):
+        if isinstance(obj, torch.Tensor):
+            return [obj]
+        if isinstance(obj, list | tuple):
+            return [t for x in obj for t in tensors(x)]
+        if isinstance(obj, mh.Mask | mh.Bias):
+            return [t for v in vars(obj).values() for t in tensors(v)]
+        return []
+
+    assert len(tensors(moved_mask)) == 2 and len(tensors(moved_bias)) == 1
+    assert all(t.device.type == "meta" for t in tensors(moved_mask) + tensors(moved_bias))
+    assert all(t.device.type == "cpu" for t in tensors(mask) + tensors(bias))  # the originals unchanged
+    ctx = make_problem(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)).ctx
+    same = on_device(mask, "cpu")  # a tensor already on the device is shared, and the predicate unchanged
+    assert tensors(same)[0] is tensors(mask)[0] and same is not mask
+    assert torch.equal(same.natural(ctx), mask.natural(ctx))
+
+
+def test_flex_stays_compiled_past_dynamos_default_recompile_limit():
+    # dynamo recompiles flex_attention per shape; past its default limit of 8 torch silently runs flex's
+    # unfused eager path (N x N scores). Ten sequence lengths must all run compiled.
+    why = flex_mod.BACKEND.unusable()
+    if why is not None:
+        print(f"skipping: {why}")
+        pytest.skip(why)
+    import warnings
+
+    mask = mh.causal() & mh.sliding_window(9)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for n in range(40, 120, 8):  # 10 shapes
+            q, k, v = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+            try:
+                out = flex_mod.BACKEND.run(make_problem(q, k, v, mask=mask)).out
+            except Exception as e:  # compile toolchain problems are the machine's, not the adapter's
+                print(f"skipping: flex_attention did not compile here: {type(e).__name__}: {e}")
+                pytest.skip(f"flex_attention did not compile here: {type(e).__name__}")
+            gold = mh.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+            assert max_err(out, gold) < 1e-5
+    unfused = [str(w.message) for w in seen if "without torch.compile" in str(w.message)]
+    assert not unfused, unfused[0]

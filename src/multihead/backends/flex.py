@@ -29,7 +29,15 @@ from typing import Any
 import torch
 
 from ..core.numerics import acc_dtype, add_sink
+from ..core.placement import on_device
 from ..core.problem import AttentionOutput, Problem
+
+# torch.compile recompiles flex_attention for each new shape, dtype and mask/score function, and after
+# dynamo's recompile limit (8 by default) it silently falls back to flex's unfused eager path, which
+# materialises the N x N scores ("flex_attention called without torch.compile()"). A model called at
+# many sequence lengths passes 8 quickly (seen on an H200: the ninth mask/shape ran unfused), so our
+# calls raise the limit for flex alone, inside the call; the user's own dynamo setting is unchanged.
+RECOMPILE_LIMIT = 128
 
 
 @functools.cache
@@ -37,6 +45,15 @@ def _compiled() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
+
+
+def _recompile_limit() -> Any:
+    """A context that lets dynamo compile flex_attention up to :data:`RECOMPILE_LIMIT` times."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    current = getattr(dynamo_config, name)
+    return dynamo_config.patch(**{name: max(current, RECOMPILE_LIMIT)})
 
 
 def returns_lse(device: torch.device) -> bool:
@@ -94,23 +111,24 @@ class FlexBackend:
         ctx = p.ctx
         block_mask, score_mod = None, None
         if p.mask is not None:
-            mask = p.mask
+            mask = on_device(p.mask, p.q.device)  # compiled code cannot move the ids, lengths, ...
 
             def mask_mod(b, h, q_idx, kv_idx):
                 return mask.evaluate(b, h, q_idx, kv_idx, ctx)
 
             block_mask = create_block_mask(mask_mod, p.B, p.Hq, p.Nq, p.Nk, device=str(p.q.device))
         if p.bias is not None:
-            bias = p.bias
+            bias = on_device(p.bias, p.q.device)
 
             def score_mod(score, b, h, q_idx, kv_idx):
                 return bias.apply(score, b, h, q_idx, kv_idx, ctx)
 
         want_lse = p.return_lse or p.sinks is not None
-        res = _compiled()(
-            p.q, p.k, p.v, score_mod=score_mod, block_mask=block_mask, scale=p.scale,
-            enable_gqa=p.Hq != p.Hkv, return_lse=want_lse,
-        )  # fmt: skip
+        with _recompile_limit():
+            res = _compiled()(
+                p.q, p.k, p.v, score_mod=score_mod, block_mask=block_mask, scale=p.scale,
+                enable_gqa=p.Hq != p.Hkv, return_lse=want_lse,
+            )  # fmt: skip
         out, lse = res if want_lse else (res, None)
         out = torch.nan_to_num(out, nan=0.0)  # a row with no allowed key returns zeros
         if lse is not None:

@@ -16,7 +16,14 @@ from multihead.cli.main import main
 from multihead.models import quant
 
 TINY = ["bench", "decode", "--preset", "llama-tiny", "--rounds", "1", "--new-tokens", "3", "--prompt", "8"]
-FIGURES = ("bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit")
+FIGURES = (
+    "bytes_per_token",
+    "tok_s",
+    "limit_tok_s",
+    "fraction_of_limit",
+    "kernels_tok_s",
+    "fraction_of_kernels",
+)
 
 
 def _finite_positive(x) -> bool:
@@ -38,6 +45,8 @@ def test_every_row_with_finite_figures(capsys):
         assert all(_finite_positive(r[k]) for k in FIGURES), r
         assert _finite_positive(r["vs_hf_fp32"]), r
         assert r["limit_tok_s"] == pytest.approx(doc["read_bandwidth_GBps"] * 1e9 / r["bytes_per_token"])
+        assert r["fraction_of_kernels"] == pytest.approx(r["tok_s"] / r["kernels_tok_s"])
+        assert r["kernels_fraction_of_limit"] == pytest.approx(r["kernels_tok_s"] / r["limit_tok_s"])
         if r["dtype"] in ("fp32", "bf16"):
             assert r["vs_hf_same_dtype"] == pytest.approx(r["tok_s"] / rows[f"HF {r['dtype']}"]["tok_s"])
         else:
@@ -79,7 +88,7 @@ def test_without_transformers_the_hf_rows_are_skipped_with_a_reason(monkeypatch,
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     assert main([*TINY, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 5
+    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 6
     assert "transformers is not installed" in doc["skipped"]
     for r in doc["rows"]:
         assert all(_finite_positive(r[k]) for k in FIGURES), r
@@ -102,3 +111,21 @@ def test_bad_arguments_exit_2(extra, match, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert re.search(match, err), err
+
+
+def test_kernels_alone_times_every_linear_layer_and_refuses_a_model_without_one():
+    # the floor grows with the linear layers it runs: two stacked copies take longer than one (best of 5)
+    one = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.Linear(2048, 512))
+    two = torch.nn.Sequential(one, torch.nn.Linear(512, 2048), torch.nn.Linear(2048, 512))
+    t1, t2 = (
+        decode.kernels_alone(one, torch.float32, reps=5),
+        decode.kernels_alone(two, torch.float32, reps=5),
+    )
+    assert 0 < t1 < t2
+    # the quantized layers count too: a bf16 (prepacked where oneDNN can) and an int8 layer
+    assert decode.kernels_alone(torch.nn.Sequential(quant.Bf16Linear(one[0])), torch.bfloat16) > 0
+    assert decode.kernels_alone(torch.nn.Sequential(quant.Int8Linear(one[0])), torch.float32) > 0
+    with pytest.raises(ValueError, match="kernels_alone needs a model with linear layers; ReLU has none"):
+        decode.kernels_alone(torch.nn.ReLU(), torch.float32)
+    with pytest.raises(ValueError, match="reps"):
+        decode.kernels_alone(one, torch.float32, reps=0)

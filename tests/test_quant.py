@@ -90,8 +90,8 @@ def test_encoder_quantizes_too():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"weights": "int4"}, r"quantize weights must be 'int8', 'bf16' or None, got 'int4'"),
-        ({"weights": "bfloat16"}, r"quantize weights must be 'int8', 'bf16' or None, got 'bfloat16'"),
+        ({"weights": "int4"}, r"quantize weights must be 'int8', 'bf16', 'fp32' or None, got 'int4'"),
+        ({"weights": "bfloat16"}, r"quantize weights must be 'int8', 'bf16', 'fp32' or None, got 'bfloat16'"),
         ({"kv": "fp8"}, r"quantize kv must be 'int8' or None, got 'fp8'"),
         ({"kernel": "cuda"}, r"quantize kernel must be one of \['auto', 'fbgemm', 'int8pack', 'dequant'\]"),
     ],
@@ -200,7 +200,7 @@ def test_bf16_linear_equals_plain_bf16_f_linear(shape, bias):
         assert torch.equal(packed(x), F.linear(x, lin.weight, lin.bias))
         assert torch.equal(packed(x.transpose(0, -1).contiguous().transpose(0, -1)), lin(x))  # strided x
     assert torch.equal(packed.weight, lin.weight.detach())  # a plain copy, made on access
-    with pytest.raises(ValueError, match=r"Bf16Linear needs bf16 input x, got torch\.float32"):
+    with pytest.raises(ValueError, match=r"Bf16Linear needs torch\.bfloat16 input x, got torch\.float32"):
         packed(x.float())
 
 
@@ -281,6 +281,36 @@ def test_bf16_state_dict_copies_and_moves_hold_the_plain_weight(lm, ids):
         wide = copy.deepcopy(q).float()  # cast off bf16: unpacked, with the reason, still correct
         assert not wide.lm_head.packed and "torch.float32" in (wide.lm_head.why_not_packed or "")
         assert torch.equal(wide(ids), lm16.float()(ids))
+
+
+@pytest.mark.skipif(quant.prepack_unavailable(torch.float32) is not None, reason="torch has no oneDNN here")
+def test_quantize_fp32_prepacks_the_same_weights_and_generates_the_same_tokens(lm, ids):
+    q = quant.quantize(lm, weights="fp32", kv=None)
+    linears = [m for m in q.modules() if isinstance(m, quant.PackedLinear)]
+    assert linears and all(m.packed and m.dtype == torch.float32 for m in linears)
+    assert not any(isinstance(m, (torch.nn.Linear, quant.Bf16Linear)) for m in q.modules())
+    assert q.cache_kind == "dense" and q.cache_dtype == torch.float32
+    with torch.no_grad():
+        want = lm(ids)
+        got = q(ids)
+        # oneDNN's fp32 products sum in another order than MKL's: equal to rounding, not bit for bit
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        assert torch.equal(q.generate(ids, 12), lm.generate(ids, 12))
+        layer = linears[0]
+        x = torch.randn(3, layer.in_features)
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
+        with pytest.raises(
+            ValueError, match=r"PackedLinear needs torch\.float32 input x, got torch\.bfloat16"
+        ):
+            layer(x.bfloat16())
+    tied_copy = 500 * 64 * 4  # the head tied to the embedding gets its own packed copy, 4 bytes a weight
+    assert quant.model_bytes(q) == quant.model_bytes(lm) + tied_copy
+    sd = q.state_dict()
+    assert list(sd) == list(lm.state_dict()) and torch.equal(sd["lm_head.weight"], lm.lm_head.weight)
+    with pytest.raises(
+        ValueError, match=r"PackedLinear packs torch\.float32 or torch\.bfloat16 weights, got"
+    ):
+        quant.PackedLinear(torch.nn.Linear(4, 4), torch.float16)
 
 
 def test_quantize_bf16_with_int8_kv_equals_int8_kv_on_plain_bf16(lm, ids):

@@ -8,7 +8,9 @@ preset's config) and converted with ``mh.pretrained.from_hf``, so both sides hol
 Contestants: multihead and transformers' ``generate`` in fp32 and in bf16 (``model.to(torch.bfloat16)``),
 multihead's bf16 with oneDNN-prepacked linear weights (``mh.quant.quantize(model, weights="bf16",
 kv=None)``: the same bf16 weights and results, a faster batch-1 kernel, bf16 dense KV cache; plain
-``F.linear`` where oneDNN lacks bf16, with the reason printed), and ``mh.quant.quantize(model,
+``F.linear`` where oneDNN lacks bf16, with the reason printed), the same for fp32
+(``weights="fp32"``: the fp32 weights in oneDNN's batch-1 layout, equal up to the order of the sums),
+and ``mh.quant.quantize(model,
 weights="int8", kv="int8")`` of the fp32 and of the bf16 model (int8 weights per output channel, int8 KV
 cache). Greedy decoding; decode tokens/s excludes the prefill:
 ``(new - 1) / (t(new tokens) - t(1 token))``, each time the fastest of the rounds (load on a shared
@@ -18,9 +20,15 @@ and the report says why the Hugging Face rows are missing.
 
 The bandwidth limit of a contestant is the measured read bandwidth divided by the bytes of weights every
 decode step reads (all parameters and buffers but the input embedding, which is read one row at a time;
-a tied output head is counted). The read bandwidth is the best of several fp32 matrix-vector products
-over 256 MiB (the operation decoding repeats, on a matrix no cache holds), measured again in every round;
+a tied output head is counted). The read bandwidth (:func:`read_bandwidth`) is the best of several sums
+and fp32 matrix-vector products over 256 MiB (a matrix no cache holds), measured again in every round;
 the maximum is kept. The KV cache is not counted (at a 256-token prompt it is about 1% of the weights).
+
+"GEMVs alone" (:func:`kernels_alone`) runs every linear layer of the contestant once with one token,
+back to back, with nothing between them: the step's floor for that weight format and kernel, shown as a
+rate and as its own fraction of the bandwidth limit; "of GEMVs" is the step's rate over that floor. A row
+far below its limit with "of GEMVs" near 100% is held by its matrix-vector kernels, not by the rest of
+the step.
 
 Contestants run interleaved, round after round, so a load change on a shared machine hits all of them;
 the ratios come from the same run.
@@ -46,6 +54,7 @@ from ..models.lm import TransformerLM
 __all__ = [
     "DEFAULT_PRESET",
     "ROWS",
+    "kernels_alone",
     "read_bandwidth",
     "render",
     "run",
@@ -60,6 +69,7 @@ DEFAULT_PRESET = "llama-20m"
 ROWS: tuple[tuple[str, str, str], ...] = (
     ("HF fp32", "transformers", "fp32"),
     ("multihead fp32", "multihead", "fp32"),
+    ("multihead fp32 prepacked", "multihead", "fp32"),
     ("HF bf16", "transformers", "bf16"),
     ("multihead bf16", "multihead", "bf16"),
     ("multihead bf16 prepacked", "multihead", "bf16"),
@@ -73,8 +83,8 @@ Generate = Callable[[int], Tensor]
 def step_bytes(model: nn.Module, embedding: str) -> int:
     """Bytes one decode step reads: every parameter and buffer but the input embedding's (one row of it
     is read), each storage once; a storage the output head ``lm_head`` shares with the embedding is
-    counted; the oneDNN-packed weight of a :class:`~multihead.models.quant.Bf16Linear` counts 2 bytes
-    per element.
+    counted; the oneDNN-packed weight of a :class:`~multihead.models.quant.PackedLinear` counts its
+    dtype's bytes per element.
 
     Args:
         model: a causal LM with an ``lm_head`` submodule.
@@ -89,12 +99,17 @@ def step_bytes(model: nn.Module, embedding: str) -> int:
         s = t.untyped_storage()
         if s.data_ptr() not in skip:
             seen[s.data_ptr()] = s.nbytes()
-    packed = [m for m in model.modules() if isinstance(m, quant.Bf16Linear) and m.packed]
-    return sum(seen.values()) + sum(2 * m.in_features * m.out_features for m in packed)
+    packed = [m.packed_bytes for m in model.modules() if isinstance(m, quant.PackedLinear)]
+    return sum(seen.values()) + sum(packed)
 
 
 def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Best-of-``reps`` read bandwidth (bytes/s) of a matrix-vector product over ``nbytes`` of fp32.
+    """Best-of-``reps`` read bandwidth (bytes/s) over ``nbytes`` of fp32: the faster of a sum (a pure
+    streaming read) and a matrix-vector product (what decoding repeats) over the same matrix.
+
+    The sum sets the figure where torch's fp32 matrix-vector kernel reads slower than memory allows
+    (on an AVX-512 CPU, one thread: ~43 GB/s for the sum and for oneDNN's packed products, ~29 GB/s
+    for ``torch.mv``), so the limit is the memory system's, not one kernel's.
 
     Raises:
         ValueError: ``nbytes`` under 1 MiB or ``reps`` < 1.
@@ -105,9 +120,38 @@ def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
     a, x = torch.ones(n, n), torch.ones(n)  # (n, n), (n,): the values do not matter, the bytes do
     best = 0.0
     for _ in range(reps):
-        start = time.perf_counter()
-        torch.mv(a, x)
-        best = max(best, a.numel() * 4 / (time.perf_counter() - start))
+        for read in (lambda: torch.mv(a, x), a.sum):
+            start = time.perf_counter()
+            read()
+            best = max(best, a.numel() * 4 / (time.perf_counter() - start))
+    return best
+
+
+def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> float:
+    """Seconds of the fastest of ``reps`` passes through every linear layer of ``model`` with one token,
+    back to back: the matrix-vector products of a decode step with nothing between them.
+
+    The floor of a step for this model's weight format and kernels: what the step would take if the
+    rest (norms, rotary, attention over the cache, residuals, sampling, Python) cost nothing. Inputs are
+    ``(1, 1, in_features)`` of dtype ``activations``; each layer's weights leave the caches between
+    passes only if the model is larger than the caches (the decoding models here are).
+
+    Raises:
+        ValueError: a model without linear layers, or ``reps`` < 1.
+    """
+    check_int("reps", reps, 1)
+    kinds = (nn.Linear, quant.PackedLinear, quant.Int8Linear)
+    layers = [m for m in model.modules() if isinstance(m, kinds)]
+    if not layers:
+        raise ValueError(f"kernels_alone needs a model with linear layers; {type(model).__name__} has none")
+    xs = [torch.randn(1, 1, m.in_features).to(activations) for m in layers]  # (1, 1, I) each
+    best = math.inf
+    with torch.inference_mode():
+        for _ in range(reps):
+            start = time.perf_counter()
+            for m, x in zip(layers, xs):
+                m(x)
+            best = min(best, time.perf_counter() - start)
     return best
 
 
@@ -149,6 +193,7 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
     info["bf16_prepacked"] = head.why_not_packed or "oneDNN prepacked"
     models: dict[str, tuple[nn.Module, str]] = {
         "multihead fp32": (ours32, "embed"),
+        "multihead fp32 prepacked": (quant.quantize(ours32, weights="fp32", kv=None), "embed"),
         "multihead bf16": (ours16, "embed"),
         "multihead bf16 prepacked": (packed, "embed"),
         "multihead int8 (fp32 activations)": (quant.quantize(ours32, weights="int8", kv="int8"), "embed"),
@@ -166,6 +211,7 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
     out = {
         name: (gen(name, models[name][0]), step_bytes(*models[name])) for name, _, _ in ROWS if name in models
     }
+    info["models"] = {name: m for name, (m, _) in models.items()}
     return out, info
 
 
@@ -191,9 +237,11 @@ def run(
     Returns:
         ``{"preset", "threads", "prompt_len", "new_tokens", "rounds", "read_bandwidth_GBps", "transformers",
         "skipped", "bf16_prepacked" (its kernel, or why plain F.linear runs), "tokens_identical_fp32",
-        "tokens_identical_bf16", "tokens_identical_prepacked" (to multihead bf16), "rows": [{"name",
-        "impl", "dtype", "bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit", "vs_hf_fp32",
-        "vs_hf_same_dtype"}]}``; ratios to absent rows are None.
+        "tokens_identical_bf16", "tokens_identical_prepacked" (to multihead bf16),
+        "tokens_identical_fp32_prepacked" (to multihead fp32), "rows": [{"name",
+        "impl", "dtype", "bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit", "kernels_tok_s"
+        (:func:`kernels_alone` as a rate), "kernels_fraction_of_limit", "fraction_of_kernels" (tok_s /
+        kernels_tok_s), "vs_hf_fp32", "vs_hf_same_dtype"}]}``; ratios to absent rows are None.
 
     Raises:
         ValueError: an unknown preset; threads, rounds or prompt < 1; new_tokens < 2; a prompt longer
@@ -218,6 +266,9 @@ def run(
         say(f"building {preset}")
         ids = torch.randint(0, config["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(1))
         contestants, info = _contestants(preset, ids)
+        models = info.pop("models")
+        acts = {name: torch.bfloat16 if "bf16" in dtype else torch.float32 for name, _, dtype in ROWS}
+        floor: dict[str, float] = {k: math.inf for k in contestants}
         one: dict[str, list[float]] = {k: [] for k in contestants}
         many: dict[str, list[float]] = {k: [] for k in contestants}
         bandwidth = 0.0
@@ -229,6 +280,7 @@ def run(
                 for d in ("fp32", "bf16")
             }
             same_packed = torch.equal(tokens["multihead bf16"], tokens["multihead bf16 prepacked"])
+            same_packed32 = torch.equal(tokens["multihead fp32"], tokens["multihead fp32 prepacked"])
             for r in range(rounds):
                 say(f"round {r + 1}/{rounds}: read bandwidth")
                 bandwidth = max(bandwidth, read_bandwidth())
@@ -236,6 +288,7 @@ def run(
                     say(f"round {r + 1}/{rounds}: {name}")
                     one[name].append(_timed(gen, 1))
                     many[name].append(_timed(gen, new_tokens))
+                    floor[name] = min(floor[name], kernels_alone(models[name], acts[name]))
         threads_used = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
@@ -257,6 +310,9 @@ def run(
                 "tok_s": tok_s[name],
                 "limit_tok_s": limit,
                 "fraction_of_limit": tok_s[name] / limit,
+                "kernels_tok_s": 1.0 / floor[name],
+                "kernels_fraction_of_limit": 1.0 / floor[name] / limit,
+                "fraction_of_kernels": tok_s[name] * floor[name],
                 "vs_hf_fp32": tok_s[name] / tok_s["HF fp32"] if "HF fp32" in tok_s else None,
                 "vs_hf_same_dtype": tok_s[name] / tok_s[peer] if peer in tok_s else None,
             }
@@ -272,6 +328,7 @@ def run(
         "tokens_identical_fp32": same["fp32"],
         "tokens_identical_bf16": same["bf16"],
         "tokens_identical_prepacked": same_packed,
+        "tokens_identical_fp32_prepacked": same_packed32,
         "rows": rows,
     }
 
@@ -295,7 +352,8 @@ def render(doc: dict[str, Any]) -> Any:
         f"read bandwidth {doc['read_bandwidth_GBps']:.1f} GB/s"
     )
     table = Table(title=title)
-    for col in ("contestant", "MB/token", "tok/s", "bandwidth limit", "of limit", "vs HF fp32", "vs HF same"):
+    cols = ("contestant", "MB/token", "tok/s", "bandwidth limit", "of limit", "GEMVs alone", "of GEMVs")
+    for col in (*cols, "vs HF fp32", "vs HF same"):
         table.add_column(col, justify="left" if col == "contestant" else "right")
     for r in doc["rows"]:
         table.add_row(
@@ -304,6 +362,8 @@ def render(doc: dict[str, Any]) -> Any:
             f"{r['tok_s']:.1f}",
             f"{r['limit_tok_s']:.1f}",
             f"{r['fraction_of_limit']:.0%}",
+            f"{r['kernels_tok_s']:.1f} ({r['kernels_fraction_of_limit']:.0%})",
+            f"{r['fraction_of_kernels']:.0%}",
             _ratio(r["vs_hf_fp32"]),
             _ratio(r["vs_hf_same_dtype"]),
         )
@@ -315,7 +375,8 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     kernel of the prepacked bf16 row and whether its tokens equal plain bf16's."""
     packed = [
         f"bf16 prepacked: {doc['bf16_prepacked']}; greedy 8 tokens identical to multihead bf16: "
-        f"{'yes' if doc['tokens_identical_prepacked'] else 'NO'}"
+        f"{'yes' if doc['tokens_identical_prepacked'] else 'NO'}; fp32 prepacked's to multihead fp32: "
+        f"{'yes' if doc['tokens_identical_fp32_prepacked'] else 'no'}"
     ]
     if doc["skipped"]:
         return [doc["skipped"], *packed]

@@ -323,7 +323,7 @@ def test_quantize_bf16_with_int8_kv_equals_int8_kv_on_plain_bf16(lm, ids):
         assert torch.equal(both.generate(ids, 10), kv_only.generate(ids, 10))
 
 
-@pytest.mark.parametrize(("weights", "floor"), [("int8", 0.95), ("bf16", 0.999)])
+@pytest.mark.parametrize(("weights", "floor"), [("int8", 0.95), ("bf16", 0.999), ("fp32", 0.9999999)])
 def test_quantized_minilm_encodes_on_its_default_unpadded_path(weights, floor):
     try:
         model = mh.pretrained.minilm()

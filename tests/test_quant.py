@@ -284,6 +284,24 @@ def test_bf16_state_dict_copies_and_moves_hold_the_plain_weight(lm, ids):
 
 
 @pytest.mark.skipif(quant.prepack_unavailable(torch.float32) is not None, reason="torch has no oneDNN here")
+@pytest.mark.parametrize("shape", [(1, 96), (1, 1, 96), (3, 7, 96), (300, 96)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp32_packed_linear_matches_f_linear_for_any_leading_dims(shape, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200, bias=bias)
+    packed = quant.PackedLinear(lin)
+    assert packed.packed and packed.dtype == torch.float32 and packed.packed_bytes == 96 * 200 * 4
+    x = torch.randn(shape)
+    with torch.no_grad():
+        want = F.linear(x, lin.weight, lin.bias)
+        assert packed(x).shape == want.shape
+        torch.testing.assert_close(packed(x), want, rtol=1e-5, atol=1e-5)
+        strided = x.transpose(0, -1).contiguous().transpose(0, -1)  # same values, other strides
+        torch.testing.assert_close(packed(strided), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.weight, lin.weight.detach())  # a plain copy, made on access
+
+
+@pytest.mark.skipif(quant.prepack_unavailable(torch.float32) is not None, reason="torch has no oneDNN here")
 def test_quantize_fp32_prepacks_the_same_weights_and_generates_the_same_tokens(lm, ids):
     q = quant.quantize(lm, weights="fp32", kv=None)
     linears = [m for m in q.modules() if isinstance(m, quant.PackedLinear)]

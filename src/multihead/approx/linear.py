@@ -164,11 +164,16 @@ def _orthogonal_gaussian(features: int, dim: int, g: torch.Generator, orthogonal
     """(features, dim) rows with N(0, I) marginals; orthogonal within blocks of ``dim`` rows."""
     if not orthogonal:
         return torch.randn(features, dim, generator=g, dtype=torch.float64)
-    blocks = []
-    for _ in range(math.ceil(features / dim)):
-        qm, r = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))  # (dim, dim)
-        blocks.append((qm * torch.sign(torch.diagonal(r))).T)  # sign fix: Haar-distributed, uniform rows
-    w = torch.cat(blocks)[:features]  # (features, dim) unit rows
+    n = math.ceil(features / dim)
+    # one draw per block, in the order a loop over blocks takes them (the generator's stream is unchanged),
+    # then one batched QR: thousands of tiny QR calls took seconds
+    gauss = torch.stack(
+        [torch.randn(dim, dim, generator=g, dtype=torch.float64) for _ in range(n)]
+    )  # (n, dim, dim)
+    qm, r = torch.linalg.qr(gauss)  # (n, dim, dim) each
+    signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # (n, 1, dim)
+    blocks = (qm * signs).transpose(-1, -2)  # (n, dim, dim) sign fix: Haar-distributed, uniform rows
+    w = blocks.reshape(n * dim, dim)[:features]  # (features, dim) unit rows
     norms = torch.randn(features, dim, generator=g, dtype=torch.float64).norm(dim=1, keepdim=True)  # chi(dim)
     return w * norms
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import multihead as mh
 from multihead.backends import registry
 from multihead.backends.auto import choose
+from multihead.bench.methods import build_mask
 from multihead.core.problem import make_problem
 
 EXACT = [n for n in registry.names() if n != "reference"]
@@ -145,28 +146,15 @@ def speed_cases(small: bool) -> list[dict]:
         {"name": "dense", "n": 4096 // s},
         {"name": "causal", "n": 4096 // s, "mask": "causal"},
         {"name": "causal", "n": big, "mask": "causal"},
-        {"name": "window 512", "n": big, "mask": "window"},
-        {"name": "8 causal documents", "n": big, "mask": "docs"},
+        {"name": "window 512", "n": big, "mask": "window:512"},
+        {"name": "8 causal documents", "n": big, "mask": "docs:8"},
         {"name": "causal + ALiBi", "n": 8192 // s, "mask": "causal", "bias": True},
-        {"name": "prefix-LM 1/4", "n": 8192 // s, "mask": "prefix"},
+        {"name": "prefix-LM 1/4", "n": 8192 // s, "mask": "prefix:4"},
         {"name": "GQA decode 32/8", "n": big, "mask": "causal", "nq": 1, "hq": 32, "hkv": 8, "d": 128},
         {"name": "GQA decode 32/8", "n": 8 * big, "mask": "causal", "nq": 1, "hq": 32, "hkv": 8, "d": 128},
         {"name": "fwd+bwd causal", "n": 8192 // s, "mask": "causal", "grad": True},
-        {"name": "fwd+bwd window 256", "n": 8192 // s, "mask": "window256", "grad": True},
+        {"name": "fwd+bwd window 256", "n": 8192 // s, "mask": "window:256", "grad": True},
     ]
-
-
-def build_mask(spec: str | None, n: int) -> Any:
-    if spec is None:
-        return None
-    ids = torch.arange(n) * 8 // n  # (N,) eight documents
-    return {
-        "causal": mh.causal(),
-        "window": mh.sliding_window(512),
-        "window256": mh.sliding_window(256),
-        "docs": mh.document(ids) & mh.causal(),
-        "prefix": mh.prefix_lm(n // 4),
-    }[spec]
 
 
 def speed(device: torch.device, small: bool, repeats: int, flex: bool, flex_budget_s: float) -> list[dict]:
@@ -210,7 +198,7 @@ def case_methods(
     grad = c.get("grad", False)
     if grad:
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    mask = build_mask(c.get("mask"), n)
+    mask = build_mask(c.get("mask", "none"), n)
     bias = mh.alibi(hq) if c.get("bias") else None
     with torch.no_grad():
         picked, _ = choose(make_problem(q, k, v, mask=mask, bias=bias))

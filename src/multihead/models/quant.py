@@ -202,23 +202,22 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def prepack_unavailable(dtype: torch.dtype) -> str | None:
-    """Why oneDNN's prepacked linear cannot run here for ``dtype`` (fp32 / bf16), or None when it can."""
-    if dtype == torch.bfloat16:
-        return bf16_prepack_unavailable()
+    """Why oneDNN's prepacked linear cannot run here for ``dtype`` (fp32 / bf16), or None when it can
+    (asked on every call)."""
     if not torch.backends.mkldnn.is_available():
         return "torch was built without oneDNN (mkldnn)"
-    return None
-
-
-def bf16_prepack_unavailable() -> str | None:
-    """Why oneDNN's prepacked bf16 linear cannot run here, or None when it can (asked on every call)."""
-    if not torch.backends.mkldnn.is_available():
-        return "torch was built without oneDNN (mkldnn)"
+    if dtype != torch.bfloat16:
+        return None
     try:
         supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError) as e:  # an older or stripped torch
         return f"torch cannot tell whether oneDNN supports bf16 ({e})"
     return None if supported else "oneDNN reports no bf16 support on this CPU"
+
+
+def bf16_prepack_unavailable() -> str | None:
+    """Why oneDNN's prepacked bf16 linear cannot run here, or None when it can (asked on every call)."""
+    return prepack_unavailable(torch.bfloat16)
 
 
 class PackedLinear(nn.Module):

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from multihead import native
 from multihead.bench import decode
 from multihead.cli.main import main
 from multihead.models import quant
@@ -60,6 +61,12 @@ def test_every_row_with_finite_figures(capsys):
     assert rows["multihead bf16 prepacked"]["bytes_per_token"] == rows["multihead bf16"]["bytes_per_token"]
     assert doc["tokens_identical_prepacked"] is True
     assert doc["bf16_prepacked"] == (quant.bf16_prepack_unavailable() or "oneDNN prepacked")
+    # the native rows: the same weights (shared, not copied), the same greedy tokens, the kernel named
+    for d in ("fp32", "bf16"):
+        assert rows[f"multihead {d} native"]["bytes_per_token"] == rows[f"multihead {d}"]["bytes_per_token"]
+        assert doc[f"tokens_identical_native_{d}"] is True
+    why = native.unavailable()
+    assert doc["native"].startswith(f"F.linear ({why})" if why else "native GEMV, one thread")
     fp32 = rows["multihead fp32"]["bytes_per_token"]
     assert rows["multihead bf16"]["bytes_per_token"] == pytest.approx(fp32 / 2, rel=0.02)
     assert 3.0 < fp32 / rows["multihead int8 (fp32 activations)"]["bytes_per_token"] < 4.0
@@ -73,6 +80,7 @@ def test_table_names_every_row(capsys):
         assert name in out
     assert "read bandwidth" in out and "identical to transformers" in out
     assert "greedy 8 tokens identical to multihead bf16: yes" in out
+    assert "native: " in out and "to multihead bf16: yes" in out
 
 
 def test_without_transformers_the_hf_rows_are_skipped_with_a_reason(monkeypatch, capsys):
@@ -88,7 +96,7 @@ def test_without_transformers_the_hf_rows_are_skipped_with_a_reason(monkeypatch,
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     assert main([*TINY, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 6
+    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 8
     assert "transformers is not installed" in doc["skipped"]
     for r in doc["rows"]:
         assert all(_finite_positive(r[k]) for k in FIGURES), r

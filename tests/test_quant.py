@@ -216,7 +216,9 @@ def test_bf16_linear_refuses_inputs_that_need_a_gradient():
 
 def test_quantize_bf16_generates_the_tokens_of_plain_bf16(lm, ids):
     lm16 = copy.deepcopy(lm).to(torch.bfloat16)
-    q = quant.quantize(lm, weights="bf16", kv=None)  # from the fp32 model: the copy is cast to bf16
+    q = quant.quantize(
+        lm, weights="bf16", kv=None, kernel="onednn"
+    )  # from the fp32 model: the copy is cast to bf16
     linears = [m for m in q.modules() if isinstance(m, quant.Bf16Linear)]
     assert linears and not any(isinstance(m, torch.nn.Linear) for m in q.modules())
     assert all(m.packed == (quant.bf16_prepack_unavailable() is None) for m in linears)
@@ -237,7 +239,7 @@ def test_quantize_bf16_generates_the_tokens_of_plain_bf16(lm, ids):
 def test_quantize_bf16_falls_back_to_f_linear_with_the_reason(lm, ids, monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert quant.bf16_prepack_unavailable() == "oneDNN reports no bf16 support on this CPU"
-    q = quant.quantize(lm, weights="bf16", kv=None)
+    q = quant.quantize(lm, weights="bf16", kv=None, kernel="onednn")
     head = q.lm_head
     assert isinstance(head, quant.Bf16Linear) and not head.packed
     assert head.why_not_packed == "oneDNN reports no bf16 support on this CPU"
@@ -253,7 +255,7 @@ def test_quantize_bf16_falls_back_to_f_linear_with_the_reason(lm, ids, monkeypat
 @needs_packing
 def test_bf16_state_dict_copies_and_moves_hold_the_plain_weight(lm, ids):
     lm16 = copy.deepcopy(lm).to(torch.bfloat16)
-    q = quant.quantize(lm16, weights="bf16", kv=None)
+    q = quant.quantize(lm16, weights="bf16", kv=None, kernel="onednn")
     sd, ref = q.state_dict(), lm16.state_dict()
     assert list(sd) == list(ref)  # the keys of the plain model, in its order
     for k in ref:  # plain (strided) bf16 tensors, equal to the plain model's
@@ -261,7 +263,9 @@ def test_bf16_state_dict_copies_and_moves_hold_the_plain_weight(lm, ids):
     with torch.no_grad():
         want = lm16(ids)
         # load repacks: a model packed from other weights becomes this one
-        other = quant.quantize(mh.TransformerLM(500, 64, 2, 4, 128, n_kv_heads=2), weights="bf16", kv=None)
+        other = quant.quantize(
+            mh.TransformerLM(500, 64, 2, 4, 128, n_kv_heads=2), weights="bf16", kv=None, kernel="onednn"
+        )
         other.load_state_dict(sd)
         assert other.lm_head.packed and torch.equal(other(ids), want)
         bad = {**sd, "lm_head.weight": sd["lm_head.weight"][:, :10]}
@@ -303,7 +307,7 @@ def test_fp32_packed_linear_matches_f_linear_for_any_leading_dims(shape, bias):
 
 @pytest.mark.skipif(quant.prepack_unavailable(torch.float32) is not None, reason="torch has no oneDNN here")
 def test_quantize_fp32_prepacks_the_same_weights_and_generates_the_same_tokens(lm, ids):
-    q = quant.quantize(lm, weights="fp32", kv=None)
+    q = quant.quantize(lm, weights="fp32", kv=None, kernel="onednn")
     linears = [m for m in q.modules() if isinstance(m, quant.PackedLinear)]
     assert linears and all(m.packed and m.dtype == torch.float32 for m in linears)
     assert not any(isinstance(m, (torch.nn.Linear, quant.Bf16Linear)) for m in q.modules())
@@ -333,7 +337,7 @@ def test_quantize_fp32_prepacks_the_same_weights_and_generates_the_same_tokens(l
 
 def test_quantize_bf16_with_int8_kv_equals_int8_kv_on_plain_bf16(lm, ids):
     lm16 = copy.deepcopy(lm).to(torch.bfloat16)
-    both = quant.quantize(lm, weights="bf16", kv="int8")
+    both = quant.quantize(lm, weights="bf16", kv="int8", kernel="onednn")
     kv_only = quant.quantize(lm16, weights=None, kv="int8")
     assert both.cache_kind == "int8" and both.cache_dtype == torch.bfloat16
     with torch.no_grad():  # same bf16 products, same int8 rounding of keys and values

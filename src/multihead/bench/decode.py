@@ -10,7 +10,9 @@ multihead's bf16 with oneDNN-prepacked linear weights (``mh.quant.quantize(model
 kv=None)``: the same bf16 weights and results, a faster batch-1 kernel, bf16 dense KV cache; plain
 ``F.linear`` where oneDNN lacks bf16, with the reason printed), the same for fp32
 (``weights="fp32"``: the fp32 weights in oneDNN's batch-1 layout, equal up to the order of the sums),
-and ``mh.quant.quantize(model,
+the "native" rows (``kernel="native"``: every linear a ``GemvLinear``, whose one-token products run
+``multihead.native``'s compiled GEMV, one thread; ``F.linear`` with the reason printed where the kernel
+cannot build), and ``mh.quant.quantize(model,
 weights="int8", kv="int8")`` of the fp32 and of the bf16 model (int8 weights per output channel, int8 KV
 cache). Greedy decoding; decode tokens/s excludes the prefill:
 ``(new - 1) / (t(new tokens) - t(1 token))``, each time the fastest of the rounds (load on a shared
@@ -46,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import pretrained
+from .. import native, pretrained
 from ..core.checks import check_int
 from ..models import quant
 from ..models.lm import TransformerLM
@@ -70,9 +72,11 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("HF fp32", "transformers", "fp32"),
     ("multihead fp32", "multihead", "fp32"),
     ("multihead fp32 prepacked", "multihead", "fp32"),
+    ("multihead fp32 native", "multihead", "fp32"),
     ("HF bf16", "transformers", "bf16"),
     ("multihead bf16", "multihead", "bf16"),
     ("multihead bf16 prepacked", "multihead", "bf16"),
+    ("multihead bf16 native", "multihead", "bf16"),
     ("multihead int8 (fp32 activations)", "multihead", "int8"),
     ("multihead int8 (bf16 activations)", "multihead", "int8+bf16"),
 )
@@ -140,7 +144,7 @@ def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> 
         ValueError: a model without linear layers, or ``reps`` < 1.
     """
     check_int("reps", reps, 1)
-    kinds = (nn.Linear, quant.PackedLinear, quant.Int8Linear)
+    kinds = (nn.Linear, quant.PackedLinear, quant.Int8Linear)  # GemvLinear is an nn.Linear
     layers = [m for m in model.modules() if isinstance(m, kinds)]
     if not layers:
         raise ValueError(f"kernels_alone needs a model with linear layers; {type(model).__name__} has none")
@@ -179,7 +183,7 @@ def _hf_models(preset: str) -> tuple[nn.Module, TransformerLM, str]:
 
 def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate, int]], dict[str, Any]]:
     """name -> (generate n tokens, bytes per step) for every row that can run; what was skipped and why."""
-    info: dict[str, Any] = {"transformers": None, "skipped": None, "bf16_prepacked": None}
+    info: dict[str, Any] = {"transformers": None, "skipped": None, "bf16_prepacked": None, "native": None}
     try:
         hf32, ours32, info["transformers"] = _hf_models(preset)
     except ImportError as e:
@@ -187,15 +191,23 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
         ours32 = pretrained.random_lm(preset, seed=0)
         info["skipped"] = f"HF rows skipped: transformers is not installed ({e}); pip install transformers"
     ours16 = copy.deepcopy(ours32).to(torch.bfloat16)
-    packed = quant.quantize(ours16, weights="bf16", kv=None)
+    packed = quant.quantize(ours16, weights="bf16", kv=None, kernel="onednn")
     head = packed.get_submodule("lm_head")
     assert isinstance(head, quant.Bf16Linear)
     info["bf16_prepacked"] = head.why_not_packed or "oneDNN prepacked"
+    why_not = native.unavailable()
+    dp = "AVX512-BF16 dot products" if native.has_dpbf16() else "bf16 widened to fp32"
+    info["native"] = f"F.linear ({why_not})" if why_not else f"native GEMV, one thread, {dp}"
     models: dict[str, tuple[nn.Module, str]] = {
         "multihead fp32": (ours32, "embed"),
-        "multihead fp32 prepacked": (quant.quantize(ours32, weights="fp32", kv=None), "embed"),
+        "multihead fp32 prepacked": (
+            quant.quantize(ours32, weights="fp32", kv=None, kernel="onednn"),
+            "embed",
+        ),
+        "multihead fp32 native": (quant.quantize(ours32, weights="fp32", kv=None, kernel="native"), "embed"),
         "multihead bf16": (ours16, "embed"),
         "multihead bf16 prepacked": (packed, "embed"),
+        "multihead bf16 native": (quant.quantize(ours16, weights="bf16", kv=None, kernel="native"), "embed"),
         "multihead int8 (fp32 activations)": (quant.quantize(ours32, weights="int8", kv="int8"), "embed"),
         "multihead int8 (bf16 activations)": (quant.quantize(ours16, weights="int8", kv="int8"), "embed"),
     }
@@ -238,10 +250,12 @@ def run(
         ``{"preset", "threads", "prompt_len", "new_tokens", "rounds", "read_bandwidth_GBps", "transformers",
         "skipped", "bf16_prepacked" (its kernel, or why plain F.linear runs), "tokens_identical_fp32",
         "tokens_identical_bf16", "tokens_identical_prepacked" (to multihead bf16),
-        "tokens_identical_fp32_prepacked" (to multihead fp32), "rows": [{"name",
-        "impl", "dtype", "bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit", "kernels_tok_s"
-        (:func:`kernels_alone` as a rate), "kernels_fraction_of_limit", "fraction_of_kernels" (tok_s /
-        kernels_tok_s), "vs_hf_fp32", "vs_hf_same_dtype"}]}``; ratios to absent rows are None.
+        "tokens_identical_fp32_prepacked" (to multihead fp32), "native" (the native rows' kernel, or why
+        they run F.linear), "tokens_identical_native_fp32" / "_bf16" (to multihead fp32 / bf16),
+        "rows": [{"name", "impl", "dtype", "bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit",
+        "kernels_tok_s" (:func:`kernels_alone` as a rate), "kernels_fraction_of_limit",
+        "fraction_of_kernels" (tok_s / kernels_tok_s), "vs_hf_fp32", "vs_hf_same_dtype"}]}``; ratios to
+        absent rows are None.
 
     Raises:
         ValueError: an unknown preset; threads, rounds or prompt < 1; new_tokens < 2; a prompt longer
@@ -281,6 +295,10 @@ def run(
             }
             same_packed = torch.equal(tokens["multihead bf16"], tokens["multihead bf16 prepacked"])
             same_packed32 = torch.equal(tokens["multihead fp32"], tokens["multihead fp32 prepacked"])
+            same_native = {
+                d: torch.equal(tokens[f"multihead {d}"], tokens[f"multihead {d} native"])
+                for d in ("fp32", "bf16")
+            }
             for r in range(rounds):
                 say(f"round {r + 1}/{rounds}: read bandwidth")
                 bandwidth = max(bandwidth, read_bandwidth())
@@ -329,6 +347,8 @@ def run(
         "tokens_identical_bf16": same["bf16"],
         "tokens_identical_prepacked": same_packed,
         "tokens_identical_fp32_prepacked": same_packed32,
+        "tokens_identical_native_fp32": same_native["fp32"],
+        "tokens_identical_native_bf16": same_native["bf16"],
         "rows": rows,
     }
 
@@ -376,7 +396,10 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     packed = [
         f"bf16 prepacked: {doc['bf16_prepacked']}; greedy 8 tokens identical to multihead bf16: "
         f"{'yes' if doc['tokens_identical_prepacked'] else 'NO'}; fp32 prepacked's to multihead fp32: "
-        f"{'yes' if doc['tokens_identical_fp32_prepacked'] else 'no'}"
+        f"{'yes' if doc['tokens_identical_fp32_prepacked'] else 'no'}",
+        f"native: {doc['native']}; greedy 8 tokens identical to multihead fp32: "
+        f"{'yes' if doc['tokens_identical_native_fp32'] else 'no'}, to multihead bf16: "
+        f"{'yes' if doc['tokens_identical_native_bf16'] else 'no'}",
     ]
     if doc["skipped"]:
         return [doc["skipped"], *packed]

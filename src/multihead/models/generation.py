@@ -124,8 +124,8 @@ def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p
 
 def pick_next(logits: Tensor, do_sample: bool, temperature: float, top_k, top_p) -> Tensor:
     """Next token per row (B,) from last-position logits (B, V): argmax, or a sample."""
-    if not do_sample:
-        return logits.argmax(dim=-1)
+    if not do_sample:  # torch's argmax over bf16 / fp16 is scalar code: widen first (exact, same ties)
+        return (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(dim=-1)
     logits = logits.float() / temperature  # (B, V)
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)

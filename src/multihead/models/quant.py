@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import native
 from ..approx.apply import apply
 from ..approx.base import Approximation
 from ..backends import registry
@@ -71,12 +72,16 @@ from ..backends.auto import first_fit
 from ..core.numerics import acc_dtype
 from ..core.problem import AttentionOutput, Problem
 from ..nn.kv_cache import KVCache, dequantize_int8, int8_rounded, quantize_int8
+from . import native_step
+from .gemv_linear import GemvLinear
 from .lm import TransformerLM
 
 __all__ = [
+    "FLOAT_KERNELS",
     "KERNELS",
     "PACKED_DTYPES",
     "Bf16Linear",
+    "GemvLinear",
     "Int8Embedding",
     "Int8Linear",
     "KVInt8",
@@ -88,6 +93,10 @@ __all__ = [
 ]
 
 KERNELS = ("auto", "fbgemm", "int8pack", "dequant")
+_UNASKED = object()  # a _QuantizedLM whose structure was not yet checked for native steps
+#: kernels of the fp32 / bf16 weights: "auto" (native where it builds, else onednn), "native"
+#: (:class:`GemvLinear`, F.linear where the kernel is missing), "onednn" (:class:`PackedLinear`)
+FLOAT_KERNELS = ("auto", "native", "onednn")
 
 
 def _has_vnni() -> bool:
@@ -443,6 +452,8 @@ class _QuantizedLM(TransformerLM):
 
     cache_kind: str
     cache_dtype: torch.dtype
+    native_steps: bool = False  # one-token decode steps through native_step (kernel="native")
+    _why_not_native: Any = None
 
     def make_cache(self, batch_size: int, max_len: int, kind: str | None = None) -> list[KVCache]:
         kind = self.cache_kind if kind is None else kind
@@ -464,6 +475,26 @@ class _QuantizedLM(TransformerLM):
             for _ in self.layers
         ]
 
+    def hidden_states(
+        self, ids: Tensor, *, attention_mask: Tensor | None = None, cache: list[KVCache] | None = None
+    ) -> Tensor:
+        """As :meth:`TransformerLM.hidden_states`; a one-token batch-1 decode step of a model quantized
+        with ``kernel="native"`` runs natively (:mod:`.native_step`) where it can."""
+        if self.native_steps and native_step.why_not_call(self, ids, attention_mask, cache) is None:
+            if self._why_not_native is _UNASKED:
+                self._why_not_native = native_step.why_not_model(self)
+            if self._why_not_native is None:
+                assert cache is not None  # why_not_call checked the one token id
+                return native_step.decode_step(self, ids, cache)  # (1, 1, d)
+        return super().hidden_states(ids, attention_mask=attention_mask, cache=cache)
+
+    @property
+    def why_not_native_steps(self) -> str | None:
+        """None when one-token decode steps run natively, else why they run the eager layers."""
+        if not self.native_steps:
+            return "the model was not quantized with kernel='native'"
+        return native_step.why_not_model(self)
+
     def generate(self, ids: Tensor, max_new_tokens: int, *, cache: str | None = None, **sampling) -> Tensor:
         """As :meth:`TransformerLM.generate`; ``cache`` defaults to the model's ``cache_kind``."""
         return super().generate(
@@ -471,15 +502,20 @@ class _QuantizedLM(TransformerLM):
         )
 
 
-def _pack(model: nn.Module, dtype: torch.dtype) -> None:
-    """Swap every Linear of ``model`` (in place) for a PackedLinear of ``dtype`` (a Bf16Linear for bf16);
-    a tied head gets its own packed copy."""
+def _pack(model: nn.Module, dtype: torch.dtype, kernel: str) -> None:
+    """Swap every Linear of ``model`` (in place) for a GemvLinear (``kernel="native"``) sharing its
+    tensors, or for a PackedLinear of ``dtype`` (a Bf16Linear for bf16; a tied head gets its own packed
+    copy)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(
-                    parent, name, Bf16Linear(child) if dtype == torch.bfloat16 else PackedLinear(child, dtype)
-                )
+                if kernel == "native":
+                    swap: nn.Module = GemvLinear.from_linear(child)
+                elif dtype == torch.bfloat16:
+                    swap = Bf16Linear(child)
+                else:
+                    swap = PackedLinear(child, dtype)
+                setattr(parent, name, swap)
 
 
 def _quantize_weights(model: nn.Module, kernel: str) -> None:
@@ -500,27 +536,40 @@ def _quantize_weights(model: nn.Module, kernel: str) -> None:
 def quantize(
     model: nn.Module, weights: str | None = "int8", kv: str | None = "int8", *, kernel: str = "auto"
 ) -> nn.Module:
-    """A quantized copy of ``model``: int8 (or oneDNN-packed bf16 / fp32) weights, int8 keys and values.
+    """A quantized copy of ``model``: int8 (or bf16 / fp32 with a faster batch-1 kernel) weights, int8
+    keys and values.
 
     Args:
         model: any module (TransformerLM, Encoder, pretrained MiniLM, ...); it is not changed.
-        weights: "int8" (int8 linear and embedding weights), "bf16" (the whole copy in bf16, every linear
-            a :class:`Bf16Linear`, parameters frozen), "fp32" (the copy in fp32, every linear a
-            :class:`PackedLinear`: the same numbers, oneDNN's batch-1 layout, parameters frozen) or None
-            (keep float weights).
+        weights: "int8" (int8 linear and embedding weights), "bf16" (the whole copy in bf16, parameters
+            frozen, every linear on the ``kernel`` below), "fp32" (the same in fp32: the same numbers, a
+            faster kernel) or None (keep float weights).
         kv: "int8" (attention on int8-rounded K/V; int8 KV cache for TransformerLM.generate) or None
             (a "dense" cache in the copy's float dtype: bf16 with ``weights="bf16"``).
-        kernel: the Int8Linear kernel, see the module docstring (unused by "bf16" and "fp32").
+        kernel: with ``weights="int8"`` the Int8Linear kernel (:data:`KERNELS`, see the module
+            docstring); with "bf16" / "fp32" one of :data:`FLOAT_KERNELS`: "native" makes every linear a
+            :class:`GemvLinear` (the native batch-1 GEMV for decode steps, ``F.linear`` for the rest:
+            the decoding choice), "onednn" a :class:`PackedLinear` (oneDNN's packed weight for every
+            call: the encoding choice, faster on many rows), "auto" native where the kernel builds
+            (:func:`multihead.native.unavailable`), else onednn.
 
     Raises:
-        ValueError: an unknown ``weights``, ``kv`` or ``kernel``; ``kv="int8"`` on a model without
-            MultiHeadAttention.
+        ValueError: an unknown ``weights``, ``kv`` or ``kernel`` (or one of the other weights' kind);
+            ``kv="int8"`` on a model without MultiHeadAttention.
     """
     if weights not in ("int8", "bf16", "fp32", None):
         raise ValueError(f"quantize weights must be 'int8', 'bf16', 'fp32' or None, got {weights!r}")
     if kv not in ("int8", None):
         raise ValueError(f"quantize kv must be 'int8' or None, got {kv!r}")
-    if kernel not in KERNELS:
+    if weights in ("bf16", "fp32"):
+        if kernel not in FLOAT_KERNELS:
+            raise ValueError(
+                f"quantize kernel for weights={weights!r} must be one of {list(FLOAT_KERNELS)}, got "
+                f"{kernel!r} (the int8 kernels {list(KERNELS[1:])} apply to weights='int8')"
+            )
+        if kernel == "auto":
+            kernel = "native" if native.unavailable() is None else "onednn"
+    elif kernel not in KERNELS:
         raise ValueError(f"quantize kernel must be one of {list(KERNELS)}, got {kernel!r}")
     float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     out = apply(model, KVInt8()) if kv == "int8" else copy.deepcopy(model)
@@ -529,11 +578,13 @@ def quantize(
     elif weights in ("bf16", "fp32"):
         float_dtype = torch.bfloat16 if weights == "bf16" else torch.float32
         out.to(float_dtype).requires_grad_(False)
-        _pack(out, float_dtype)
+        _pack(out, float_dtype, kernel)
     if type(out) is TransformerLM:
         out.__class__ = _QuantizedLM
         assert isinstance(out, _QuantizedLM)
         out.cache_kind, out.cache_dtype = ("int8" if kv == "int8" else "dense"), float_dtype
+        out.native_steps = weights in ("bf16", "fp32") and kernel == "native" and kv is None
+        out._why_not_native = _UNASKED  # the structure is checked at the first step
     return out
 
 

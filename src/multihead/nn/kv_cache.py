@@ -187,6 +187,25 @@ class KVCache(nn.Module):
         """Forget every position (the storage is kept and overwritten by later updates)."""
         self._seen = 0
 
+    def advance(self, n: int) -> None:
+        """Count n positions that a kernel wrote into the dense storage in place, at ``position`` ..
+        ``position + n - 1`` of ``k`` and ``v`` (what :meth:`update` does after its own write).
+
+        Raises:
+            ValueError: a kind other than "dense", n < 1, or more than ``max_len`` positions in all.
+        """
+        if self.kind != "dense":
+            raise ValueError(
+                f"KVCache.advance is for 'dense' caches written in place, this one is {self.kind!r}"
+            )
+        _check_size("n", n)
+        if self._seen + n > self.max_len:
+            raise ValueError(
+                f"KVCache overflow: {self._seen} cached + {n} new > max_len={self.max_len}; "
+                "build the cache with a larger max_len"
+            )
+        self._seen += n
+
     # -- update -------------------------------------------------------------------------------------------
     def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
         """Append n positions and return the keys/values to attend over.

@@ -1,0 +1,78 @@
+"""``GemvLinear``: an ``nn.Linear`` whose one-row calls (a decode step) run the native GEMV.
+
+``y = x W^T + b``. When ``x`` holds a single row (``x.numel() == in_features``: batch 1, one token), is
+fp32 or bf16 like the weight, sits on the CPU and needs no gradient, the product runs
+:func:`multihead.native.gemv`, which reads the weight at the memory's bandwidth; every other call (a
+prefill, a batch, training, another device) is ``F.linear`` on the same weight. Results equal
+``F.linear``'s up to the order of the sums (fp32 accumulation in both dtypes; bf16 rounds each output
+once). It is an ``nn.Linear``: same parameters, ``state_dict``, copies and moves; only ``forward``
+differs. ``mh.quant.quantize(model, weights="fp32" | "bf16")`` builds it where the kernel is available.
+
+Shape legend: I input features, O output features, ... leading dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import native
+
+__all__ = ["GemvLinear"]
+
+
+class GemvLinear(nn.Linear):
+    """An ``nn.Linear`` (see the module doc) with the native kernel for one-row fp32 / bf16 CPU calls.
+
+    Build it with :meth:`from_linear` (shares the layer's parameters) or as an ``nn.Linear``.
+    ``why_not_native`` is None when the kernel can run here, else the reason every call is ``F.linear``.
+    """
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> GemvLinear:
+        """A GemvLinear holding ``linear``'s own weight and bias tensors (no copy; a tie stays a tie)."""
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.in_features, out.out_features = linear.in_features, linear.out_features
+        out.weight = linear.weight
+        out.bias = linear.bias
+        return out
+
+    @property
+    def why_not_native(self) -> str | None:
+        """None when one-row calls run the native kernel, else why they run ``F.linear``."""
+        reason = native.unavailable()
+        if reason is not None:
+            return reason
+        w = self.weight
+        if w.dtype not in native.DTYPES or w.device.type != "cpu":
+            return f"the weight is {w.dtype} on {w.device}; the kernel takes fp32 or bf16 on the CPU"
+        if w.stride(-1) != 1 and w.shape[-1] > 1:
+            return f"the weight's columns are not contiguous (strides {w.stride()})"
+        return None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if (
+            x.numel() == self.in_features
+            and x.dtype == w.dtype
+            and x.device.type == "cpu"
+            and w.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and w.dtype in native.DTYPES
+            and (w.stride(-1) == 1 or self.in_features == 1)
+            and x.shape[-1] == self.in_features
+            and (self.bias is None or (self.bias.dtype == w.dtype and self.bias.device.type == "cpu"))
+        ):
+            lib = native.library()
+            if lib is not None:
+                b = None if self.bias is None else self.bias.contiguous()
+                y = native.run(lib, w, x.reshape(-1).contiguous(), b)  # (O,)
+                return y.view(*x.shape[:-1], self.out_features)  # (..., O)
+        return F.linear(x, w, self.bias)  # (..., O)
+
+    def extra_repr(self) -> str:
+        reason = self.why_not_native
+        how = "native GEMV for one row" if reason is None else f"F.linear ({reason})"
+        return f"{super().extra_repr()}, {how}"

@@ -1,0 +1,252 @@
+"""Native kernels for batch-1 decoding, compiled at first use: matrix-vector products (GEMV) and a
+whole LLaMA-style layer step (``decode_layer.c``, used by :mod:`multihead.models.native_step`).
+
+A decode step multiplies every weight matrix of the model by one vector: a single pass over the
+weights, so its speed is the memory's read bandwidth. torch's own CPU kernels for that case read well
+below it on some CPUs (measured on a 2-core AVX-512 machine, one thread, 40 out-of-cache 2816 x 1024
+weights: ``F.linear`` 20 GB/s in fp32 and oneDNN's packed products 25-31 GB/s, against 36-38 GB/s for a
+plain ``sum``; BENCHMARKS.md, "Native GEMV"). :func:`gemv` runs a small C kernel (``gemv.c`` next to
+this file) that streams one row at a time with four independent accumulators and reads at the speed of
+the ``sum``; in bf16 it uses the AVX512-BF16 dot-product instruction where the CPU has it.
+
+The kernel is compiled once per machine by the system C compiler (``$CC``, else ``cc`` / ``gcc`` /
+``clang``; ``-O3 -march=native``, what ``torch.compile``'s CPU backend also needs) into
+``$MULTIHEAD_CACHE`` (default ``~/.cache/multihead``) and loaded with ``ctypes``; a build is checked
+against ``torch.mv`` before use. Without a compiler, on a failed build or check, or with
+``MULTIHEAD_NATIVE=0``, :func:`unavailable` says why and the callers (``mh.quant.GemvLinear``) run
+``F.linear``. One thread: the kernel does not split rows across cores.
+
+Shape legend: O rows (output features), I columns (input features).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DTYPES",
+    "FLAGS",
+    "cache_dir",
+    "gemv",
+    "has_dpbf16",
+    "library",
+    "library_path",
+    "open_library",
+    "run",
+    "unavailable",
+]
+
+HERE = Path(__file__).parent
+SOURCES = (HERE / "gemv.c", HERE / "decode_layer.c")  # and the header they share, native.h
+HEADER = HERE / "native.h"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
+DTYPES = (torch.float32, torch.bfloat16)
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: ``$MULTIHEAD_CACHE``, else ``$XDG_CACHE_HOME/multihead``, else
+    ``~/.cache/multihead``."""
+    if os.environ.get("MULTIHEAD_CACHE"):
+        return Path(os.environ["MULTIHEAD_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "multihead"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
+
+
+def _cpu_key() -> str:
+    """The CPU's identity for the cache key: a kernel built with -march=native runs only where it was
+    built (a home directory shared between machines must not hand one CPU's build to another)."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text += "".join(line for line in f if line.startswith(("flags", "model name", "Features")))
+    except OSError:
+        text += platform.processor()
+    return text
+
+
+def library_path(cc: str) -> Path:
+    """The shared library built from :data:`SOURCES` by ``cc`` for this CPU (it may not exist yet)."""
+    code = [p.read_bytes() for p in (*SOURCES, HEADER)]
+    key = hashlib.sha256(
+        b"\0".join([*code, cc.encode(), " ".join(FLAGS).encode(), _cpu_key().encode()])
+    ).hexdigest()[:16]
+    return cache_dir() / f"native-{key}.so"
+
+
+def _build(cc: str) -> Path:
+    """Compile :data:`SOURCES` (once per source, compiler and CPU); an atomic rename publishes it."""
+    so = library_path(cc)
+    if so.exists():
+        return so
+    so.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(tmp, so)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return so
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a built kernel library and declare its functions' C signatures (without them ctypes would
+    pass 64-bit pointers as 32-bit ints)."""
+    lib = ctypes.CDLL(str(path))
+    for fn in (lib.mh_gemv_f32, lib.mh_gemv_bf16):
+        fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]  # w, x, bias or NULL, y, O, I, row stride
+        fn.restype = None
+    lib.mh_gemv_has_dpbf16.restype = ctypes.c_int
+    lib.mh_decode_layer.argtypes = [
+        *[_PTR] * 10,  # x, g_attn, w_qkv, w_o, g_ffn, w1, w3, w2, k_cache, v_cache
+        _I64,  # k head stride
+        _I64,  # v head stride
+        _I64,  # position
+        _PTR,  # cos
+        _PTR,  # sin
+        ctypes.c_int,  # interleaved
+        *[_I64] * 5,  # d, Hq, Hkv, D, F
+        ctypes.c_float,  # eps
+        ctypes.c_float,  # scale
+        ctypes.c_int,  # bits
+    ]
+    lib.mh_decode_layer.restype = ctypes.c_int
+    lib.mh_rms_norm.argtypes = [
+        _PTR,
+        _PTR,
+        _PTR,
+        _I64,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]  # x, g, out, d, eps, bits
+    lib.mh_rms_norm.restype = None
+    return lib
+
+
+def _self_check(lib: ctypes.CDLL) -> str | None:
+    """Run both kernels on odd shapes (every tail of the loops) and compare with torch; a reason or None."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, fn in ((torch.float32, lib.mh_gemv_f32), (torch.bfloat16, lib.mh_gemv_bf16)):
+        for rows, cols in ((5, 7), (3, 200), (2, 1024)):
+            w = torch.randn(rows, cols + 3, generator=g).to(dtype)[:, :cols]  # (O, I), row stride I + 3
+            x = torch.randn(cols, generator=g).to(dtype)  # (I,)
+            b = torch.randn(rows, generator=g).to(dtype)  # (O,)
+            y = torch.empty(rows, dtype=dtype)  # (O,)
+            fn(w.data_ptr(), x.data_ptr(), b.data_ptr(), y.data_ptr(), rows, cols, w.stride(0))
+            ref = w.double() @ x.double() + b.double()  # (O,)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            err = float(((y.double() - ref).abs() / (ref.abs() + 1)).max())
+            if not err <= tol:
+                return f"the built kernel disagrees with torch ({dtype}, {rows}x{cols}: error {err:.2e})"
+    return None
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
+        return None, "disabled by MULTIHEAD_NATIVE=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (install gcc or clang, or set CC)"
+    try:
+        lib = open_library(_build(cc))
+    except subprocess.CalledProcessError as e:
+        return None, f"building the native kernels with {cc} failed: {e.stderr.strip()[-300:]}"
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
+        return None, f"building or loading the native kernels with {cc} failed: {e}"
+    reason = _self_check(lib)
+    return (None, reason) if reason else (lib, None)
+
+
+def unavailable() -> str | None:
+    """Why the native kernel cannot run here, or None when it can (builds it on the first call)."""
+    return _load()[1]
+
+
+def has_dpbf16() -> bool:
+    """True when the bf16 kernel uses the AVX512-BF16 dot-product instruction (else it widens to fp32)."""
+    lib = _load()[0]
+    return bool(lib is not None and lib.mh_gemv_has_dpbf16())
+
+
+def gemv(weight: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``weight @ x + bias``: weight (O, I), x (I,), bias (O,) or None, all of one dtype (fp32 or bf16)
+    on the CPU -> (O,) in it.
+
+    Accumulates in fp32, the bias included (bf16: exact products, fp32 sums, one rounding of each
+    output, as ``F.linear``). ``weight`` may have any row stride; its columns must be contiguous.
+
+    Raises:
+        ValueError: the kernel is unavailable (the reason), other dtypes or devices, shapes that do not
+            match, a weight whose columns are not contiguous, an input that requires grad with grad
+            enabled (the kernel has no backward).
+    """
+    lib, reason = _load()
+    if lib is None:
+        raise ValueError(f"the native GEMV is unavailable: {reason}; use F.linear")
+    tensors = [weight, x] if bias is None else [weight, x, bias]
+    if weight.dtype not in DTYPES or any(t.dtype != weight.dtype for t in tensors):
+        raise ValueError(
+            "gemv needs weight, x (and bias) all torch.float32 or all torch.bfloat16, got "
+            f"{[t.dtype for t in tensors]}; cast them"
+        )
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"gemv runs on the CPU, got tensors on {[str(t.device) for t in tensors]}")
+    if weight.dim() != 2 or x.dim() != 1 or x.shape[0] != weight.shape[1]:
+        raise ValueError(
+            f"gemv needs weight (O, I) and x (I,), got {tuple(weight.shape)} and {tuple(x.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"gemv needs bias (O,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if weight.shape[1] > 1 and weight.stride(1) != 1:
+        raise ValueError(
+            f"gemv needs the weight's columns contiguous, got strides {weight.stride()}; "
+            "pass weight.contiguous()"
+        )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError("gemv has no backward; call it under torch.no_grad() or use F.linear")
+    return run(lib, weight, x.contiguous(), None if bias is None else bias.contiguous())
+
+
+def run(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`gemv` without the checks, for callers that made them once: weight (O, I) with contiguous
+    columns, x (I,) and bias (O,) contiguous, one dtype of :data:`DTYPES`, on the CPU."""
+    rows = weight.shape[0]
+    y = torch.empty(rows, dtype=weight.dtype)  # (O,)
+    fn = lib.mh_gemv_f32 if weight.dtype == torch.float32 else lib.mh_gemv_bf16
+    b = None if bias is None else bias.data_ptr()
+    fn(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), rows, weight.shape[1], weight.stride(0))
+    return y
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (:func:`unavailable` says why)."""
+    return _load()[0]

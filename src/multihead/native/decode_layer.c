@@ -1,0 +1,181 @@
+/* One decode step of one pre-LN LLaMA-style layer for one token (batch 1), in place on x:
+ *
+ *   h = RMSNorm(x) * g_attn                                   (fp32 statistics)
+ *   q | k | v = W_qkv h                                       (Hq*D | Hkv*D | Hkv*D rows)
+ *   q, k = RoPE(q, k) at position p;  K[:, p] = k;  V[:, p] = v
+ *   a_i = softmax(q_i K^T * scale) V   for each query head i  (its kv head i / (Hq / Hkv), keys 0..p)
+ *   x = x + W_o a
+ *   h = RMSNorm(x) * g_ffn
+ *   x = x + W_2 (silu(W_1 h) * (W_3 h))                       (SwiGLU)
+ *
+ * Storage dtype T is fp32 (bits = 32) or bf16 (bits = 16) for x, the weights and the cache; arithmetic
+ * is fp32. In bf16 every intermediate is rounded to bf16 where torch's modules round it (the norm's
+ * output before and after the gain, each projection, the rotated q and k, the attention output, each
+ * residual sum, silu and the gated product), so the step follows the eager bf16 model up to the order
+ * of the sums. Matrices are row-major with contiguous rows (leading dimension = columns); the cache of
+ * the layer is (Hkv, max_len, D) at batch 0 with the given head stride and position stride D.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline float bf_to_f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f_to_bf(float f) { /* round to nearest even, NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float rnd(float f, int bits) { return bits == 32 ? f : bf_to_f(f_to_bf(f)); }
+
+static inline float get(const void *p, int64_t i, int bits) {
+    return bits == 32 ? ((const float *)p)[i] : bf_to_f(((const uint16_t *)p)[i]);
+}
+
+static inline void put(void *p, int64_t i, float f, int bits) {
+    if (bits == 32)
+        ((float *)p)[i] = f;
+    else
+        ((uint16_t *)p)[i] = f_to_bf(f);
+}
+
+static void gemv(const void *w, const void *x, void *y, int64_t rows, int64_t cols, int bits) {
+    if (bits == 32)
+        mh_gemv_f32((const float *)w, (const float *)x, NULL, (float *)y, rows, cols, cols);
+    else
+        mh_gemv_bf16((const uint16_t *)w, (const uint16_t *)x, NULL, (uint16_t *)y, rows, cols, cols);
+}
+
+/* out = RMSNorm(x) * g, as torch: fp32 F.rms_norm for fp32; for bf16 (x * rsqrt(mean(x^2) + eps)) rounded
+ * to bf16, then times g rounded again */
+void mh_rms_norm(const void *x, const void *g, void *out, int64_t d, float eps, int bits) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; i++) {
+        const float v = get(x, i, bits);
+        ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int64_t i = 0; i < d; i++) put(out, i, rnd(get(x, i, bits) * inv, bits) * get(g, i, bits), bits);
+}
+
+/* rotate one head of D values in place at the angles of cos / sin (D/2 each): pairs (i, i + D/2), or
+ * (2i, 2i + 1) when interleaved; the result is rounded to the storage dtype */
+static void rope(void *t, int64_t D, const float *cos, const float *sin, int interleaved, int bits) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+        const float x1 = get(t, a, bits), x2 = get(t, b, bits);
+        put(t, a, x1 * cos[i] - x2 * sin[i], bits);
+        put(t, b, x2 * cos[i] + x1 * sin[i], bits);
+    }
+}
+
+static inline void load_row(float *dst, const void *src, int64_t D, int bits) {
+    if (bits == 32) {
+        memcpy(dst, src, (size_t)D * sizeof(float));
+    } else {
+        for (int64_t i = 0; i < D; i++) dst[i] = bf_to_f(((const uint16_t *)src)[i]);
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    v16 acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16) {
+        v16 x, y;
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
+        acc += x * y;
+    }
+    float s = 0.f;
+    for (int k = 0; k < 16; k++) s += acc[k];
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* attention of the G query heads sharing one kv head over keys 0..L-1; q (G, D) fp32, out (G, D) fp32;
+ * scratch: scores (G, L), row (D) */
+static void attend(const float *q, const void *K, const void *V, int64_t L, int64_t D, int64_t G,
+                   float scale, int bits, float *out, float *scores, float *row) {
+    const int64_t esz = bits == 32 ? 4 : 2;
+    for (int64_t l = 0; l < L; l++) { /* each key read once for the G rows */
+        load_row(row, (const char *)K + l * D * esz, D, bits);
+        for (int64_t g = 0; g < G; g++) scores[g * L + l] = dot(q + g * D, row, D) * scale;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *s = scores + g * L, m = -INFINITY, z = 0.f;
+        for (int64_t l = 0; l < L; l++) m = s[l] > m ? s[l] : m;
+        for (int64_t l = 0; l < L; l++) z += (s[l] = expf(s[l] - m));
+        const float inv = 1.0f / z;
+        for (int64_t l = 0; l < L; l++) s[l] *= inv;
+    }
+    memset(out, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t l = 0; l < L; l++) { /* each value read once for the G rows */
+        load_row(row, (const char *)V + l * D * esz, D, bits);
+        for (int64_t g = 0; g < G; g++) {
+            const float p = scores[g * L + l];
+            float *o = out + g * D;
+            for (int64_t i = 0; i < D; i++) o[i] += p * row[i];
+        }
+    }
+}
+
+/* Returns 0, or -1 when scratch memory cannot be allocated (x is then unchanged). */
+int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *w_o, const void *g_ffn,
+                    const void *w1, const void *w3, const void *w2, void *k_cache, void *v_cache,
+                    int64_t k_head_stride, int64_t v_head_stride, int64_t pos, const float *cos,
+                    const float *sin, int interleaved, int64_t d, int64_t Hq, int64_t Hkv, int64_t D,
+                    int64_t F, float eps, float scale, int bits) {
+    const int64_t esz = bits == 32 ? 4 : 2, G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
+    /* activations in the storage dtype (4-byte slots), then fp32 scratch */
+    const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = G * D * 2 + G * L + D;
+    char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4));
+    if (!buf) return -1;
+    char *h = buf, *qkv = h + d * 4, *att = qkv + nqkv * 4, *gate = att + Hq * D * 4, *up = gate + F * 4;
+    float *qf = (float *)(buf + n_act * 4), *of = qf + G * D, *scores = of + G * D, *row = scores + G * L;
+
+    /* attention block */
+    mh_rms_norm(x, g_attn, h, d, eps, bits);
+    gemv(w_qkv, h, qkv, nqkv, d, bits);
+    char *q = qkv, *k = qkv + Hq * D * esz, *v = k + Hkv * D * esz;
+    for (int64_t i = 0; i < Hq; i++) rope(q + i * D * esz, D, cos, sin, interleaved, bits);
+    for (int64_t j = 0; j < Hkv; j++) {
+        rope(k + j * D * esz, D, cos, sin, interleaved, bits);
+        memcpy((char *)k_cache + (j * k_head_stride + pos * D) * esz, k + j * D * esz, (size_t)(D * esz));
+        memcpy((char *)v_cache + (j * v_head_stride + pos * D) * esz, v + j * D * esz, (size_t)(D * esz));
+    }
+    for (int64_t j = 0; j < Hkv; j++) {
+        for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, bits);
+        attend(qf, (char *)k_cache + j * k_head_stride * esz, (char *)v_cache + j * v_head_stride * esz, L, D,
+               G, scale, bits, of, scores, row);
+        for (int64_t i = 0; i < G * D; i++) put(att, j * G * D + i, of[i], bits);
+    }
+    gemv(w_o, att, h, d, Hq * D, bits);
+    for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, bits) + get(h, i, bits), bits);
+
+    /* feed-forward block */
+    mh_rms_norm(x, g_ffn, h, d, eps, bits);
+    gemv(w1, h, gate, F, d, bits);
+    gemv(w3, h, up, F, d, bits);
+    for (int64_t i = 0; i < F; i++) {
+        const float a = get(gate, i, bits), silu = rnd(a / (1.0f + expf(-a)), bits);
+        put(gate, i, silu * get(up, i, bits), bits);
+    }
+    gemv(w2, gate, h, d, F, bits);
+    for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, bits) + get(h, i, bits), bits);
+    free(buf);
+    return 0;
+}

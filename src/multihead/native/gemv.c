@@ -1,0 +1,130 @@
+/* Batch-1 matrix-vector products for decoding: y = W x, W (rows, cols) row-major with row stride ldw.
+ *
+ * A decode step multiplies every weight matrix by one vector, so it is a single pass over the weights
+ * and its speed is the memory's read bandwidth. The loops below keep it there: one row at a time (one
+ * sequential stream for the hardware prefetcher) with four independent accumulators (a single one
+ * would wait on the latency of each fused multiply-add instead of on memory), fp32 accumulation.
+ *
+ * mh_gemv_f32:  fp32 W, fp32 x, fp32 bias b (or NULL), fp32 y = W x + b.
+ * mh_gemv_bf16: the same in bf16 (accumulated in fp32 with the bias, rounded to nearest even once).
+ *     With AVX512-BF16 the products are VDPBF16PS (pairs of bf16 products summed into fp32 lanes);
+ *     elsewhere W and x are widened to fp32 first. Both are exact products with fp32 sums.
+ *
+ * Compiled at first use by multihead.native with the system C compiler for the machine it runs on
+ * (-O3 -march=native); GCC / Clang vector extensions keep the generic code portable.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "native.h"
+#if defined(__x86_64__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define MH_DPBF16 1
+#else
+#define MH_DPBF16 0
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline v16 load_f32(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v16 load_bf16(const uint16_t *p) { /* 16 bf16 -> 16 fp32: the bf16 bits are the high half */
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+static inline float hsum(v16 v) {
+    float s = 0.0f;
+    for (int k = 0; k < 16; k++) s += v[k];
+    return s;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN (as torch) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+int mh_gemv_has_dpbf16(void) { return MH_DPBF16; }
+
+void mh_gemv_f32(const float *w, const float *x, const float *b, float *y, int64_t rows, int64_t cols,
+                 int64_t ldw) {
+    const int64_t c64 = cols & ~(int64_t)63, c16 = cols & ~(int64_t)15;
+    for (int64_t o = 0; o < rows; o++) {
+        const float *r = w + o * ldw;
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+        for (; i < c64; i += 64) {
+            a0 += load_f32(r + i) * load_f32(x + i);
+            a1 += load_f32(r + i + 16) * load_f32(x + i + 16);
+            a2 += load_f32(r + i + 32) * load_f32(x + i + 32);
+            a3 += load_f32(r + i + 48) * load_f32(x + i + 48);
+        }
+        for (; i < c16; i += 16) a0 += load_f32(r + i) * load_f32(x + i);
+        float s = hsum((a0 + a1) + (a2 + a3));
+        for (; i < cols; i++) s += r[i] * x[i];
+        y[o] = b ? s + b[o] : s;
+    }
+}
+
+void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
+                  int64_t cols, int64_t ldw) {
+#if MH_DPBF16
+    const int64_t c128 = cols & ~(int64_t)127, c32 = cols & ~(int64_t)31;
+    for (int64_t o = 0; o < rows; o++) {
+        const uint16_t *r = w + o * ldw;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t i = 0;
+        for (; i < c128; i += 128) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(r + i), (__m512bh)_mm512_loadu_si512(x + i));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(r + i + 32),
+                                  (__m512bh)_mm512_loadu_si512(x + i + 32));
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(r + i + 64),
+                                  (__m512bh)_mm512_loadu_si512(x + i + 64));
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(r + i + 96),
+                                  (__m512bh)_mm512_loadu_si512(x + i + 96));
+        }
+        for (; i < c32; i += 32)
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(r + i), (__m512bh)_mm512_loadu_si512(x + i));
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        for (; i < cols; i++) s += bf16_to_f32(r[i]) * bf16_to_f32(x[i]);
+        y[o] = f32_to_bf16(b ? s + bf16_to_f32(b[o]) : s);
+    }
+#else
+    const int64_t c64 = cols & ~(int64_t)63, c16 = cols & ~(int64_t)15;
+    for (int64_t o = 0; o < rows; o++) {
+        const uint16_t *r = w + o * ldw;
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+        for (; i < c64; i += 64) {
+            a0 += load_bf16(r + i) * load_bf16(x + i);
+            a1 += load_bf16(r + i + 16) * load_bf16(x + i + 16);
+            a2 += load_bf16(r + i + 32) * load_bf16(x + i + 32);
+            a3 += load_bf16(r + i + 48) * load_bf16(x + i + 48);
+        }
+        for (; i < c16; i += 16) a0 += load_bf16(r + i) * load_bf16(x + i);
+        float s = hsum((a0 + a1) + (a2 + a3));
+        for (; i < cols; i++) s += bf16_to_f32(r[i]) * bf16_to_f32(x[i]);
+        y[o] = f32_to_bf16(b ? s + bf16_to_f32(b[o]) : s);
+    }
+#endif
+}

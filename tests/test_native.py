@@ -1,0 +1,179 @@
+"""The native batch-1 GEMV (multihead.native) and GemvLinear: the products of torch, built once per
+machine, F.linear wherever the kernel cannot run, and the tokens of the plain model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import multihead as mh
+from multihead import native
+from multihead.models import quant
+from multihead.models.gemv_linear import GemvLinear
+
+REASON = native.unavailable()
+needs_native = pytest.mark.skipif(REASON is not None, reason=f"native GEMV unavailable: {REASON}")
+
+
+def _rounded_exact(w: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """W x + b in float64, rounded once to the inputs' dtype: the best any kernel can return."""
+    ref = w.double() @ x.double()  # (O,)
+    return (ref if b is None else ref + b.double()).to(w.dtype)
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    cols=st.integers(1, 300),
+    pad=st.integers(0, 5),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fp32_gemv_matches_float64_for_every_shape_and_row_stride(rows, cols, pad, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols + pad, generator=g)[:, :cols]  # (O, I), row stride I + pad
+    x = torch.randn(cols, generator=g)  # (I,)
+    b = torch.randn(rows, generator=g) if bias else None  # (O,)
+    y = native.gemv(w, x, b)
+    assert y.shape == (rows,) and y.dtype == torch.float32
+    ref = w.double() @ x.double() + (0 if b is None else b.double())  # (O,)
+    scale = w.double().abs() @ x.double().abs() + 1  # (O,): the size of the sum's terms
+    assert float(((y.double() - ref).abs() / scale).max()) < 1e-6
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 400), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_bf16_gemv_is_the_exact_product_rounded_once(rows, cols, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g).bfloat16()  # (O, I)
+    x = torch.randn(cols, generator=g).bfloat16()  # (I,)
+    b = torch.randn(rows, generator=g).bfloat16() if bias else None  # (O,)
+    y = native.gemv(w, x, b)
+    assert y.dtype == torch.bfloat16
+    # exact bf16 products summed in fp32: at most one bf16 ulp (2^-7 relative) from the exact result
+    # rounded once, plus the fp32 sum's error relative to the size of the terms
+    exact = w.double() @ x.double() + (0 if b is None else b.double())  # (O,)
+    scale = w.double().abs() @ x.double().abs() + 1
+    err = (y.double() - exact).abs()
+    assert bool((err <= exact.abs() * 2**-8 + scale * 1e-6).all())
+
+
+@needs_native
+def test_gemv_agrees_with_f_linear_on_decode_shapes():
+    torch.manual_seed(0)
+    for rows, cols in ((2816, 1024), (1024, 2816), (512, 1024), (32000, 64)):
+        w, x = torch.randn(rows, cols), torch.randn(cols)
+        torch.testing.assert_close(native.gemv(w, x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+        wb, xb = w.bfloat16(), x.bfloat16()
+        got, want = native.gemv(wb, xb).float(), F.linear(xb, wb).float()
+        # both sum in fp32 and round once: they differ by at most one bf16 ulp, on few outputs
+        assert float(((got - want).abs() / want.abs().clamp_min(1e-3)).max()) <= 2**-7
+        assert float((got != want).float().mean()) < 0.05
+
+
+@needs_native
+def test_gemv_rejects_bad_inputs_with_the_fix():
+    w, x = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(
+        ValueError, match=r"all torch.float32 or all torch.bfloat16, got \[torch.float32, torch.float16\]"
+    ):
+        native.gemv(w, x.half())
+    with pytest.raises(ValueError, match=r"needs weight \(O, I\) and x \(I,\), got \(4, 8\) and \(7,\)"):
+        native.gemv(w, x[:7])
+    with pytest.raises(ValueError, match=r"needs bias \(O,\) = \(4,\), got \(3,\)"):
+        native.gemv(w, x, torch.randn(3))
+    with pytest.raises(ValueError, match=r"columns contiguous.*weight.contiguous\(\)"):
+        native.gemv(torch.randn(8, 4).t(), x)
+    with pytest.raises(ValueError, match="gemv has no backward"):
+        native.gemv(w.requires_grad_(), x)
+
+
+@needs_native
+def test_the_build_is_cached_per_source_compiler_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    cc = native._compiler()
+    assert cc is not None
+    so = native._build(cc)
+    assert so.parent == tmp_path and so.name.startswith("native-") and so.exists()
+    assert native._build(cc) == so  # a second call reuses the file
+    assert native._self_check(native.open_library(so)) is None
+    monkeypatch.setattr(native, "_cpu_key", lambda: "another cpu")
+    assert native.library_path(cc) != so  # a build for one CPU is never loaded on another
+
+
+def test_without_a_compiler_gemv_linear_runs_f_linear_and_says_why(monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    native._load.cache_clear()
+    try:
+        assert native.unavailable() == "no C compiler found (install gcc or clang, or set CC)"
+        lin = torch.nn.Linear(16, 8)
+        layer = GemvLinear.from_linear(lin)
+        assert "F.linear (no C compiler found" in repr(layer)
+        x = torch.randn(1, 16)
+        with torch.no_grad():
+            assert torch.equal(layer(x), lin(x))
+        with pytest.raises(ValueError, match="the native GEMV is unavailable: no C compiler found"):
+            native.gemv(lin.weight.detach(), x[0])
+        monkeypatch.setenv("MULTIHEAD_NATIVE", "0")
+        native._load.cache_clear()
+        assert native.unavailable() == "disabled by MULTIHEAD_NATIVE=0"
+    finally:
+        native._load.cache_clear()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_linear_runs_the_kernel_for_one_row_and_f_linear_otherwise(dtype, bias, monkeypatch):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200, bias=bias).to(dtype)
+    layer = GemvLinear.from_linear(lin)
+    assert layer.weight is lin.weight and layer.why_not_native is None  # shares the tensors
+    calls = []
+    real_run = native.run
+    monkeypatch.setattr(native, "run", lambda *a: calls.append(a) or real_run(*a))
+    with torch.no_grad():
+        for shape in ((96,), (1, 96), (1, 1, 96)):
+            x = torch.randn(shape).to(dtype)
+            y = layer(x)
+            assert y.shape == (*shape[:-1], 200) and y.dtype == dtype
+            torch.testing.assert_close(y, lin(x), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4)
+        assert len(calls) == 3
+        for shape in ((2, 96), (3, 7, 96)):  # several rows: F.linear, bit for bit
+            x = torch.randn(shape).to(dtype)
+            assert torch.equal(layer(x), lin(x))
+    assert len(calls) == 3
+    x = torch.randn(1, 96, dtype=dtype, requires_grad=True)  # training: F.linear, with its gradient
+    layer(x).sum().backward()
+    assert x.grad is not None and len(calls) == 3
+
+
+@needs_native
+def test_quantize_native_decodes_the_tokens_of_the_plain_model():
+    torch.manual_seed(0)
+    lm = mh.TransformerLM(500, 64, 2, 4, 128, n_kv_heads=2).eval()
+    ids = torch.randint(0, 500, (1, 24), generator=torch.Generator().manual_seed(1))
+    for weights, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        plain = copy.deepcopy(lm).to(dtype)
+        q = quant.quantize(lm, weights=weights, kv=None)  # "auto": native where the kernel builds
+        linears = [m for m in q.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(isinstance(m, GemvLinear) for m in linears)
+        assert q.lm_head.weight is q.embed.weight  # the tie stays a tie: no second copy
+        assert quant.model_bytes(q) == quant.model_bytes(plain)
+        with torch.no_grad():
+            assert torch.equal(q.generate(ids, 16), plain.generate(ids, 16))
+    assert isinstance(
+        quant.quantize(lm, weights="fp32", kv=None, kernel="onednn").lm_head, quant.PackedLinear
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"kernel for weights='bf16' must be one of \['auto', 'native', 'onednn'\], got 'fbgemm'",
+    ):
+        quant.quantize(lm, weights="bf16", kv=None, kernel="fbgemm")

@@ -50,6 +50,23 @@ def test_generate_json_with_int8_cache_and_sampling(capsys):
     assert len(doc["tokens"]) == 2 and doc["decode_tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_generate_with_weights_decodes_the_same_tokens_and_says_whether_steps_are_native(weights, capsys):
+    from multihead import native
+
+    base = ["generate", "--json", "--max-new-tokens", "6", "--prompt-ids", "1,2,3"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--weights", weights]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["weights"] == weights and doc["model"].endswith(f"{weights} weights")
+    why = native.unavailable()
+    assert doc["native_steps"] == ("yes" if why is None else f"the native kernels are unavailable: {why}")
+    if weights == "fp32":  # the same weights: the same greedy tokens
+        assert doc["tokens"] == plain["tokens"]
+    assert len(doc["tokens"][0]) == 6 and plain["weights"] is None and plain["native_steps"] is None
+
+
 def test_generate_from_a_checkpoint_directory(tmp_path, capsys):
     tf = pytest.importorskip("transformers", reason="saving a checkpoint needs the test extra (transformers)")
     config = tf.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64)

@@ -4,6 +4,8 @@
     multihead generate --preset llama-155m --prompt-len 256 --max-new-tokens 64     decode speed
     multihead generate --model DIR --prompt "Once upon"   a save_pretrained() directory (GPT-2, LLaMA,
                                                           Mistral, Qwen2); text needs DIR/tokenizer.json
+    multihead generate --preset llama-155m --weights bf16 an inference copy in bf16 with native decode
+                                                          steps where the model allows them
 
 Prints the new tokens and the speed: prefill time and decode tokens/s (one-token steps on the KV cache).
 """
@@ -69,6 +71,7 @@ def _timed(lm: Any, ids: torch.Tensor, args: argparse.Namespace) -> tuple[torch.
         raise ValueError("--temperature, --top-k and --top-p apply only with --sample")
     if args.sample:
         kw.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    lm.generate(ids, 2, **kw)  # warm-up, not timed: first-call costs (kernel set-up, allocations)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     lm.generate(ids, 1, **kw)
@@ -84,6 +87,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     lm, tokenizer, what = _model(args)
+    native_steps = None
+    if args.weights is not None:
+        from ..models import quant
+
+        lm = quant.quantize(lm, weights=args.weights, kv=None)  # kernel "auto": native where it builds
+        native_steps = lm.why_not_native_steps or "yes"
+        what = f"{what}, {args.weights} weights"
     ids = _prompt(args, lm.vocab_size, tokenizer)
     with Console(stderr=True).status(f"generating {args.max_new_tokens} tokens with {what}"):
         out, prefill, total = _timed(lm, ids, args)
@@ -94,6 +104,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "model": what,
         "params": sum(p.numel() for p in lm.parameters()),
         "cache": args.cache,
+        "weights": args.weights,
+        "native_steps": native_steps,
         "batch": args.batch,
         "prompt_tokens": ids.shape[1],
         "new_tokens": new.shape[1],
@@ -113,6 +125,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for r, row in enumerate(doc.get("text") or new.tolist()):
         console.print(f"[{r}] {row}", markup=False)
     rate = "n/a (one token)" if decode_rate is None else f"{decode_rate:.1f} tokens/s"
+    if native_steps is not None:
+        rate += f" (native steps: {native_steps})"
     console.print(
         f"{what}: {doc['params'] / 1e6:.1f}M params, {args.cache} cache, batch {args.batch}; prefill of "
         f"{ids.shape[1]} tokens + first token {prefill:.2f} s; decode {rate}",
@@ -144,6 +158,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="(default 32)")
     p.add_argument("--batch", type=positive_int, default=1, help="copies of the prompt decoded together")
     p.add_argument("--cache", choices=list(KINDS), default="dense", help="KV cache kind (default dense)")
+    p.add_argument(
+        "--weights",
+        choices=["fp32", "bf16"],
+        default=None,
+        help="decode an inference copy in this dtype, batch-1 steps native where the model allows "
+        "(mh.quant.quantize(lm, weights=..., kv=None)); default: the model as loaded",
+    )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample)")
     p.add_argument("--top-k", type=positive_int, default=None, help="sample among the k best (with --sample)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -135,18 +136,34 @@ def why_not_call(
     if attention_mask is not None and not bool(attention_mask.all()):
         return "the attention mask has padding"
     c = cache[0]
-    dtype = model.final_norm.weight.dtype
-    for kv in cache:
-        if kv.kind != "dense" or kv.dtype != dtype or kv.k.device.type != "cpu":
-            return f"the cache is {kv.kind} {kv.dtype}; native steps need a dense {dtype} cache on the CPU"
-        if kv.position != c.position:
-            return "the layers' caches hold different numbers of positions"
-        if not (kv.k.is_contiguous() and kv.v.is_contiguous()) or kv.k.shape[-1] != kv.v.shape[-1]:
-            return "the cache storage is not contiguous (B, Hkv, max_len, D)"
+    checked = model.__dict__.get("_native_caches", ())  # weak references to the caches checked last
+    if len(checked) != len(cache) or any(r() is not kv for r, kv in zip(checked, cache)):
+        reason = _cache_reason(model, cache)
+        if reason is not None:
+            return reason
+        model.__dict__["_native_caches"] = tuple(weakref.ref(kv) for kv in cache)
+    if cache[-1].position != c.position:
+        return "the layers' caches hold different numbers of positions"
     if c.position >= c.max_len:
         return f"the cache is full ({c.max_len} positions)"
     if ids.dtype not in (torch.int64, torch.int32) or not 0 <= int(ids) < model.vocab_size:
         return "the token id is not an integer in [0, vocab_size) (the eager step says why)"
+    return None
+
+
+def _cache_reason(model: Any, cache: list[KVCache]) -> str | None:
+    """Why these caches cannot take native steps (their kind, dtype, device and layout; fixed when a
+    cache is built, so asked once per list of caches), or None."""
+    if len(cache) != len(model.layers):
+        return f"{len(cache)} caches for {len(model.layers)} layers"
+    dtype = model.final_norm.weight.dtype
+    for kv in cache:
+        if kv.kind != "dense" or kv.dtype != dtype or kv.k.device.type != "cpu":
+            return f"the cache is {kv.kind} {kv.dtype}; native steps need a dense {dtype} cache on the CPU"
+        if kv.position != cache[0].position:
+            return "the layers' caches hold different numbers of positions"
+        if not (kv.k.is_contiguous() and kv.v.is_contiguous()) or kv.k.shape[-1] != kv.v.shape[-1]:
+            return "the cache storage is not contiguous (B, Hkv, max_len, D)"
     return None
 
 

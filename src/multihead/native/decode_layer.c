@@ -23,6 +23,7 @@
 #include "native.h"
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 static inline float bf_to_f(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -83,6 +84,71 @@ static void rope(void *t, int64_t D, const float *cos, const float *sin, int int
     }
 }
 
+/* e^x for 16 lanes: x = n ln2 + f ln2 with n = round(x / ln2), |f| <= 1/2, 2^f by its Taylor series to
+ * degree 6 (relative error about 1.2e-7, one fp32 ulp), 2^n by the exponent bits; x clamped to
+ * [-87, 88], where e^x is a normal float (e^-87 ~ 1.6e-38 stands in for anything smaller) */
+static inline v16 vselect(i32x16 mask, v16 a, v16 b) { /* a where mask, else b */
+    i32x16 ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    const i32x16 r = (ai & mask) | (bi & ~mask);
+    v16 out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+static inline v16 vexp(v16 x) {
+    const v16 zero = {0}, lo = zero - 87.0f, hi = zero + 88.0f;
+    x = vselect(x < lo, lo, x);
+    x = vselect(x > hi, hi, x);
+    const v16 t = x * 1.44269504088896341f + 0.5f; /* x / ln2, shifted so that floor rounds */
+    i32x16 n = __builtin_convertvector(t, i32x16);  /* truncates toward zero */
+    v16 nf = __builtin_convertvector(n, v16);
+    const i32x16 down = nf > t;                       /* -1 where truncation went up (t < 0) */
+    n += down;
+    nf = __builtin_convertvector(n, v16);
+    const v16 f = (t - 0.5f - nf) * 0.69314718055994531f; /* f ln2, in [-ln2 / 2, ln2 / 2] */
+    v16 p = f * (1.0f / 720) + 1.0f / 120;
+    p = p * f + 1.0f / 24;
+    p = p * f + 1.0f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    const i32x16 bits = (n + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* e^x over n floats in place; returns their sum */
+static float exp_sum(float *x, int64_t n) {
+    v16 acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 v;
+        memcpy(&v, x + i, sizeof v);
+        v = vexp(v);
+        memcpy(x + i, &v, sizeof v);
+        acc += v;
+    }
+    float s = 0.f;
+    for (int k = 0; k < 16; k++) s += acc[k];
+    for (; i < n; i++) s += (x[i] = expf(x[i]));
+    return s;
+}
+
+/* silu(a) = a / (1 + e^-a) over n floats in place */
+static void silu(float *a, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 v;
+        memcpy(&v, a + i, sizeof v);
+        v = v / (1.0f + vexp(-v));
+        memcpy(a + i, &v, sizeof v);
+    }
+    for (; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i]));
+}
+
 static inline void load_row(float *dst, const void *src, int64_t D, int bits) {
     if (bits == 32) {
         memcpy(dst, src, (size_t)D * sizeof(float));
@@ -116,10 +182,10 @@ static void attend(const float *q, const void *K, const void *V, int64_t L, int6
         for (int64_t g = 0; g < G; g++) scores[g * L + l] = dot(q + g * D, row, D) * scale;
     }
     for (int64_t g = 0; g < G; g++) {
-        float *s = scores + g * L, m = -INFINITY, z = 0.f;
+        float *s = scores + g * L, m = -INFINITY;
         for (int64_t l = 0; l < L; l++) m = s[l] > m ? s[l] : m;
-        for (int64_t l = 0; l < L; l++) z += (s[l] = expf(s[l] - m));
-        const float inv = 1.0f / z;
+        for (int64_t l = 0; l < L; l++) s[l] -= m;
+        const float inv = 1.0f / exp_sum(s, L);
         for (int64_t l = 0; l < L; l++) s[l] *= inv;
     }
     memset(out, 0, (size_t)(G * D) * sizeof(float));
@@ -141,11 +207,12 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
                     int64_t F, float eps, float scale, int bits) {
     const int64_t esz = bits == 32 ? 4 : 2, G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
     /* activations in the storage dtype (4-byte slots), then fp32 scratch */
-    const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = G * D * 2 + G * L + D;
+    const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = G * D * 2 + G * L + D + F;
     char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4));
     if (!buf) return -1;
     char *h = buf, *qkv = h + d * 4, *att = qkv + nqkv * 4, *gate = att + Hq * D * 4, *up = gate + F * 4;
     float *qf = (float *)(buf + n_act * 4), *of = qf + G * D, *scores = of + G * D, *row = scores + G * L;
+    float *act = row + D;
 
     /* attention block */
     mh_rms_norm(x, g_attn, h, d, eps, bits);
@@ -170,10 +237,9 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
     mh_rms_norm(x, g_ffn, h, d, eps, bits);
     gemv(w1, h, gate, F, d, bits);
     gemv(w3, h, up, F, d, bits);
-    for (int64_t i = 0; i < F; i++) {
-        const float a = get(gate, i, bits), silu = rnd(a / (1.0f + expf(-a)), bits);
-        put(gate, i, silu * get(up, i, bits), bits);
-    }
+    for (int64_t i = 0; i < F; i++) act[i] = get(gate, i, bits);
+    silu(act, F);
+    for (int64_t i = 0; i < F; i++) put(gate, i, rnd(act[i], bits) * get(up, i, bits), bits);
     gemv(w2, gate, h, d, F, bits);
     for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, bits) + get(h, i, bits), bits);
     free(buf);

@@ -1,0 +1,103 @@
+"""Batch-1 matrix-vector products that no cache holds: read bandwidth of each kernel against a plain sum.
+
+    python benchmarks/native_gemv.py                 # one thread, 40 weights of 2816 x 1024, 5 rounds
+    python benchmarks/native_gemv.py --threads 2 --json
+
+A decode step multiplies every weight matrix by one vector, so its floor is the time to read the weights.
+This script builds ``--count`` weights of ``--shape`` (together far larger than the caches), multiplies
+them one after the other by one vector with each kernel, and reports GB/s of weights read, the best of
+``--rounds`` passes, next to a ``sum`` over a 256 MiB fp32 tensor (a pure streaming read, measured in
+the same rounds). Kernels: ``F.linear`` (torch's own: MKL in fp32, oneDNN in bf16), oneDNN's prepacked
+weight (``mh.quant.PackedLinear``), and ``multihead.native.gemv``. Every kernel's result is checked
+against ``F.linear`` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from multihead import native
+from multihead.models import quant
+
+
+def _best_rate(fn, nbytes: int, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def _rows_of(dtype: torch.dtype, count: int, rows: int, cols: int, rounds: int, probe) -> list[dict]:
+    """One row per kernel for ``dtype``: its GB/s and the sum's, measured in turn."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(rows, cols, generator=g).to(dtype) for _ in range(count)]  # count x (O, I)
+    x = torch.randn(cols, generator=g).to(dtype)  # (I,)
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    packed = []
+    if quant.prepack_unavailable(dtype) is None:
+        for w in ws:
+            lin = torch.nn.Linear(cols, rows, bias=False).to(dtype)
+            lin.weight.data = w
+            packed.append(quant.PackedLinear(lin, dtype))
+    kernels = {"F.linear": lambda i: F.linear(x, ws[i])}
+    if packed:
+        kernels["oneDNN packed"] = lambda i: packed[i](x.view(1, cols)).view(rows)
+    if native.unavailable() is None:
+        kernels["native"] = lambda i: native.gemv(ws[i], x)
+    out = []
+    with torch.inference_mode():
+        want = F.linear(x, ws[0]).float()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for name, k in kernels.items():
+            assert float((k(0).float() - want).abs().max()) <= tol * float(want.abs().max()), name
+        for name, k in kernels.items():
+            rate = _best_rate(lambda k=k: [k(i) for i in range(count)], nbytes, rounds)
+            sum_rate = _best_rate(probe.sum, probe.numel() * 4, rounds)
+            dt = str(dtype).removeprefix("torch.")
+            out.append({"dtype": dt, "kernel": name, "GBps": rate, "sum_GBps": sum_rate})
+    return out
+
+
+def run(threads: int, count: int, rows: int, cols: int, rounds: int) -> dict:
+    """GB/s of each kernel and of the sum; see the module docstring."""
+    torch.set_num_threads(threads)
+    probe = torch.ones(1 << 26)  # 256 MiB of fp32
+    found = [
+        r
+        for dtype in (torch.float32, torch.bfloat16)
+        for r in _rows_of(dtype, count, rows, cols, rounds, probe)
+    ]
+    return {"threads": threads, "count": count, "shape": [rows, cols], "rounds": rounds, "rows": found}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--count", type=int, default=40, help="weights (default 40)")
+    p.add_argument("--shape", default="2816x1024", help="rows x columns of each weight")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    rows, cols = (int(v) for v in a.shape.split("x"))
+    doc = run(a.threads, a.count, rows, cols, a.rounds)
+    if a.json:
+        print(json.dumps(doc, indent=1))
+        return
+    print(f"{a.count} weights of {rows} x {cols}, {a.threads} thread(s), best of {a.rounds}")
+    print(f"{'dtype':6s} {'kernel':14s} {'GB/s':>6s} {'sum GB/s':>9s} {'of sum':>7s}")
+    for r in doc["rows"]:
+        print(
+            f"{r['dtype']:6s} {r['kernel']:14s} {r['GBps']:6.1f} {r['sum_GBps']:9.1f} "
+            f"{r['GBps'] / r['sum_GBps']:7.0%}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -177,3 +177,33 @@ def test_quantize_native_decodes_the_tokens_of_the_plain_model():
         match=r"kernel for weights='bf16' must be one of \['auto', 'native', 'onednn'\], got 'fbgemm'",
     ):
         quant.quantize(lm, weights="bf16", kv=None, kernel="fbgemm")
+
+
+@needs_native
+def test_products_split_over_threads_give_the_same_bits():
+    torch.manual_seed(0)
+    w, x = torch.randn(700, 512), torch.randn(512)  # above the size that wakes the threads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert native.threads() == 1
+        one = [native.gemv(w, x), native.gemv(w.bfloat16(), x.bfloat16())]
+        torch.set_num_threads(2)
+        many = [native.gemv(w, x), native.gemv(w.bfloat16(), x.bfloat16())]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, many))  # each row is summed by one thread
+
+
+@needs_native
+def test_a_compiler_without_openmp_builds_the_one_thread_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "OPENMP", "-fno-such-option-here")
+    native._load.cache_clear()
+    try:
+        assert native.unavailable() is None  # the build without the flag passed its self-check
+        assert native.threads() == 1
+        w, x = torch.randn(700, 512), torch.randn(512)
+        torch.testing.assert_close(native.gemv(w, x), w @ x, rtol=1e-5, atol=1e-4)
+    finally:
+        native._load.cache_clear()

@@ -14,7 +14,8 @@ The kernel is compiled once per machine by the system C compiler (``$CC``, else 
 ``$MULTIHEAD_CACHE`` (default ``~/.cache/multihead``) and loaded with ``ctypes``; a build is checked
 against ``torch.mv`` before use. Without a compiler, on a failed build or check, or with
 ``MULTIHEAD_NATIVE=0``, :func:`unavailable` says why and the callers (``mh.quant.GemvLinear``) run
-``F.linear``. One thread: the kernel does not split rows across cores.
+``F.linear``. Large products split their rows over torch's OpenMP threads (``torch.set_num_threads``)
+where the compiler has OpenMP, else one thread (:func:`threads` says how many run).
 
 Shape legend: O rows (output features), I columns (input features).
 """
@@ -44,6 +45,7 @@ __all__ = [
     "library_path",
     "open_library",
     "run",
+    "threads",
     "unavailable",
 ]
 
@@ -51,6 +53,9 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "gemv.c", HERE / "decode_layer.c")  # and the header they share, native.h
 HEADER = HERE / "native.h"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
+#: added when the compiler has it: products split over torch's OpenMP threads (torch's wheel ships the
+#: GNU runtime, libgomp.so.1, which the built library then shares instead of loading a second one)
+OPENMP = "-fopenmp"
 DTYPES = (torch.float32, torch.bfloat16)
 
 _I64 = ctypes.c_int64
@@ -89,7 +94,7 @@ def library_path(cc: str) -> Path:
     """The shared library built from :data:`SOURCES` by ``cc`` for this CPU (it may not exist yet)."""
     code = [p.read_bytes() for p in (*SOURCES, HEADER)]
     key = hashlib.sha256(
-        b"\0".join([*code, cc.encode(), " ".join(FLAGS).encode(), _cpu_key().encode()])
+        b"\0".join([*code, cc.encode(), " ".join((*FLAGS, OPENMP)).encode(), _cpu_key().encode()])
     ).hexdigest()[:16]
     return cache_dir() / f"native-{key}.so"
 
@@ -103,13 +108,16 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
     os.close(fd)
     try:
-        subprocess.run(
-            [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        for extra in ([OPENMP], []):  # without OpenMP (one thread) where the compiler lacks it
+            done = subprocess.run(
+                [cc, *FLAGS, *extra, "-o", tmp, *map(str, SOURCES), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if done.returncode == 0:
+                break
+        done.check_returncode()
         os.replace(tmp, so)
     finally:
         if os.path.exists(tmp):
@@ -125,6 +133,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]  # w, x, bias or NULL, y, O, I, row stride
         fn.restype = None
     lib.mh_gemv_has_dpbf16.restype = ctypes.c_int
+    lib.mh_native_threads.restype = ctypes.c_int
     lib.mh_decode_layer.argtypes = [
         *[_PTR] * 10,  # x, g_attn, w_qkv, w_o, g_ffn, w1, w3, w2, k_cache, v_cache
         _I64,  # k head stride
@@ -189,6 +198,13 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 def unavailable() -> str | None:
     """Why the native kernel cannot run here, or None when it can (builds it on the first call)."""
     return _load()[1]
+
+
+def threads() -> int:
+    """Threads a large product runs on now (torch's OpenMP thread count; 1 without OpenMP or the
+    kernels)."""
+    lib = _load()[0]
+    return int(lib.mh_native_threads()) if lib is not None else 1
 
 
 def has_dpbf16() -> bool:

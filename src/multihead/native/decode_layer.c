@@ -220,12 +220,12 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
                     int64_t F, float eps, float scale, int bits) {
     const int64_t esz = bits == 32 ? 4 : 2, G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
     /* activations in the storage dtype (4-byte slots), then fp32 scratch */
-    const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = G * D * 2 + G * L + D + F;
+    const int64_t per_head = G * D * 2 + G * L + D; /* q, out, scores, row of one kv head's attention */
+    const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = Hkv * per_head + F;
     char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4));
     if (!buf) return -1;
     char *h = buf, *qkv = h + d * 4, *att = qkv + nqkv * 4, *gate = att + Hq * D * 4, *up = gate + F * 4;
-    float *qf = (float *)(buf + n_act * 4), *of = qf + G * D, *scores = of + G * D, *row = scores + G * L;
-    float *act = row + D;
+    float *heads = (float *)(buf + n_act * 4), *act = heads + Hkv * per_head;
 
     /* attention block */
     mh_rms_norm(x, g_attn, h, d, eps, bits);
@@ -237,7 +237,11 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
         memcpy((char *)k_cache + (j * k_head_stride + pos * D) * esz, k + j * D * esz, (size_t)(D * esz));
         memcpy((char *)v_cache + (j * v_head_stride + pos * D) * esz, v + j * D * esz, (size_t)(D * esz));
     }
-    for (int64_t j = 0; j < Hkv; j++) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (Hkv > 1 && G * L * D >= (1 << 15))
+#endif
+    for (int64_t j = 0; j < Hkv; j++) { /* kv heads in parallel, each with its own scratch */
+        float *qf = heads + j * per_head, *of = qf + G * D, *scores = of + G * D, *row = scores + G * L;
         for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, bits);
         attend(qf, (char *)k_cache + j * k_head_stride * esz, (char *)v_cache + j * v_head_stride * esz, L, D,
                G, scale, bits, of, scores, row);

@@ -11,12 +11,16 @@
  *     elsewhere W and x are widened to fp32 first. Both are exact products with fp32 sums.
  *
  * Compiled at first use by multihead.native with the system C compiler for the machine it runs on
- * (-O3 -march=native); GCC / Clang vector extensions keep the generic code portable.
+ * (-O3 -march=native, -fopenmp where the compiler has it); GCC / Clang vector extensions keep the
+ * generic code portable.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "native.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define MH_DPBF16 1
@@ -64,11 +68,29 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
     return (uint16_t)(u >> 16);
 }
 
+/* Rows split across the OpenMP threads (torch's pool: torch.set_num_threads sets their number) when the
+ * matrix is large enough to pay for waking them; one thread without OpenMP. */
+#define MH_PAR_MIN ((int64_t)1 << 18) /* elements */
+#ifdef _OPENMP
+#define MH_PARALLEL_ROWS _Pragma("omp parallel for schedule(static) if (rows * cols >= MH_PAR_MIN)")
+#else
+#define MH_PARALLEL_ROWS
+#endif
+
 int mh_gemv_has_dpbf16(void) { return MH_DPBF16; }
+
+int mh_native_threads(void) { /* threads a large product uses now */
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 void mh_gemv_f32(const float *w, const float *x, const float *b, float *y, int64_t rows, int64_t cols,
                  int64_t ldw) {
     const int64_t c64 = cols & ~(int64_t)63, c16 = cols & ~(int64_t)15;
+    MH_PARALLEL_ROWS
     for (int64_t o = 0; o < rows; o++) {
         const float *r = w + o * ldw;
         v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
@@ -90,6 +112,7 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
                   int64_t cols, int64_t ldw) {
 #if MH_DPBF16
     const int64_t c128 = cols & ~(int64_t)127, c32 = cols & ~(int64_t)31;
+    MH_PARALLEL_ROWS
     for (int64_t o = 0; o < rows; o++) {
         const uint16_t *r = w + o * ldw;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -111,6 +134,7 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
     }
 #else
     const int64_t c64 = cols & ~(int64_t)63, c16 = cols & ~(int64_t)15;
+    MH_PARALLEL_ROWS
     for (int64_t o = 0; o < rows; o++) {
         const uint16_t *r = w + o * ldw;
         v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};

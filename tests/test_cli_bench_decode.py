@@ -66,7 +66,7 @@ def test_every_row_with_finite_figures(capsys):
         assert rows[f"multihead {d} native"]["bytes_per_token"] == rows[f"multihead {d}"]["bytes_per_token"]
         assert doc[f"tokens_identical_native_{d}"] is True
     why = native.unavailable()
-    assert doc["native"].startswith(f"F.linear ({why})" if why else "native GEMV, one thread")
+    assert doc["native"].startswith(f"F.linear ({why})" if why else "native, 1 thread(s)")
     fp32 = rows["multihead fp32"]["bytes_per_token"]
     assert rows["multihead bf16"]["bytes_per_token"] == pytest.approx(fp32 / 2, rel=0.02)
     assert 3.0 < fp32 / rows["multihead int8 (fp32 activations)"]["bytes_per_token"] < 4.0

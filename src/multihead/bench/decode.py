@@ -6,13 +6,13 @@
 A LLaMA-shaped model with random weights is built once by transformers (``LlamaForCausalLM`` from the
 preset's config) and converted with ``mh.pretrained.from_hf``, so both sides hold the same weights.
 Contestants: multihead and transformers' ``generate`` in fp32 and in bf16 (``model.to(torch.bfloat16)``),
-multihead's bf16 with oneDNN-prepacked linear weights (``mh.quant.quantize(model, weights="bf16",
-kv=None)``: the same bf16 weights and results, a faster batch-1 kernel, bf16 dense KV cache; plain
-``F.linear`` where oneDNN lacks bf16, with the reason printed), the same for fp32
-(``weights="fp32"``: the fp32 weights in oneDNN's batch-1 layout, equal up to the order of the sums),
-the "native" rows (``kernel="native"``: every linear a ``GemvLinear``, whose one-token products run
-``multihead.native``'s compiled GEMV, one thread; ``F.linear`` with the reason printed where the kernel
-cannot build), and ``mh.quant.quantize(model,
+the "prepacked" rows: bf16 with oneDNN-prepacked linear weights (``mh.quant.quantize(model,
+weights="bf16", kv=None, kernel="onednn")``: the same bf16 weights and results, a faster batch-1 kernel,
+bf16 dense KV cache; plain ``F.linear`` where oneDNN lacks bf16, with the reason printed), the same for
+fp32 (the fp32 weights in oneDNN's batch-1 layout, equal up to the order of the sums); the "native" rows
+(``kernel="native"``: every decode step one native call per layer with the compiled GEMV,
+:mod:`multihead.models.native_step`, rows split over the torch threads; ``F.linear`` and the eager
+layers, with the reason printed, where the kernels cannot build); and ``mh.quant.quantize(model,
 weights="int8", kv="int8")`` of the fp32 and of the bf16 model (int8 weights per output channel, int8 KV
 cache). Greedy decoding; decode tokens/s excludes the prefill:
 ``(new - 1) / (t(new tokens) - t(1 token))``, each time the fastest of the rounds (load on a shared
@@ -197,7 +197,7 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
     info["bf16_prepacked"] = head.why_not_packed or "oneDNN prepacked"
     why_not = native.unavailable()
     dp = "AVX512-BF16 dot products" if native.has_dpbf16() else "bf16 widened to fp32"
-    info["native"] = f"F.linear ({why_not})" if why_not else f"native GEMV, one thread, {dp}"
+    info["native"] = f"F.linear ({why_not})" if why_not else f"native, {native.threads()} thread(s), {dp}"
     models: dict[str, tuple[nn.Module, str]] = {
         "multihead fp32": (ours32, "embed"),
         "multihead fp32 prepacked": (

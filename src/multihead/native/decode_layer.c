@@ -186,11 +186,12 @@ static inline float dot(const float *a, const float *b, int64_t D) {
 }
 
 /* attention of the G query heads sharing one kv head over keys 0..L-1; q (G, D) fp32, out (G, D) fp32;
- * scratch: scores (G, L), row (D) */
+ * scratch: scores (G, L), rows (L, D) (the values widened to fp32 once, then read by every head) */
 static void attend(const float *q, const void *K, const void *V, int64_t L, int64_t D, int64_t G,
-                   float scale, int bits, float *out, float *scores, float *row) {
+                   float scale, int bits, float *out, float *scores, float *rows) {
     const int64_t esz = bits == 32 ? 4 : 2;
     for (int64_t l = 0; l < L; l++) { /* each key read once for the G rows */
+        float *row = rows + l * D;
         load_row(row, (const char *)K + l * D * esz, D, bits);
         for (int64_t g = 0; g < G; g++) scores[g * L + l] = dot(q + g * D, row, D) * scale;
     }
@@ -201,13 +202,31 @@ static void attend(const float *q, const void *K, const void *V, int64_t L, int6
         const float inv = 1.0f / exp_sum(s, L);
         for (int64_t l = 0; l < L; l++) s[l] *= inv;
     }
-    memset(out, 0, (size_t)(G * D) * sizeof(float));
-    for (int64_t l = 0; l < L; l++) { /* each value read once for the G rows */
-        load_row(row, (const char *)V + l * D * esz, D, bits);
-        for (int64_t g = 0; g < G; g++) {
-            const float p = scores[g * L + l];
-            float *o = out + g * D;
-            for (int64_t i = 0; i < D; i++) o[i] += p * row[i];
+    for (int64_t l = 0; l < L; l++) load_row(rows + l * D, (const char *)V + l * D * esz, D, bits);
+    for (int64_t g = 0; g < G; g++) { /* one output row at a time: its 16-lane blocks stay in registers */
+        const float *p = scores + g * L;
+        float *o = out + g * D;
+        int64_t i = 0;
+        for (; i + 64 <= D; i += 64) {
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t l = 0; l < L; l++) {
+                const float *v = rows + l * D + i;
+                v16 x0, x1, x2, x3;
+                memcpy(&x0, v, sizeof x0);
+                memcpy(&x1, v + 16, sizeof x1);
+                memcpy(&x2, v + 32, sizeof x2);
+                memcpy(&x3, v + 48, sizeof x3);
+                a0 += p[l] * x0, a1 += p[l] * x1, a2 += p[l] * x2, a3 += p[l] * x3;
+            }
+            memcpy(o + i, &a0, sizeof a0);
+            memcpy(o + i + 16, &a1, sizeof a1);
+            memcpy(o + i + 32, &a2, sizeof a2);
+            memcpy(o + i + 48, &a3, sizeof a3);
+        }
+        for (; i < D; i++) {
+            float a = 0.f;
+            for (int64_t l = 0; l < L; l++) a += p[l] * rows[l * D + i];
+            o[i] = a;
         }
     }
 }
@@ -220,7 +239,7 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
                     int64_t F, float eps, float scale, int bits) {
     const int64_t esz = bits == 32 ? 4 : 2, G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
     /* activations in the storage dtype (4-byte slots), then fp32 scratch */
-    const int64_t per_head = G * D * 2 + G * L + D; /* q, out, scores, row of one kv head's attention */
+    const int64_t per_head = G * D * 2 + G * L + L * D; /* q, out, scores, rows of one kv head's attention */
     const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = Hkv * per_head + F;
     char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4));
     if (!buf) return -1;
@@ -241,10 +260,10 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
 #pragma omp parallel for schedule(static) if (Hkv > 1 && G * L * D >= (1 << 15))
 #endif
     for (int64_t j = 0; j < Hkv; j++) { /* kv heads in parallel, each with its own scratch */
-        float *qf = heads + j * per_head, *of = qf + G * D, *scores = of + G * D, *row = scores + G * L;
+        float *qf = heads + j * per_head, *of = qf + G * D, *scores = of + G * D, *rows = scores + G * L;
         for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, bits);
         attend(qf, (char *)k_cache + j * k_head_stride * esz, (char *)v_cache + j * v_head_stride * esz, L, D,
-               G, scale, bits, of, scores, row);
+               G, scale, bits, of, scores, rows);
         for (int64_t i = 0; i < G * D; i++) put(att, j * G * D + i, of[i], bits);
     }
     gemv(w_o, att, h, d, Hq * D, bits);

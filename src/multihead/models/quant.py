@@ -1,5 +1,5 @@
 """Quantization (docs/equations.md, section 7): int8 weights per output channel, int8 keys and values;
-bf16 and fp32 weights prepacked for oneDNN.
+bf16 and fp32 weights with faster batch-1 kernels (native, or prepacked for oneDNN).
 
 ``quantize(model, weights="int8", kv="int8")`` returns a copy of a model where
 
@@ -30,7 +30,19 @@ activations are rounded too; ``kernel="int8pack"`` keeps bf16 weight-only), int8
 elsewhere, else dequant.
 Quantized models are for inference: the int8 weights are buffers and take no gradient.
 
-``quantize(model, weights="bf16", kv=None)`` returns a bf16 copy (``model.to(torch.bfloat16)``, the
+``quantize(model, weights="bf16" | "fp32", kv=None)`` returns an inference copy in that dtype whose
+linears run a faster batch-1 kernel, chosen by ``kernel``:
+
+- ``"native"`` (what ``"auto"`` picks where :mod:`multihead.native` builds): every ``nn.Linear`` becomes a
+  :class:`GemvLinear` holding the same tensors (a tied head stays tied), whose one-row calls run the
+  native GEMV; and a :class:`~multihead.TransformerLM` of the LLaMA shape takes each one-token decode step
+  as one native call per layer (:mod:`.native_step`; ``why_not_native_steps`` says when it cannot). The
+  155M LLaMA shape then decodes at 81-90% of the memory's bandwidth limit, about 2x transformers in fp32
+  and 3x in bf16 (BENCHMARKS.md, "Native decoding"). Greedy tokens equal the eager model's.
+- ``"onednn"``: the oneDNN-prepacked layers below, faster than ``F.linear`` for many rows too (the
+  encoding choice).
+
+With ``kernel="onednn"``, ``weights="bf16"`` gives a bf16 copy (``model.to(torch.bfloat16)``, the
 embedding included) whose every ``nn.Linear`` (the output head too) is a :class:`Bf16Linear`: the
 same bf16 weight, reordered once by oneDNN for batch-1 products (``torch.ops.mkldnn._reorder_linear_weight``)
 and multiplied by ``torch.ops.mkldnn._linear_pointwise``. The results are those of ``F.linear`` on the
@@ -40,7 +52,7 @@ transformers in bf16 (BENCHMARKS.md, "Decoding by dtype"). A TransformerLM copy 
 "dense" KV cache. A head tied to the embedding gets its own packed copy (the embedding stays plain).
 Where oneDNN or its bf16 support is missing (or the weight is not a CPU bf16 one) a Bf16Linear runs
 plain ``F.linear`` and says why in ``why_not_packed``.
-``quantize(model, weights="fp32", kv=None)`` does the same in fp32 (every linear a
+``quantize(model, weights="fp32", kv=None, kernel="onednn")`` does the same in fp32 (every linear a
 :class:`PackedLinear`): no number changes but the order of the sums (results within about 1e-6 relative of
 ``F.linear``); on an AVX-512 CPU, one thread, oneDNN's packed fp32 product reads a weight that no cache
 holds about 1.4x faster than ``F.linear`` (MKL), and the 155M LLaMA shape decodes faster in proportion

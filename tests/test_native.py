@@ -47,22 +47,37 @@ def test_fp32_gemv_matches_float64_for_every_shape_and_row_stride(rows, cols, pa
     assert float(((y.double() - ref).abs() / scale).max()) < 1e-6
 
 
+HALVES = [
+    pytest.param(torch.bfloat16, 2**-8, id="bf16"),
+    pytest.param(
+        torch.float16,
+        2**-11,
+        id="fp16",
+        marks=pytest.mark.skipif(
+            torch.float16 not in native.dtypes(),
+            reason="no fp16 kernel here (neither F16C nor the compiler's _Float16)",
+        ),
+    ),
+]
+
+
 @needs_native
+@pytest.mark.parametrize(("dtype", "half_ulp"), HALVES)
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 40), cols=st.integers(1, 400), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_bf16_gemv_is_the_exact_product_rounded_once(rows, cols, bias, seed):
+def test_half_gemv_is_the_exact_product_rounded_once(dtype, half_ulp, rows, cols, bias, seed):
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, cols, generator=g).bfloat16()  # (O, I)
-    x = torch.randn(cols, generator=g).bfloat16()  # (I,)
-    b = torch.randn(rows, generator=g).bfloat16() if bias else None  # (O,)
+    w = torch.randn(rows, cols, generator=g).to(dtype)  # (O, I)
+    x = torch.randn(cols, generator=g).to(dtype)  # (I,)
+    b = torch.randn(rows, generator=g).to(dtype) if bias else None  # (O,)
     y = native.gemv(w, x, b)
-    assert y.dtype == torch.bfloat16
-    # exact bf16 products summed in fp32: at most one bf16 ulp (2^-7 relative) from the exact result
+    assert y.dtype == dtype
+    # exact half products summed in fp32: at most half an ulp of the dtype from the exact result
     # rounded once, plus the fp32 sum's error relative to the size of the terms
     exact = w.double() @ x.double() + (0 if b is None else b.double())  # (O,)
     scale = w.double().abs() @ x.double().abs() + 1
     err = (y.double() - exact).abs()
-    assert bool((err <= exact.abs() * 2**-8 + scale * 1e-6).all())
+    assert bool((err <= exact.abs() * half_ulp + scale * 1e-6).all())
 
 
 @needs_native
@@ -71,18 +86,22 @@ def test_gemv_agrees_with_f_linear_on_decode_shapes():
     for rows, cols in ((2816, 1024), (1024, 2816), (512, 1024), (32000, 64)):
         w, x = torch.randn(rows, cols), torch.randn(cols)
         torch.testing.assert_close(native.gemv(w, x), F.linear(x, w), rtol=1e-5, atol=1e-4)
-        wb, xb = w.bfloat16(), x.bfloat16()
-        got, want = native.gemv(wb, xb).float(), F.linear(xb, wb).float()
-        # both sum in fp32 and round once: they differ by at most one bf16 ulp, on few outputs
-        assert float(((got - want).abs() / want.abs().clamp_min(1e-3)).max()) <= 2**-7
-        assert float((got != want).float().mean()) < 0.05
+        for half, ulp in ((torch.bfloat16, 2**-7), (torch.float16, 2**-10)):
+            if half not in native.dtypes():
+                continue
+            wh, xh = w.to(half), x.to(half)
+            got, want = native.gemv(wh, xh).float(), F.linear(xh, wh).float()
+            # both sum in fp32 and round once: they differ by at most one ulp, on few outputs
+            assert float(((got - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp, half
+            assert float((got != want).float().mean()) < 0.05, half
 
 
 @needs_native
 def test_gemv_rejects_bad_inputs_with_the_fix():
     w, x = torch.randn(4, 8), torch.randn(8)
     with pytest.raises(
-        ValueError, match=r"all torch.float32 or all torch.bfloat16, got \[torch.float32, torch.float16\]"
+        ValueError,
+        match=r"all of one dtype of \[torch.float32, .*\], got \[torch.float32, torch.float16\]; cast them",
     ):
         native.gemv(w, x.half())
     with pytest.raises(ValueError, match=r"needs weight \(O, I\) and x \(I,\), got \(4, 8\) and \(7,\)"):

@@ -65,23 +65,38 @@ def test_fp32_native_steps_match_the_float64_model(n_heads, n_kv_heads, interlea
         torch.testing.assert_close(c.v[:, :, :17].double(), r.v[:, :, :17], rtol=1e-5, atol=1e-5)
 
 
+HALVES = [
+    pytest.param("bf16", torch.bfloat16, id="bf16"),
+    pytest.param(
+        "fp16",
+        torch.float16,
+        id="fp16",
+        marks=pytest.mark.skipif(
+            torch.float16 not in native.dtypes(),
+            reason="no fp16 kernel here (neither F16C nor the compiler's _Float16)",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("weights", "dtype"), HALVES)
 @pytest.mark.parametrize(("n_heads", "n_kv_heads"), [(4, 2), (4, 1)])
-def test_bf16_native_steps_follow_the_eager_bf16_model(n_heads, n_kv_heads):
+def test_half_native_steps_follow_the_eager_model_of_their_dtype(weights, dtype, n_heads, n_kv_heads):
     lm = _lm(n_heads, n_kv_heads)
     prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(1))
     tokens = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(2))
-    got, _ = _steps(_native(lm, "bf16"), prompt, tokens)
-    want, _ = _steps(_eager(lm, "bf16"), prompt, tokens)
+    got, _ = _steps(_native(lm, weights), prompt, tokens)
+    want, _ = _steps(_eager(lm, weights), prompt, tokens)
     ref, _ = _steps(copy.deepcopy(lm).double(), prompt, tokens)
-    assert got.dtype == torch.bfloat16
-    # the same rounding points as the eager bf16 layers: as close to them as two eager kernels get,
-    # and no further from the float64 model than the eager bf16 model is
+    assert got.dtype == dtype
+    # the same rounding points as the eager layers: as close to them as two eager kernels get,
+    # and no further from the float64 model than the eager model of that dtype is
     eager_err = float((want.double() - ref).abs().max())
     assert float((got.double() - want.double()).abs().max()) <= 2 * eager_err
     assert float((got.double() - ref).abs().max()) <= 2 * eager_err
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", pytest.param("fp16", marks=HALVES[1].marks)])
 def test_native_generation_gives_the_eager_tokens_and_takes_every_decode_step(weights, monkeypatch):
     lm = _lm()
     prompt = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(3))

@@ -90,8 +90,15 @@ def test_encoder_quantizes_too():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"weights": "int4"}, r"quantize weights must be 'int8', 'bf16', 'fp32' or None, got 'int4'"),
-        ({"weights": "bfloat16"}, r"quantize weights must be 'int8', 'bf16', 'fp32' or None, got 'bfloat16'"),
+        ({"weights": "int4"}, r"quantize weights must be 'int8', 'bf16', 'fp16', 'fp32' or None, got 'int4'"),
+        (
+            {"weights": "bfloat16"},
+            r"quantize weights must be 'int8', 'bf16', 'fp16', 'fp32' or None, got 'bfloat16'",
+        ),
+        (
+            {"weights": "fp16", "kv": None, "kernel": "onednn"},
+            r"weights='fp16' has no oneDNN-prepacked kernel; use kernel='native'",
+        ),
         ({"kv": "fp8"}, r"quantize kv must be 'int8' or None, got 'fp8'"),
         ({"kernel": "cuda"}, r"quantize kernel must be one of \['auto', 'fbgemm', 'int8pack', 'dequant'\]"),
     ],

@@ -160,7 +160,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", choices=list(KINDS), default="dense", help="KV cache kind (default dense)")
     p.add_argument(
         "--weights",
-        choices=["fp32", "bf16"],
+        choices=["fp32", "bf16", "fp16"],
         default=None,
         help="decode an inference copy in this dtype, batch-1 steps native where the model allows "
         "(mh.quant.quantize(lm, weights=..., kv=None)); default: the model as loaded",

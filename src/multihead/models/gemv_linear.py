@@ -1,7 +1,7 @@
 """``GemvLinear``: an ``nn.Linear`` whose one-row calls (a decode step) run the native GEMV.
 
 ``y = x W^T + b``. When ``x`` holds a single row (``x.numel() == in_features``: batch 1, one token), is
-fp32 or bf16 like the weight, sits on the CPU and needs no gradient, the product runs
+of the weight's dtype (fp32, bf16 or fp16), sits on the CPU and needs no gradient, the product runs
 :func:`multihead.native.gemv`, which reads the weight at the memory's bandwidth; every other call (a
 prefill, a batch, training, another device) is ``F.linear`` on the same weight. Results equal
 ``F.linear``'s up to the order of the sums (fp32 accumulation in both dtypes; bf16 rounds each output
@@ -23,7 +23,8 @@ __all__ = ["GemvLinear"]
 
 
 class GemvLinear(nn.Linear):
-    """An ``nn.Linear`` (see the module doc) with the native kernel for one-row fp32 / bf16 CPU calls.
+    """An ``nn.Linear`` (see the module doc) with the native kernel for one-row CPU calls (fp32, bf16,
+    fp16 where :func:`multihead.native.dtypes` has it).
 
     Build it with :meth:`from_linear` (shares the layer's parameters) or as an ``nn.Linear``.
     ``why_not_native`` is None when the kernel can run here, else the reason every call is ``F.linear``.
@@ -46,8 +47,10 @@ class GemvLinear(nn.Linear):
         if reason is not None:
             return reason
         w = self.weight
-        if w.dtype not in native.DTYPES or w.device.type != "cpu":
-            return f"the weight is {w.dtype} on {w.device}; the kernel takes fp32 or bf16 on the CPU"
+        if w.dtype not in native.dtypes() or w.device.type != "cpu":
+            return (
+                f"the weight is {w.dtype} on {w.device}; the kernel takes {list(native.dtypes())} on the CPU"
+            )
         if w.stride(-1) != 1 and w.shape[-1] > 1:
             return f"the weight's columns are not contiguous (strides {w.stride()})"
         return None
@@ -60,13 +63,12 @@ class GemvLinear(nn.Linear):
             and x.device.type == "cpu"
             and w.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and w.dtype in native.DTYPES
             and (w.stride(-1) == 1 or self.in_features == 1)
             and x.shape[-1] == self.in_features
             and (self.bias is None or (self.bias.dtype == w.dtype and self.bias.device.type == "cpu"))
         ):
             lib = native.library()
-            if lib is not None:
+            if lib is not None and w.dtype in lib.mh_dtypes:
                 b = None if self.bias is None else self.bias.contiguous()
                 y = native.run(lib, w, x.reshape(-1).contiguous(), b)  # (O,)
                 return y.view(*x.shape[:-1], self.out_features)  # (..., O)

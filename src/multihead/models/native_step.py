@@ -12,7 +12,7 @@ each other in one generation. The embedding lookup, the final norm and the outpu
 
 It serves the model shape of LLaMA, Mistral without a window, Qwen2 without biases, and SmolLM: pre-LN
 RMSNorm, rotary positions (half-split or interleaved pairs), GQA / MQA / MHA self-attention with the
-textbook scale, SwiGLU feed-forward, no biases, fp32 or bf16 weights on the CPU; and the call shape of
+textbook scale, SwiGLU feed-forward, no biases, fp32, bf16 or fp16 weights on the CPU; and the call shape of
 a greedy or sampled decode step: one row, one new token, a dense cache of the weights' dtype, no
 gradient. :func:`why_not_model` and :func:`why_not_call` say what else stops it; the caller then runs
 the eager step. ``mh.quant.quantize(model, weights="fp32" | "bf16", kernel="native")`` turns it on.
@@ -39,8 +39,6 @@ from ..nn.norms import RMSNorm
 from ..nn.positions import RotaryEmbedding
 
 __all__ = ["decode_step", "why_not_call", "why_not_model"]
-
-_BITS = {torch.float32: 32, torch.bfloat16: 16}
 
 
 def _linear_weight(m: nn.Module, name: str) -> tuple[Tensor | None, str | None]:
@@ -113,8 +111,11 @@ def why_not_model(model: Any) -> str | None:
     if type(final) is not RMSNorm:
         return f"the final norm is a {type(final).__name__}, not RMSNorm"
     dtype = final.weight.dtype
-    if dtype not in _BITS or final.weight.device.type != "cpu":
-        return f"the weights are {dtype} on {final.weight.device}; native steps take fp32 or bf16 on the CPU"
+    if dtype not in native.dtypes() or final.weight.device.type != "cpu":
+        return (
+            f"the weights are {dtype} on {final.weight.device}; native steps take {list(native.dtypes())} "
+            "on the CPU"
+        )
     if emb.weight.dtype != dtype:
         return f"the embedding is {emb.weight.dtype}, the final norm {dtype}"
     for i, layer in enumerate(layers):
@@ -179,7 +180,7 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
     lib = native.library()
     assert lib is not None
     dtype = model.final_norm.weight.dtype
-    bits = _BITS[dtype]
+    kind = native.KIND[dtype]
     pos = int(cache[0].position)
     table = model.embed.weight  # (V, d)
     d = table.shape[1]
@@ -218,13 +219,13 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
             ffn.d_ff,
             layer.attn_norm.eps,
             1.0 / math.sqrt(D),
-            bits,
+            kind,
         )
         if rc != 0:
             raise ValueError("the native decode layer could not allocate its scratch memory")
         kv.advance(1)
     h = torch.empty(d, dtype=dtype)  # (d,)
     lib.mh_rms_norm(
-        x.data_ptr(), model.final_norm.weight.data_ptr(), h.data_ptr(), d, model.final_norm.eps, bits
+        x.data_ptr(), model.final_norm.weight.data_ptr(), h.data_ptr(), d, model.final_norm.eps, kind
     )
     return h.view(1, 1, d)  # (1, 1, d)

@@ -109,6 +109,7 @@ _UNASKED = object()  # a _QuantizedLM whose structure was not yet checked for na
 #: kernels of the fp32 / bf16 weights: "auto" (native where it builds, else onednn), "native"
 #: (:class:`GemvLinear`, F.linear where the kernel is missing), "onednn" (:class:`PackedLinear`)
 FLOAT_KERNELS = ("auto", "native", "onednn")
+_FLOAT_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _has_vnni() -> bool:
@@ -554,8 +555,8 @@ def quantize(
     Args:
         model: any module (TransformerLM, Encoder, pretrained MiniLM, ...); it is not changed.
         weights: "int8" (int8 linear and embedding weights), "bf16" (the whole copy in bf16, parameters
-            frozen, every linear on the ``kernel`` below), "fp32" (the same in fp32: the same numbers, a
-            faster kernel) or None (keep float weights).
+            frozen, every linear on the ``kernel`` below), "fp16" (the same in fp16; native kernel only),
+            "fp32" (the same in fp32: the same numbers, a faster kernel) or None (keep float weights).
         kv: "int8" (attention on int8-rounded K/V; int8 KV cache for TransformerLM.generate) or None
             (a "dense" cache in the copy's float dtype: bf16 with ``weights="bf16"``).
         kernel: with ``weights="int8"`` the Int8Linear kernel (:data:`KERNELS`, see the module
@@ -569,33 +570,38 @@ def quantize(
         ValueError: an unknown ``weights``, ``kv`` or ``kernel`` (or one of the other weights' kind);
             ``kv="int8"`` on a model without MultiHeadAttention.
     """
-    if weights not in ("int8", "bf16", "fp32", None):
-        raise ValueError(f"quantize weights must be 'int8', 'bf16', 'fp32' or None, got {weights!r}")
+    if weights not in ("int8", "bf16", "fp16", "fp32", None):
+        raise ValueError(f"quantize weights must be 'int8', 'bf16', 'fp16', 'fp32' or None, got {weights!r}")
     if kv not in ("int8", None):
         raise ValueError(f"quantize kv must be 'int8' or None, got {kv!r}")
-    if weights in ("bf16", "fp32"):
+    if weights in _FLOAT_WEIGHTS:
         if kernel not in FLOAT_KERNELS:
             raise ValueError(
                 f"quantize kernel for weights={weights!r} must be one of {list(FLOAT_KERNELS)}, got "
                 f"{kernel!r} (the int8 kernels {list(KERNELS[1:])} apply to weights='int8')"
             )
+        if weights == "fp16" and kernel == "onednn":
+            raise ValueError(
+                "quantize weights='fp16' has no oneDNN-prepacked kernel; use kernel='native' (or 'auto'), "
+                "or weights='bf16' with kernel='onednn'"
+            )
         if kernel == "auto":
-            kernel = "native" if native.unavailable() is None else "onednn"
+            kernel = "native" if native.unavailable() is None or weights == "fp16" else "onednn"
     elif kernel not in KERNELS:
         raise ValueError(f"quantize kernel must be one of {list(KERNELS)}, got {kernel!r}")
     float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     out = apply(model, KVInt8()) if kv == "int8" else copy.deepcopy(model)
     if weights == "int8":
         _quantize_weights(out, kernel)
-    elif weights in ("bf16", "fp32"):
-        float_dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    elif weights in _FLOAT_WEIGHTS:
+        float_dtype = _FLOAT_WEIGHTS[weights]
         out.to(float_dtype).requires_grad_(False)
         _pack(out, float_dtype, kernel)
     if type(out) is TransformerLM:
         out.__class__ = _QuantizedLM
         assert isinstance(out, _QuantizedLM)
         out.cache_kind, out.cache_dtype = ("int8" if kv == "int8" else "dense"), float_dtype
-        out.native_steps = weights in ("bf16", "fp32") and kernel == "native" and kv is None
+        out.native_steps = weights in _FLOAT_WEIGHTS and kernel == "native" and kv is None
         out._why_not_native = _UNASKED  # the structure is checked at the first step
     return out
 

@@ -39,7 +39,9 @@ from torch import Tensor
 __all__ = [
     "DTYPES",
     "FLAGS",
+    "KIND",
     "cache_dir",
+    "dtypes",
     "gemv",
     "has_dpbf16",
     "library",
@@ -57,7 +59,8 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 #: added when the compiler has it: products split over torch's OpenMP threads (torch's wheel ships the
 #: GNU runtime, libgomp.so.1, which the built library then shares instead of loading a second one)
 OPENMP = "-fopenmp"
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp16 where F16C or _Float16 is there
+KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # native.h's MH_F32, MH_BF16, MH_F16
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -130,10 +133,12 @@ def open_library(path: Path) -> ctypes.CDLL:
     """Load a built kernel library and declare its functions' C signatures (without them ctypes would
     pass 64-bit pointers as 32-bit ints)."""
     lib = ctypes.CDLL(str(path))
-    for fn in (lib.mh_gemv_f32, lib.mh_gemv_bf16):
+    for fn in (lib.mh_gemv_f32, lib.mh_gemv_bf16, lib.mh_gemv_f16):
         fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]  # w, x, bias or NULL, y, O, I, row stride
         fn.restype = None
     lib.mh_gemv_has_dpbf16.restype = ctypes.c_int
+    lib.mh_gemv_has_f16.restype = ctypes.c_int
+    lib.mh_dtypes = DTYPES if lib.mh_gemv_has_f16() else DTYPES[:2]  # asked once
     lib.mh_native_threads.restype = ctypes.c_int
     lib.mh_decode_layer.argtypes = [
         *[_PTR] * 10,  # x, g_attn, w_qkv, w_o, g_ffn, w1, w3, w2, k_cache, v_cache
@@ -146,7 +151,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         *[_I64] * 5,  # d, Hq, Hkv, D, F
         ctypes.c_float,  # eps
         ctypes.c_float,  # scale
-        ctypes.c_int,  # bits
+        ctypes.c_int,  # kind: KIND of the dtype
     ]
     lib.mh_decode_layer.restype = ctypes.c_int
     lib.mh_rms_norm.argtypes = [
@@ -156,7 +161,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         _I64,
         ctypes.c_float,
         ctypes.c_int,
-    ]  # x, g, out, d, eps, bits
+    ]  # x, g, out, d, eps, kind
     lib.mh_rms_norm.restype = None
     return lib
 
@@ -164,7 +169,10 @@ def open_library(path: Path) -> ctypes.CDLL:
 def _self_check(lib: ctypes.CDLL) -> str | None:
     """Run both kernels on odd shapes (every tail of the loops) and compare with torch; a reason or None."""
     g = torch.Generator().manual_seed(0)
-    for dtype, fn in ((torch.float32, lib.mh_gemv_f32), (torch.bfloat16, lib.mh_gemv_bf16)):
+    kernels = [(torch.float32, lib.mh_gemv_f32), (torch.bfloat16, lib.mh_gemv_bf16)]
+    if lib.mh_gemv_has_f16():
+        kernels.append((torch.float16, lib.mh_gemv_f16))
+    for dtype, fn in kernels:
         for rows, cols in ((5, 7), (3, 200), (2, 1024)):
             w = torch.randn(rows, cols + 3, generator=g).to(dtype)[:, :cols]  # (O, I), row stride I + 3
             x = torch.randn(cols, generator=g).to(dtype)  # (I,)
@@ -201,6 +209,21 @@ def unavailable() -> str | None:
     return _load()[1]
 
 
+_KERNELS = {
+    torch.float32: lambda lib: lib.mh_gemv_f32,
+    torch.bfloat16: lambda lib: lib.mh_gemv_bf16,
+    torch.float16: lambda lib: lib.mh_gemv_f16,
+}
+
+
+def dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes the kernels run here: fp32 and bf16, and fp16 where the CPU converts it (x86 F16C) or
+    the compiler has ``_Float16``;
+    none when the kernels are unavailable."""
+    lib = _load()[0]
+    return () if lib is None else lib.mh_dtypes
+
+
 def threads() -> int:
     """Threads a large product runs on now (torch's OpenMP thread count; 1 without OpenMP or the
     kernels)."""
@@ -215,11 +238,11 @@ def has_dpbf16() -> bool:
 
 
 def gemv(weight: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``weight @ x + bias``: weight (O, I), x (I,), bias (O,) or None, all of one dtype (fp32 or bf16)
-    on the CPU -> (O,) in it.
+    """``weight @ x + bias``: weight (O, I), x (I,), bias (O,) or None, all of one dtype of
+    :func:`dtypes` (fp32, bf16, fp16) on the CPU -> (O,) in it.
 
-    Accumulates in fp32, the bias included (bf16: exact products, fp32 sums, one rounding of each
-    output, as ``F.linear``). ``weight`` may have any row stride; its columns must be contiguous.
+    Accumulates in fp32, the bias included (bf16 / fp16: exact products, fp32 sums, one rounding of
+    each output, as ``F.linear``). ``weight`` may have any row stride; its columns must be contiguous.
 
     Raises:
         ValueError: the kernel is unavailable (the reason), other dtypes or devices, shapes that do not
@@ -230,9 +253,9 @@ def gemv(weight: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
     if lib is None:
         raise ValueError(f"the native GEMV is unavailable: {reason}; use F.linear")
     tensors = [weight, x] if bias is None else [weight, x, bias]
-    if weight.dtype not in DTYPES or any(t.dtype != weight.dtype for t in tensors):
+    if weight.dtype not in dtypes() or any(t.dtype != weight.dtype for t in tensors):
         raise ValueError(
-            "gemv needs weight, x (and bias) all torch.float32 or all torch.bfloat16, got "
+            f"gemv needs weight, x (and bias) all of one dtype of {list(dtypes())}, got "
             f"{[t.dtype for t in tensors]}; cast them"
         )
     if any(t.device.type != "cpu" for t in tensors):
@@ -255,10 +278,10 @@ def gemv(weight: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def run(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
     """:func:`gemv` without the checks, for callers that made them once: weight (O, I) with contiguous
-    columns, x (I,) and bias (O,) contiguous, one dtype of :data:`DTYPES`, on the CPU."""
+    columns, x (I,) and bias (O,) contiguous, one dtype of :func:`dtypes`, on the CPU."""
     rows = weight.shape[0]
     y = torch.empty(rows, dtype=weight.dtype)  # (O,)
-    fn = lib.mh_gemv_f32 if weight.dtype == torch.float32 else lib.mh_gemv_bf16
+    fn = _KERNELS[weight.dtype](lib)
     b = None if bias is None else bias.data_ptr()
     fn(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), rows, weight.shape[1], weight.stride(0))
     return y

@@ -8,11 +8,11 @@
  *   h = RMSNorm(x) * g_ffn
  *   x = x + W_2 (silu(W_1 h) * (W_3 h))                       (SwiGLU)
  *
- * Storage dtype T is fp32 (bits = 32) or bf16 (bits = 16) for x, the weights and the cache; arithmetic
- * is fp32. In bf16 every intermediate is rounded to bf16 where torch's modules round it (the norm's
- * output before and after the gain, each projection, the rotated q and k, the attention output, each
- * residual sum, silu and the gated product), so the step follows the eager bf16 model up to the order
- * of the sums. Matrices are row-major with contiguous rows (leading dimension = columns); the cache of
+ * Storage dtype T (kind: MH_F32, MH_BF16 or MH_F16 of native.h) is that of x, the weights and the cache;
+ * arithmetic is fp32. In bf16 / fp16 every intermediate is rounded to T where torch's modules round
+ * it (the norm's output before and after the gain, each projection, the rotated q and k, the attention
+ * output, each residual sum, silu and the gated product), so the step follows the eager model of that
+ * dtype up to the order of the sums. Matrices are row-major with contiguous rows (leading dimension = columns); the cache of
  * the layer is (Hkv, max_len, D) at batch 0 with the given head stride and position stride D.
  */
 #include <math.h>
@@ -55,52 +55,69 @@ static inline uint16_t f_to_bf(float f) { /* round to nearest even, NaN stays Na
     return (uint16_t)(u >> 16);
 }
 
-static inline float rnd(float f, int bits) { return bits == 32 ? f : bf_to_f(f_to_bf(f)); }
-
-static inline float get(const void *p, int64_t i, int bits) {
-    return bits == 32 ? ((const float *)p)[i] : bf_to_f(((const uint16_t *)p)[i]);
+/* the storage dtypes: MH_F32, MH_BF16, MH_F16 (native.h; fp16 where MH_HAS_F16) */
+static inline float rnd(float f, int kind) {
+    if (kind == MH_BF16) return bf_to_f(f_to_bf(f));
+#if MH_HAS_F16
+    if (kind == MH_F16) return mh_h2f(mh_f2h(f));
+#endif
+    return f;
 }
 
-static inline void put(void *p, int64_t i, float f, int bits) {
-    if (bits == 32)
-        ((float *)p)[i] = f;
-    else
+static inline float get(const void *p, int64_t i, int kind) {
+    if (kind == MH_BF16) return bf_to_f(((const uint16_t *)p)[i]);
+#if MH_HAS_F16
+    if (kind == MH_F16) return mh_h2f(((const uint16_t *)p)[i]);
+#endif
+    return ((const float *)p)[i];
+}
+
+static inline void put(void *p, int64_t i, float f, int kind) {
+    if (kind == MH_BF16)
         ((uint16_t *)p)[i] = f_to_bf(f);
+#if MH_HAS_F16
+    else if (kind == MH_F16)
+        ((uint16_t *)p)[i] = mh_f2h(f);
+#endif
+    else
+        ((float *)p)[i] = f;
 }
 
-static void gemv(const void *w, const void *x, void *y, int64_t rows, int64_t cols, int bits) {
-    if (bits == 32)
-        mh_gemv_f32((const float *)w, (const float *)x, NULL, (float *)y, rows, cols, cols);
-    else
+static void gemv(const void *w, const void *x, void *y, int64_t rows, int64_t cols, int kind) {
+    if (kind == MH_BF16)
         mh_gemv_bf16((const uint16_t *)w, (const uint16_t *)x, NULL, (uint16_t *)y, rows, cols, cols);
+    else if (kind == MH_F16)
+        mh_gemv_f16((const uint16_t *)w, (const uint16_t *)x, NULL, (uint16_t *)y, rows, cols, cols);
+    else
+        mh_gemv_f32((const float *)w, (const float *)x, NULL, (float *)y, rows, cols, cols);
 }
 
 /* out = RMSNorm(x) * g, as torch: fp32 F.rms_norm for fp32; for bf16 (x * rsqrt(mean(x^2) + eps)) rounded
  * to bf16, then times g rounded again */
-void mh_rms_norm(const void *x, const void *g, void *out, int64_t d, float eps, int bits) {
+void mh_rms_norm(const void *x, const void *g, void *out, int64_t d, float eps, int kind) {
     float ss = 0.f;
     for (int64_t i = 0; i < d; i++) {
-        const float v = get(x, i, bits);
+        const float v = get(x, i, kind);
         ss += v * v;
     }
     const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int64_t i = 0; i < d; i++) put(out, i, rnd(get(x, i, bits) * inv, bits) * get(g, i, bits), bits);
+    for (int64_t i = 0; i < d; i++) put(out, i, rnd(get(x, i, kind) * inv, kind) * get(g, i, kind), kind);
 }
 
 /* rotate one head of D values in place at the angles of cos / sin (D/2 each): pairs (i, i + D/2), or
  * (2i, 2i + 1) when interleaved; the result is rounded to the storage dtype */
-static void rope(void *t, int64_t D, const float *cos, const float *sin, int interleaved, int bits) {
+static void rope(void *t, int64_t D, const float *cos, const float *sin, int interleaved, int kind) {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < half; i++) {
         const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-        const float x1 = get(t, a, bits), x2 = get(t, b, bits);
-        put(t, a, x1 * cos[i] - x2 * sin[i], bits);
-        put(t, b, x2 * cos[i] + x1 * sin[i], bits);
+        const float x1 = get(t, a, kind), x2 = get(t, b, kind);
+        put(t, a, x1 * cos[i] - x2 * sin[i], kind);
+        put(t, b, x2 * cos[i] + x1 * sin[i], kind);
     }
 }
 
 /* e^x for 16 lanes: x = n ln2 + f ln2 with n = round(x / ln2), |f| <= 1/2, 2^f by its Taylor series to
- * degree 6 (relative error about 1.2e-7, one fp32 ulp), 2^n by the exponent bits; x clamped to
+ * degree 6 (relative error about 1.2e-7, one fp32 ulp), 2^n by the exponent field; x clamped to
  * [-87, 88], where e^x is a normal float (e^-87 ~ 1.6e-38 stands in for anything smaller) */
 static inline v16 vselect(i32x16 mask, v16 a, v16 b) { /* a where mask, else b */
     i32x16 ai, bi;
@@ -129,9 +146,9 @@ static inline v16 vexp(v16 x) {
     p = p * f + 0.5f;
     p = p * f + 1.0f;
     p = p * f + 1.0f;
-    const i32x16 bits = (n + 127) << 23;
+    const i32x16 e = (n + 127) << 23;
     v16 scale;
-    memcpy(&scale, &bits, sizeof scale);
+    memcpy(&scale, &e, sizeof scale);
     return p * scale;
 }
 
@@ -163,12 +180,11 @@ static void silu(float *a, int64_t n) {
     for (; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i]));
 }
 
-static inline void load_row(float *dst, const void *src, int64_t D, int bits) {
-    if (bits == 32) {
+static inline void load_row(float *dst, const void *src, int64_t D, int kind) {
+    if (kind == MH_F32)
         memcpy(dst, src, (size_t)D * sizeof(float));
-    } else {
-        for (int64_t i = 0; i < D; i++) dst[i] = bf_to_f(((const uint16_t *)src)[i]);
-    }
+    else
+        for (int64_t i = 0; i < D; i++) dst[i] = get(src, i, kind);
 }
 
 static inline float dot(const float *a, const float *b, int64_t D) {
@@ -188,11 +204,11 @@ static inline float dot(const float *a, const float *b, int64_t D) {
 /* attention of the G query heads sharing one kv head over keys 0..L-1; q (G, D) fp32, out (G, D) fp32;
  * scratch: scores (G, L), rows (L, D) (the values widened to fp32 once, then read by every head) */
 static void attend(const float *q, const void *K, const void *V, int64_t L, int64_t D, int64_t G,
-                   float scale, int bits, float *out, float *scores, float *rows) {
-    const int64_t esz = bits == 32 ? 4 : 2;
+                   float scale, int kind, float *out, float *scores, float *rows) {
+    const int64_t esz = kind == MH_F32 ? 4 : 2;
     for (int64_t l = 0; l < L; l++) { /* each key read once for the G rows */
         float *row = rows + l * D;
-        load_row(row, (const char *)K + l * D * esz, D, bits);
+        load_row(row, (const char *)K + l * D * esz, D, kind);
         for (int64_t g = 0; g < G; g++) scores[g * L + l] = dot(q + g * D, row, D) * scale;
     }
     for (int64_t g = 0; g < G; g++) {
@@ -202,7 +218,7 @@ static void attend(const float *q, const void *K, const void *V, int64_t L, int6
         const float inv = 1.0f / exp_sum(s, L);
         for (int64_t l = 0; l < L; l++) s[l] *= inv;
     }
-    for (int64_t l = 0; l < L; l++) load_row(rows + l * D, (const char *)V + l * D * esz, D, bits);
+    for (int64_t l = 0; l < L; l++) load_row(rows + l * D, (const char *)V + l * D * esz, D, kind);
     for (int64_t g = 0; g < G; g++) { /* one output row at a time: its 16-lane blocks stay in registers */
         const float *p = scores + g * L;
         float *o = out + g * D;
@@ -236,8 +252,8 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
                     const void *w1, const void *w3, const void *w2, void *k_cache, void *v_cache,
                     int64_t k_head_stride, int64_t v_head_stride, int64_t pos, const float *cos,
                     const float *sin, int interleaved, int64_t d, int64_t Hq, int64_t Hkv, int64_t D,
-                    int64_t F, float eps, float scale, int bits) {
-    const int64_t esz = bits == 32 ? 4 : 2, G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
+                    int64_t F, float eps, float scale, int kind) {
+    const int64_t esz = kind == MH_F32 ? 4 : 2, G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
     /* activations in the storage dtype (4-byte slots), then fp32 scratch */
     const int64_t per_head = G * D * 2 + G * L + L * D; /* q, out, scores, rows of one kv head's attention */
     const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = Hkv * per_head + F;
@@ -247,12 +263,12 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
     float *heads = (float *)(buf + n_act * 4), *act = heads + Hkv * per_head;
 
     /* attention block */
-    mh_rms_norm(x, g_attn, h, d, eps, bits);
-    gemv(w_qkv, h, qkv, nqkv, d, bits);
+    mh_rms_norm(x, g_attn, h, d, eps, kind);
+    gemv(w_qkv, h, qkv, nqkv, d, kind);
     char *q = qkv, *k = qkv + Hq * D * esz, *v = k + Hkv * D * esz;
-    for (int64_t i = 0; i < Hq; i++) rope(q + i * D * esz, D, cos, sin, interleaved, bits);
+    for (int64_t i = 0; i < Hq; i++) rope(q + i * D * esz, D, cos, sin, interleaved, kind);
     for (int64_t j = 0; j < Hkv; j++) {
-        rope(k + j * D * esz, D, cos, sin, interleaved, bits);
+        rope(k + j * D * esz, D, cos, sin, interleaved, kind);
         memcpy((char *)k_cache + (j * k_head_stride + pos * D) * esz, k + j * D * esz, (size_t)(D * esz));
         memcpy((char *)v_cache + (j * v_head_stride + pos * D) * esz, v + j * D * esz, (size_t)(D * esz));
     }
@@ -261,23 +277,23 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
 #endif
     for (int64_t j = 0; j < Hkv; j++) { /* kv heads in parallel, each with its own scratch */
         float *qf = heads + j * per_head, *of = qf + G * D, *scores = of + G * D, *rows = scores + G * L;
-        for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, bits);
+        for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, kind);
         attend(qf, (char *)k_cache + j * k_head_stride * esz, (char *)v_cache + j * v_head_stride * esz, L, D,
-               G, scale, bits, of, scores, rows);
-        for (int64_t i = 0; i < G * D; i++) put(att, j * G * D + i, of[i], bits);
+               G, scale, kind, of, scores, rows);
+        for (int64_t i = 0; i < G * D; i++) put(att, j * G * D + i, of[i], kind);
     }
-    gemv(w_o, att, h, d, Hq * D, bits);
-    for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, bits) + get(h, i, bits), bits);
+    gemv(w_o, att, h, d, Hq * D, kind);
+    for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
 
     /* feed-forward block */
-    mh_rms_norm(x, g_ffn, h, d, eps, bits);
-    gemv(w1, h, gate, F, d, bits);
-    gemv(w3, h, up, F, d, bits);
-    for (int64_t i = 0; i < F; i++) act[i] = get(gate, i, bits);
+    mh_rms_norm(x, g_ffn, h, d, eps, kind);
+    gemv(w1, h, gate, F, d, kind);
+    gemv(w3, h, up, F, d, kind);
+    for (int64_t i = 0; i < F; i++) act[i] = get(gate, i, kind);
     silu(act, F);
-    for (int64_t i = 0; i < F; i++) put(gate, i, rnd(act[i], bits) * get(up, i, bits), bits);
-    gemv(w2, gate, h, d, F, bits);
-    for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, bits) + get(h, i, bits), bits);
+    for (int64_t i = 0; i < F; i++) put(gate, i, rnd(act[i], kind) * get(up, i, kind), kind);
+    gemv(w2, gate, h, d, F, kind);
+    for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
     free(buf);
     return 0;
 }

@@ -7,6 +7,8 @@
  *
  * mh_gemv_f32:  fp32 W, fp32 x, fp32 bias b (or NULL), fp32 y = W x + b.
  * mh_gemv_bf16: the same in bf16 (accumulated in fp32 with the bias, rounded to nearest even once).
+ * mh_gemv_f16:  the same in fp16 (widened to fp32 by the x86 conversion instructions, or the compiler's
+ *     _Float16 elsewhere).
  *     With AVX512-BF16 the products are VDPBF16PS (pairs of bf16 products summed into fp32 lanes);
  *     elsewhere W and x are widened to fp32 first. Both are exact products with fp32 sums.
  *
@@ -15,14 +17,17 @@
  * generic code portable.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "native.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__x86_64__) && defined(__AVX512BF16__)
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__AVX512BF16__)
 #define MH_DPBF16 1
 #else
 #define MH_DPBF16 0
@@ -106,6 +111,62 @@ void mh_gemv_f32(const float *w, const float *x, const float *b, float *y, int64
         for (; i < cols; i++) s += r[i] * x[i];
         y[o] = b ? s + b[o] : s;
     }
+}
+
+int mh_gemv_has_f16(void) { return MH_HAS_F16; }
+
+#if MH_HAS_F16
+static inline v16 load_f16(const uint16_t *p) { /* 16 fp16 -> 16 fp32 */
+    v16 v;
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&v, &f, sizeof v);
+#elif defined(__F16C__)
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int k = 0; k < 16; k++) v[k] = mh_h2f(p[k]);
+#endif
+    return v;
+}
+#endif
+
+void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
+                 int64_t cols, int64_t ldw) {
+#if MH_HAS_F16
+    const int64_t c64 = cols & ~(int64_t)63, c16 = cols & ~(int64_t)15;
+    float stack[4096], *xf = cols <= 4096 ? stack : malloc((size_t)cols * sizeof(float));
+    if (!xf) { /* no memory for the widened x: widen it again for every row */
+        for (int64_t o = 0; o < rows; o++) {
+            float s = 0.f;
+            for (int64_t i = 0; i < cols; i++) s += mh_h2f(w[o * ldw + i]) * mh_h2f(x[i]);
+            y[o] = mh_f2h(b ? s + mh_h2f(b[o]) : s);
+        }
+        return;
+    }
+    for (int64_t i = 0; i < cols; i++) xf[i] = mh_h2f(x[i]); /* x widened once, not once per row */
+    MH_PARALLEL_ROWS
+    for (int64_t o = 0; o < rows; o++) {
+        const uint16_t *r = w + o * ldw;
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+        for (; i < c64; i += 64) {
+            a0 += load_f16(r + i) * load_f32(xf + i);
+            a1 += load_f16(r + i + 16) * load_f32(xf + i + 16);
+            a2 += load_f16(r + i + 32) * load_f32(xf + i + 32);
+            a3 += load_f16(r + i + 48) * load_f32(xf + i + 48);
+        }
+        for (; i < c16; i += 16) a0 += load_f16(r + i) * load_f32(xf + i);
+        float s = hsum((a0 + a1) + (a2 + a3));
+        for (; i < cols; i++) s += mh_h2f(r[i]) * xf[i];
+        y[o] = mh_f2h(b ? s + mh_h2f(b[o]) : s);
+    }
+    if (xf != stack) free(xf);
+#else
+    (void)w, (void)x, (void)b, (void)y, (void)rows, (void)cols, (void)ldw;
+#endif
 }
 
 void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,

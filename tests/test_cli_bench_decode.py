@@ -48,13 +48,13 @@ def test_every_row_with_finite_figures(capsys):
         assert r["limit_tok_s"] == pytest.approx(doc["read_bandwidth_GBps"] * 1e9 / r["bytes_per_token"])
         assert r["fraction_of_kernels"] == pytest.approx(r["tok_s"] / r["kernels_tok_s"])
         assert r["kernels_fraction_of_limit"] == pytest.approx(r["kernels_tok_s"] / r["limit_tok_s"])
-        if r["dtype"] in ("fp32", "bf16"):
+        if r["dtype"] in ("fp32", "bf16", "fp16"):
             assert r["vs_hf_same_dtype"] == pytest.approx(r["tok_s"] / rows[f"HF {r['dtype']}"]["tok_s"])
         else:
             assert r["vs_hf_same_dtype"] is None  # transformers has no int8 row to compare with
     # bytes per token: the same weights on both sides (buffers such as rotary tables differ a little);
     # bf16 halves them, int8 weights quarter them (plus fp32 scales and norms)
-    for d in ("fp32", "bf16"):
+    for d in ("fp32", "bf16", "fp16"):
         ours, theirs = rows[f"multihead {d}"]["bytes_per_token"], rows[f"HF {d}"]["bytes_per_token"]
         assert ours == pytest.approx(theirs, rel=0.01)
     # the prepacked row reads the same bf16 weights and generates the same tokens as plain bf16
@@ -62,9 +62,10 @@ def test_every_row_with_finite_figures(capsys):
     assert doc["tokens_identical_prepacked"] is True
     assert doc["bf16_prepacked"] == (quant.bf16_prepack_unavailable() or "oneDNN prepacked")
     # the native rows: the same weights (shared, not copied), the same greedy tokens, the kernel named
-    for d in ("fp32", "bf16"):
+    for d in ("fp32", "bf16", "fp16"):
         assert rows[f"multihead {d} native"]["bytes_per_token"] == rows[f"multihead {d}"]["bytes_per_token"]
         assert doc[f"tokens_identical_native_{d}"] is True
+    assert rows["multihead fp16"]["bytes_per_token"] == rows["multihead bf16"]["bytes_per_token"]
     why = native.unavailable()
     assert doc["native"].startswith(f"F.linear ({why})" if why else "native, 1 thread(s)")
     fp32 = rows["multihead fp32"]["bytes_per_token"]
@@ -96,7 +97,7 @@ def test_without_transformers_the_hf_rows_are_skipped_with_a_reason(monkeypatch,
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     assert main([*TINY, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 8
+    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 10
     assert "transformers is not installed" in doc["skipped"]
     for r in doc["rows"]:
         assert all(_finite_positive(r[k]) for k in FIGURES), r

@@ -5,7 +5,7 @@
 
 A LLaMA-shaped model with random weights is built once by transformers (``LlamaForCausalLM`` from the
 preset's config) and converted with ``mh.pretrained.from_hf``, so both sides hold the same weights.
-Contestants: multihead and transformers' ``generate`` in fp32 and in bf16 (``model.to(torch.bfloat16)``),
+Contestants: multihead and transformers' ``generate`` in fp32, bf16 and fp16 (``model.to(dtype)``),
 the "prepacked" rows: bf16 with oneDNN-prepacked linear weights (``mh.quant.quantize(model,
 weights="bf16", kv=None, kernel="onednn")``: the same bf16 weights and results, a faster batch-1 kernel,
 bf16 dense KV cache; plain ``F.linear`` where oneDNN lacks bf16, with the reason printed), the same for
@@ -77,11 +77,17 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("multihead bf16", "multihead", "bf16"),
     ("multihead bf16 prepacked", "multihead", "bf16"),
     ("multihead bf16 native", "multihead", "bf16"),
+    ("HF fp16", "transformers", "fp16"),
+    ("multihead fp16", "multihead", "fp16"),
+    ("multihead fp16 native", "multihead", "fp16"),
     ("multihead int8 (fp32 activations)", "multihead", "int8"),
     ("multihead int8 (bf16 activations)", "multihead", "int8+bf16"),
 )
 
 Generate = Callable[[int], Tensor]
+
+FLOATS = ("fp32", "bf16", "fp16")  # the float dtypes with a transformers row
+_ACTIVATIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a row's activations; fp32 otherwise
 
 
 def step_bytes(model: nn.Module, embedding: str) -> int:
@@ -208,12 +214,15 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
         "multihead bf16": (ours16, "embed"),
         "multihead bf16 prepacked": (packed, "embed"),
         "multihead bf16 native": (quant.quantize(ours16, weights="bf16", kv=None, kernel="native"), "embed"),
+        "multihead fp16": (copy.deepcopy(ours32).to(torch.float16), "embed"),
+        "multihead fp16 native": (quant.quantize(ours32, weights="fp16", kv=None, kernel="native"), "embed"),
         "multihead int8 (fp32 activations)": (quant.quantize(ours32, weights="int8", kv="int8"), "embed"),
         "multihead int8 (bf16 activations)": (quant.quantize(ours16, weights="int8", kv="int8"), "embed"),
     }
     if hf32 is not None:
         models["HF fp32"] = (hf32, "model.embed_tokens")
         models["HF bf16"] = (copy.deepcopy(hf32).to(torch.bfloat16), "model.embed_tokens")
+        models["HF fp16"] = (copy.deepcopy(hf32).to(torch.float16), "model.embed_tokens")
 
     def gen(name: str, model: nn.Module) -> Generate:
         if name.startswith("HF"):
@@ -249,9 +258,9 @@ def run(
     Returns:
         ``{"preset", "threads", "prompt_len", "new_tokens", "rounds", "read_bandwidth_GBps", "transformers",
         "skipped", "bf16_prepacked" (its kernel, or why plain F.linear runs), "tokens_identical_fp32",
-        "tokens_identical_bf16", "tokens_identical_prepacked" (to multihead bf16),
+        "tokens_identical_bf16", "tokens_identical_fp16", "tokens_identical_prepacked" (to multihead bf16),
         "tokens_identical_fp32_prepacked" (to multihead fp32), "native" (the native rows' kernel, or why
-        they run F.linear), "tokens_identical_native_fp32" / "_bf16" (to multihead fp32 / bf16),
+        they run F.linear), "tokens_identical_native_fp32" / "_bf16" / "_fp16" (to multihead of that dtype),
         "rows": [{"name", "impl", "dtype", "bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit",
         "kernels_tok_s" (:func:`kernels_alone` as a rate), "kernels_fraction_of_limit",
         "fraction_of_kernels" (tok_s / kernels_tok_s), "vs_hf_fp32", "vs_hf_same_dtype"}]}``; ratios to
@@ -281,7 +290,7 @@ def run(
         ids = torch.randint(0, config["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(1))
         contestants, info = _contestants(preset, ids)
         models = info.pop("models")
-        acts = {name: torch.bfloat16 if "bf16" in dtype else torch.float32 for name, _, dtype in ROWS}
+        acts = {name: _ACTIVATIONS.get(dtype.split("+")[-1], torch.float32) for name, _, dtype in ROWS}
         floor: dict[str, float] = {k: math.inf for k in contestants}
         one: dict[str, list[float]] = {k: [] for k in contestants}
         many: dict[str, list[float]] = {k: [] for k in contestants}
@@ -291,13 +300,12 @@ def run(
             tokens = {name: gen(8) for name, (gen, _) in contestants.items()}  # also a warm-up
             same = {
                 d: torch.equal(tokens[f"HF {d}"], tokens[f"multihead {d}"]) if f"HF {d}" in tokens else None
-                for d in ("fp32", "bf16")
+                for d in FLOATS
             }
             same_packed = torch.equal(tokens["multihead bf16"], tokens["multihead bf16 prepacked"])
             same_packed32 = torch.equal(tokens["multihead fp32"], tokens["multihead fp32 prepacked"])
             same_native = {
-                d: torch.equal(tokens[f"multihead {d}"], tokens[f"multihead {d} native"])
-                for d in ("fp32", "bf16")
+                d: torch.equal(tokens[f"multihead {d}"], tokens[f"multihead {d} native"]) for d in FLOATS
             }
             for r in range(rounds):
                 say(f"round {r + 1}/{rounds}: read bandwidth")
@@ -345,10 +353,12 @@ def run(
         **info,
         "tokens_identical_fp32": same["fp32"],
         "tokens_identical_bf16": same["bf16"],
+        "tokens_identical_fp16": same["fp16"],
         "tokens_identical_prepacked": same_packed,
         "tokens_identical_fp32_prepacked": same_packed32,
         "tokens_identical_native_fp32": same_native["fp32"],
         "tokens_identical_native_bf16": same_native["bf16"],
+        "tokens_identical_native_fp16": same_native["fp16"],
         "rows": rows,
     }
 
@@ -399,13 +409,15 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
         f"{'yes' if doc['tokens_identical_fp32_prepacked'] else 'no'}",
         f"native: {doc['native']}; greedy 8 tokens identical to multihead fp32: "
         f"{'yes' if doc['tokens_identical_native_fp32'] else 'no'}, to multihead bf16: "
-        f"{'yes' if doc['tokens_identical_native_bf16'] else 'no'}",
+        f"{'yes' if doc['tokens_identical_native_bf16'] else 'no'}, to multihead fp16: "
+        f"{'yes' if doc['tokens_identical_native_fp16'] else 'no'}",
     ]
     if doc["skipped"]:
         return [doc["skipped"], *packed]
-    same = {d: doc[f"tokens_identical_{d}"] for d in ("fp32", "bf16")}
+    same = {d: doc[f"tokens_identical_{d}"] for d in FLOATS}
     return [
         f"greedy 8 tokens identical to transformers {doc['transformers']}: fp32 "
-        f"{'yes' if same['fp32'] else 'NO'}; bf16 {'yes' if same['bf16'] else 'no'}",
+        f"{'yes' if same['fp32'] else 'NO'}; bf16 {'yes' if same['bf16'] else 'no'}; fp16 "
+        f"{'yes' if same['fp16'] else 'no'}",
         *packed,
     ]

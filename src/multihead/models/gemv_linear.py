@@ -68,7 +68,7 @@ class GemvLinear(nn.Linear):
             and (self.bias is None or (self.bias.dtype == w.dtype and self.bias.device.type == "cpu"))
         ):
             lib = native.library()
-            if lib is not None and w.dtype in lib.mh_dtypes:
+            if lib is not None and w.dtype in native.dtypes():
                 b = None if self.bias is None else self.bias.contiguous()
                 y = native.run(lib, w, x.reshape(-1).contiguous(), b)  # (O,)
                 return y.view(*x.shape[:-1], self.out_features)  # (..., O)

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -138,7 +139,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         fn.restype = None
     lib.mh_gemv_has_dpbf16.restype = ctypes.c_int
     lib.mh_gemv_has_f16.restype = ctypes.c_int
-    lib.mh_dtypes = DTYPES if lib.mh_gemv_has_f16() else DTYPES[:2]  # asked once
+    lib.mh_dtypes = DTYPES if lib.mh_gemv_has_f16() else DTYPES[:2]  # type: ignore[attr-defined]  # asked once
     lib.mh_native_threads.restype = ctypes.c_int
     lib.mh_decode_layer.argtypes = [
         *[_PTR] * 10,  # x, g_attn, w_qkv, w_o, g_ffn, w1, w3, w2, k_cache, v_cache
@@ -218,10 +219,9 @@ _KERNELS = {
 
 def dtypes() -> tuple[torch.dtype, ...]:
     """The dtypes the kernels run here: fp32 and bf16, and fp16 where the CPU converts it (x86 F16C) or
-    the compiler has ``_Float16``;
-    none when the kernels are unavailable."""
+    the compiler has ``_Float16``; none when the kernels are unavailable."""
     lib = _load()[0]
-    return () if lib is None else lib.mh_dtypes
+    return () if lib is None else cast(tuple[torch.dtype, ...], lib.mh_dtypes)
 
 
 def threads() -> int:

@@ -7,8 +7,8 @@ A decode step multiplies every weight matrix by one vector, so its floor is the 
 This script builds ``--count`` weights of ``--shape`` (together far larger than the caches), multiplies
 them one after the other by one vector with each kernel, and reports GB/s of weights read, the best of
 ``--rounds`` passes, next to a ``sum`` over a 256 MiB fp32 tensor (a pure streaming read, measured in
-the same rounds). Kernels: ``F.linear`` (torch's own: MKL in fp32, oneDNN in bf16), oneDNN's prepacked
-weight (``mh.quant.PackedLinear``), and ``multihead.native.gemv``. Every kernel's result is checked
+the same rounds), in fp32, bf16 and fp16. Kernels: ``F.linear`` (torch's own), oneDNN's prepacked weight
+(``mh.quant.PackedLinear``, fp32 and bf16), and ``multihead.native.gemv``. Every kernel's result is checked
 against ``F.linear`` first.
 """
 
@@ -41,7 +41,7 @@ def _rows_of(dtype: torch.dtype, count: int, rows: int, cols: int, rounds: int, 
     x = torch.randn(cols, generator=g).to(dtype)  # (I,)
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     packed = []
-    if quant.prepack_unavailable(dtype) is None:
+    if dtype in quant.PACKED_DTYPES and quant.prepack_unavailable(dtype) is None:
         for w in ws:
             lin = torch.nn.Linear(cols, rows, bias=False).to(dtype)
             lin.weight.data = w
@@ -49,7 +49,7 @@ def _rows_of(dtype: torch.dtype, count: int, rows: int, cols: int, rounds: int, 
     kernels = {"F.linear": lambda i: F.linear(x, ws[i])}
     if packed:
         kernels["oneDNN packed"] = lambda i: packed[i](x.view(1, cols)).view(rows)
-    if native.unavailable() is None:
+    if dtype in native.dtypes():
         kernels["native"] = lambda i: native.gemv(ws[i], x)
     out = []
     with torch.inference_mode():
@@ -71,7 +71,7 @@ def run(threads: int, count: int, rows: int, cols: int, rounds: int) -> dict:
     probe = torch.ones(1 << 26)  # 256 MiB of fp32
     found = [
         r
-        for dtype in (torch.float32, torch.bfloat16)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
         for r in _rows_of(dtype, count, rows, cols, rounds, probe)
     ]
     return {"threads": threads, "count": count, "shape": [rows, cols], "rounds": rounds, "rows": found}

@@ -30,17 +30,18 @@ activations are rounded too; ``kernel="int8pack"`` keeps bf16 weight-only), int8
 elsewhere, else dequant.
 Quantized models are for inference: the int8 weights are buffers and take no gradient.
 
-``quantize(model, weights="bf16" | "fp32", kv=None)`` returns an inference copy in that dtype whose
-linears run a faster batch-1 kernel, chosen by ``kernel``:
+``quantize(model, weights="bf16" | "fp16" | "fp32", kv=None)`` returns an inference copy in that dtype
+whose linears run a faster kernel, chosen by ``kernel``:
 
-- ``"native"`` (what ``"auto"`` picks where :mod:`multihead.native` builds): every ``nn.Linear`` becomes a
-  :class:`GemvLinear` holding the same tensors (a tied head stays tied), whose one-row calls run the
-  native GEMV; and a :class:`~multihead.TransformerLM` of the LLaMA shape takes each one-token decode step
-  as one native call per layer (:mod:`.native_step`; ``why_not_native_steps`` says when it cannot). The
-  155M LLaMA shape then decodes at 81-90% of the memory's bandwidth limit, about 2x transformers in fp32
+- ``"native"`` (what ``"auto"`` picks for a TransformerLM where :mod:`multihead.native` builds, and for
+  fp16): every ``nn.Linear`` becomes a :class:`GemvLinear` holding the same tensors (a tied head stays
+  tied), whose one-row calls run the native GEMV; and a :class:`~multihead.TransformerLM` of the LLaMA
+  shape takes each one-token decode step as one native call per layer (:mod:`.native_step`;
+  ``why_not_native_steps`` says when it cannot). The 155M LLaMA shape then decodes at 81-90% of the
+  memory's bandwidth limit in fp32 and bf16 (fp16: about 70%), about 2x transformers in fp32 and fp16
   and 3x in bf16 (BENCHMARKS.md, "Native decoding"). Greedy tokens equal the eager model's.
-- ``"onednn"``: the oneDNN-prepacked layers below, faster than ``F.linear`` for many rows too (the
-  encoding choice).
+- ``"onednn"`` (what ``"auto"`` picks for other models, such as encoders): the oneDNN-prepacked layers
+  below, faster than ``F.linear`` for many rows too (the encoding choice; fp32 and bf16 only).
 
 With ``kernel="onednn"``, ``weights="bf16"`` gives a bf16 copy (``model.to(torch.bfloat16)``, the
 embedding included) whose every ``nn.Linear`` (the output head too) is a :class:`Bf16Linear`: the
@@ -563,8 +564,8 @@ def quantize(
             docstring); with "bf16" / "fp32" one of :data:`FLOAT_KERNELS`: "native" makes every linear a
             :class:`GemvLinear` (the native batch-1 GEMV for decode steps, ``F.linear`` for the rest:
             the decoding choice), "onednn" a :class:`PackedLinear` (oneDNN's packed weight for every
-            call: the encoding choice, faster on many rows), "auto" native where the kernel builds
-            (:func:`multihead.native.unavailable`), else onednn.
+            call: the encoding choice, faster on many rows), "auto" native for a TransformerLM where
+            the kernels build (:func:`multihead.native.unavailable`) and for fp16, else onednn.
 
     Raises:
         ValueError: an unknown ``weights``, ``kv`` or ``kernel`` (or one of the other weights' kind);
@@ -585,8 +586,9 @@ def quantize(
                 "quantize weights='fp16' has no oneDNN-prepacked kernel; use kernel='native' (or 'auto'), "
                 "or weights='bf16' with kernel='onednn'"
             )
-        if kernel == "auto":
-            kernel = "native" if native.unavailable() is None or weights == "fp16" else "onednn"
+        if kernel == "auto":  # decoders take one-row steps: native; encoders run many rows: oneDNN
+            decodes = isinstance(model, TransformerLM) and native.unavailable() is None
+            kernel = "native" if decodes or weights == "fp16" else "onednn"
     elif kernel not in KERNELS:
         raise ValueError(f"quantize kernel must be one of {list(KERNELS)}, got {kernel!r}")
     float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

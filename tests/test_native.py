@@ -226,3 +226,22 @@ def test_a_compiler_without_openmp_builds_the_one_thread_kernels(tmp_path, monke
         torch.testing.assert_close(native.gemv(w, x), w @ x, rtol=1e-5, atol=1e-4)
     finally:
         native._load.cache_clear()
+
+
+def test_quantize_auto_picks_native_for_decoders_and_onednn_for_encoders():
+    torch.manual_seed(0)
+    enc = mh.Encoder(2, 64, 4, 128)
+    lm = mh.TransformerLM(300, 64, 2, 4, 96)
+    for weights in ("fp32", "bf16"):
+        linears = [
+            m
+            for m in quant.quantize(enc, weights=weights, kv=None).modules()
+            if isinstance(m, torch.nn.Module)
+        ]
+        assert any(isinstance(m, quant.PackedLinear) for m in linears)  # many rows per call: oneDNN
+        assert not any(isinstance(m, GemvLinear) for m in linears)
+        q = quant.quantize(lm, weights=weights, kv=None)
+        native_here = REASON is None
+        assert isinstance(q.lm_head, GemvLinear if native_here else quant.PackedLinear)
+    # fp16 has no oneDNN layer: native (F.linear where the kernel cannot run) for any model
+    assert isinstance(quant.quantize(enc, weights="fp16", kv=None).layers[0].ffn.linear1, GemvLinear)

@@ -241,3 +241,16 @@ def test_quantize_auto_picks_native_for_decoders_and_onednn_for_encoders():
         assert isinstance(q.lm_head, GemvLinear if native_here else quant.PackedLinear)
     # fp16 has no oneDNN layer: native (F.linear where the kernel cannot run) for any model
     assert isinstance(quant.quantize(enc, weights="fp16", kv=None).layers[0].ffn.linear1, GemvLinear)
+
+
+@needs_native
+def test_an_unwritable_cache_directory_builds_into_the_temporary_directory(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")  # no directory can be made below it, not even by root
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    cc = native._compiler()
+    assert cc is not None
+    so = native._build(cc)
+    assert so.exists() and so.is_relative_to(tmp_path / "tmp")
+    assert native._self_check(native.open_library(so)) is None

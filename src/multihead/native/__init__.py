@@ -12,7 +12,8 @@ CPU has it.
 
 The kernel is compiled once per machine by the system C compiler (``$CC``, else ``cc`` / ``gcc`` /
 ``clang``; ``-O3 -march=native``, what ``torch.compile``'s CPU backend also needs) into
-``$MULTIHEAD_CACHE`` (default ``~/.cache/multihead``) and loaded with ``ctypes``; a build is checked
+``$MULTIHEAD_CACHE`` (default ``~/.cache/multihead``; the temporary directory when that is not
+writable) and loaded with ``ctypes``; a build is checked
 against ``torch.mv`` before use. Without a compiler, on a failed build or check, or with
 ``MULTIHEAD_NATIVE=0``, :func:`unavailable` says why and the callers (``mh.quant.GemvLinear``) run
 ``F.linear``. Large products split their rows over torch's OpenMP threads (``torch.set_num_threads``)
@@ -109,8 +110,17 @@ def _build(cc: str) -> Path:
     so = library_path(cc)
     if so.exists():
         return so
-    so.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
+    try:
+        so.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
+    except OSError:  # a read-only home: build into the temporary directory instead
+        so = (
+            Path(tempfile.gettempdir()) / f"multihead-{os.getuid() if hasattr(os, 'getuid') else 0}" / so.name
+        )
+        if so.exists():
+            return so
+        so.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
     os.close(fd)
     try:
         for extra in ([OPENMP], []):  # without OpenMP (one thread) where the compiler lacks it

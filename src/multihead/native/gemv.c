@@ -82,6 +82,33 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
 #define MH_PARALLEL_ROWS
 #endif
 
+/* The row loop the widening kernels share: row o of W against x with four independent accumulators of
+ * 16 lanes, then the tails. LOAD_W(p) / LOAD_X(p) widen 16 values at p to fp32 lanes, ONE_W(v) / ONE_X(v)
+ * one value; STORE(o, s) writes output o from the row's fp32 sum s. Reads rows, cols, ldw of the
+ * enclosing kernel. */
+#define MH_STREAM_ROWS(W, X, LOAD_W, LOAD_X, ONE_W, ONE_X, STORE)                                            \
+    do {                                                                                                     \
+        const int64_t c64_ = cols & ~(int64_t)63, c16_ = cols & ~(int64_t)15;                               \
+        MH_PARALLEL_ROWS                                                                                     \
+        for (int64_t o = 0; o < rows; o++) {                                                                 \
+            const __typeof__(&(W)[0]) r = (W) + o * ldw;                                                     \
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                                      \
+            int64_t i = 0;                                                                                   \
+            for (; i < c64_; i += 64) {                                                                      \
+                a0 += LOAD_W(r + i) * LOAD_X((X) + i);                                                       \
+                a1 += LOAD_W(r + i + 16) * LOAD_X((X) + i + 16);                                             \
+                a2 += LOAD_W(r + i + 32) * LOAD_X((X) + i + 32);                                             \
+                a3 += LOAD_W(r + i + 48) * LOAD_X((X) + i + 48);                                             \
+            }                                                                                                \
+            for (; i < c16_; i += 16) a0 += LOAD_W(r + i) * LOAD_X((X) + i);                                 \
+            float s = hsum((a0 + a1) + (a2 + a3));                                                           \
+            for (; i < cols; i++) s += ONE_W(r[i]) * ONE_X((X)[i]);                                          \
+            STORE(o, s);                                                                                     \
+        }                                                                                                    \
+    } while (0)
+
+#define MH_SAME(v) (v)
+
 int mh_gemv_has_dpbf16(void) { return MH_DPBF16; }
 
 int mh_native_threads(void) { /* threads a large product uses now */
@@ -94,23 +121,8 @@ int mh_native_threads(void) { /* threads a large product uses now */
 
 void mh_gemv_f32(const float *w, const float *x, const float *b, float *y, int64_t rows, int64_t cols,
                  int64_t ldw) {
-    const int64_t c64 = cols & ~(int64_t)63, c16 = cols & ~(int64_t)15;
-    MH_PARALLEL_ROWS
-    for (int64_t o = 0; o < rows; o++) {
-        const float *r = w + o * ldw;
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        int64_t i = 0;
-        for (; i < c64; i += 64) {
-            a0 += load_f32(r + i) * load_f32(x + i);
-            a1 += load_f32(r + i + 16) * load_f32(x + i + 16);
-            a2 += load_f32(r + i + 32) * load_f32(x + i + 32);
-            a3 += load_f32(r + i + 48) * load_f32(x + i + 48);
-        }
-        for (; i < c16; i += 16) a0 += load_f32(r + i) * load_f32(x + i);
-        float s = hsum((a0 + a1) + (a2 + a3));
-        for (; i < cols; i++) s += r[i] * x[i];
-        y[o] = b ? s + b[o] : s;
-    }
+#define MH_STORE_F32(o, s) (y[o] = b ? (s) + b[o] : (s))
+    MH_STREAM_ROWS(w, x, load_f32, load_f32, MH_SAME, MH_SAME, MH_STORE_F32);
 }
 
 int mh_gemv_has_f16(void) { return MH_HAS_F16; }
@@ -136,7 +148,6 @@ static inline v16 load_f16(const uint16_t *p) { /* 16 fp16 -> 16 fp32 */
 void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
                  int64_t cols, int64_t ldw) {
 #if MH_HAS_F16
-    const int64_t c64 = cols & ~(int64_t)63, c16 = cols & ~(int64_t)15;
     float stack[4096], *xf = cols <= 4096 ? stack : malloc((size_t)cols * sizeof(float));
     if (!xf) { /* no memory for the widened x: widen it again for every row */
         for (int64_t o = 0; o < rows; o++) {
@@ -147,22 +158,8 @@ void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16
         return;
     }
     for (int64_t i = 0; i < cols; i++) xf[i] = mh_h2f(x[i]); /* x widened once, not once per row */
-    MH_PARALLEL_ROWS
-    for (int64_t o = 0; o < rows; o++) {
-        const uint16_t *r = w + o * ldw;
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        int64_t i = 0;
-        for (; i < c64; i += 64) {
-            a0 += load_f16(r + i) * load_f32(xf + i);
-            a1 += load_f16(r + i + 16) * load_f32(xf + i + 16);
-            a2 += load_f16(r + i + 32) * load_f32(xf + i + 32);
-            a3 += load_f16(r + i + 48) * load_f32(xf + i + 48);
-        }
-        for (; i < c16; i += 16) a0 += load_f16(r + i) * load_f32(xf + i);
-        float s = hsum((a0 + a1) + (a2 + a3));
-        for (; i < cols; i++) s += mh_h2f(r[i]) * xf[i];
-        y[o] = mh_f2h(b ? s + mh_h2f(b[o]) : s);
-    }
+#define MH_STORE_F16(o, s) (y[o] = mh_f2h(b ? (s) + mh_h2f(b[o]) : (s)))
+    MH_STREAM_ROWS(w, xf, load_f16, load_f32, mh_h2f, MH_SAME, MH_STORE_F16);
     if (xf != stack) free(xf);
 #else
     (void)w, (void)x, (void)b, (void)y, (void)rows, (void)cols, (void)ldw;
@@ -194,22 +191,7 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
         y[o] = f32_to_bf16(b ? s + bf16_to_f32(b[o]) : s);
     }
 #else
-    const int64_t c64 = cols & ~(int64_t)63, c16 = cols & ~(int64_t)15;
-    MH_PARALLEL_ROWS
-    for (int64_t o = 0; o < rows; o++) {
-        const uint16_t *r = w + o * ldw;
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        int64_t i = 0;
-        for (; i < c64; i += 64) {
-            a0 += load_bf16(r + i) * load_bf16(x + i);
-            a1 += load_bf16(r + i + 16) * load_bf16(x + i + 16);
-            a2 += load_bf16(r + i + 32) * load_bf16(x + i + 32);
-            a3 += load_bf16(r + i + 48) * load_bf16(x + i + 48);
-        }
-        for (; i < c16; i += 16) a0 += load_bf16(r + i) * load_bf16(x + i);
-        float s = hsum((a0 + a1) + (a2 + a3));
-        for (; i < cols; i++) s += bf16_to_f32(r[i]) * bf16_to_f32(x[i]);
-        y[o] = f32_to_bf16(b ? s + bf16_to_f32(b[o]) : s);
-    }
+#define MH_STORE_BF16(o, s) (y[o] = f32_to_bf16(b ? (s) + bf16_to_f32(b[o]) : (s)))
+    MH_STREAM_ROWS(w, x, load_bf16, load_bf16, bf16_to_f32, bf16_to_f32, MH_STORE_BF16);
 #endif
 }

@@ -4,9 +4,10 @@
 of the weight's dtype (fp32, bf16 or fp16), sits on the CPU and needs no gradient, the product runs
 :func:`multihead.native.gemv`, which reads the weight at the memory's bandwidth; every other call (a
 prefill, a batch, training, another device) is ``F.linear`` on the same weight. Results equal
-``F.linear``'s up to the order of the sums (fp32 accumulation in both dtypes; bf16 rounds each output
-once). It is an ``nn.Linear``: same parameters, ``state_dict``, copies and moves; only ``forward``
-differs. ``mh.quant.quantize(model, weights="fp32" | "bf16")`` builds it where the kernel is available.
+``F.linear``'s up to the order of the sums (fp32 accumulation in every dtype; bf16 and fp16 round each
+output once). It is an ``nn.Linear``: same parameters, ``state_dict``, copies and moves; only
+``forward`` differs. ``mh.quant.quantize(lm, weights="fp32" | "bf16" | "fp16")`` builds it for a
+TransformerLM (``kernel="native"``, what "auto" picks there).
 
 Shape legend: I input features, O output features, ... leading dims.
 """

@@ -164,3 +164,38 @@ def test_greedy_decoding_reaches_attention_as_predicates(name, cache, calls):
             input_ids=ids, attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0, **kw()
         )
     assert torch.equal(got, want)
+
+
+def test_static_cache_generation_compiles_without_graph_breaks():
+    # On a GPU transformers compiles the forward of static-cache generation by itself; multihead's
+    # attention function must trace whole (no graph break, no recompilation per call) and stay exact.
+    # Dynamo alone (backend "eager") on the CPU checks the tracing without inductor's compile time.
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model, ids, am = _model("mistral"), *_batch()
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True  # compile on the CPU as transformers does on a GPU
+    torch._dynamo.reset()
+    counters.clear()
+
+    def generate(**kw):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=24)
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=am,
+                max_new_tokens=4,
+                do_sample=False,
+                pad_token_id=0,
+                cache=cache,
+                **kw,
+            )
+
+    got = generate(compile_config=config)
+    assert counters["stats"]["calls_captured"] > 0, "generation was not compiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 2
+    model.set_attn_implementation("eager")
+    assert torch.equal(got, generate(disable_compile=True))
+    torch._dynamo.reset()

@@ -92,3 +92,12 @@ def test_hf_tiny_shapes_run_through_multihead_and_match_eager():
         assert "skipped" not in r, r
         assert sum(r["served_by"].values()) == 2  # one attention call per layer, both through multihead
         assert r["max_abs_logit_diff_vs_eager"] < 1e-4
+
+
+def test_past_the_budget_only_the_methods_that_compile_per_mask_stop_first():
+    budget = Budget(100)
+    budget.start -= 110  # 10 s over: within the half-budget grace of the cheap methods
+    assert "ms" in gpu_speed._cell("sdpa", lambda: None, CPU, 1, budget)
+    assert "budget" in gpu_speed._cell("torch flex", lambda: None, CPU, 1, budget)["skipped"]
+    budget.start -= 50  # 60 s over: everything stops
+    assert "budget" in gpu_speed._cell("sdpa", lambda: None, CPU, 1, budget)["skipped"]

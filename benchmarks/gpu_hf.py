@@ -66,13 +66,14 @@ def mistral(small: bool, impl: str, device: torch.device) -> Any:
 def mistral_rows(device: torch.device, small: bool, repeats: int, budget: Budget) -> list[dict]:
     """Prefill and training step, multihead vs sdpa (same weights: same seed)."""
     n_pre, n_train = (512, 256) if small else (16384, 4096)
+    models = {impl: mistral(small, impl, device) for impl in ("sdpa", "multihead")}  # the same weights
+    ids = torch.randint(
+        0, vocab(small), (1, n_pre), device=device, generator=torch.Generator(device).manual_seed(1)
+    )
     rows = []
-    for impl in ("sdpa", "multihead"):
-        model = mistral(small, impl, device)
-        ids = torch.randint(
-            0, vocab(small), (1, n_pre), device=device, generator=torch.Generator(device).manual_seed(1)
-        )
-        for what, fn in (("prefill", _prefill(model, ids)), ("train step", _train(model, ids[:, :n_train]))):
+    for what in ("prefill", "train step"):  # the pair of each measurement side by side
+        for impl, model in models.items():
+            fn = _prefill(model, ids) if what == "prefill" else _train(model, ids[:, :n_train])
             row: dict[str, Any] = {"model": "mistral-shape", "what": what, "impl": impl,
                                    "tokens": n_pre if what == "prefill" else n_train}  # fmt: skip
             if budget.over():
@@ -86,9 +87,9 @@ def mistral_rows(device: torch.device, small: bool, repeats: int, budget: Budget
                     row["skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(f"  hf {row}", flush=True)
             rows.append(row)
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    del models
     for what in ("prefill", "train step"):
         a, b = (
             next((r.get("ms") for r in rows if r["what"] == what and r["impl"] == i), None)

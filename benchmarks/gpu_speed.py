@@ -223,28 +223,25 @@ def ratios(cells: dict[str, dict]) -> dict[str, float]:
 def new_masks(device: torch.device, small: bool, repeats: int, budget: Budget) -> list[dict]:
     """The first call with a new mask (window size, document layout, length) against a warm call."""
     s = sizes(small)
-    n, w = s["N"], s["W"]
     rows = []
     for backend in FUSED:
         if backend not in mh.backends():
             rows.append({"backend": backend, "skipped": "not registered here"})
             continue
         for grad in (False, True):
-            if budget.over():
-                rows.append({"backend": backend, "grad": grad, "skipped": "budget spent"})
-                continue
             try:
-                rows.extend(_new_mask_rows(backend, grad, s, device, repeats, n, w))
+                rows.extend(_new_mask_rows(backend, grad, s, device, repeats, budget))
             except Exception as e:
                 rows.append(
                     {"backend": backend, "grad": grad, "skipped": f"{type(e).__name__}: {str(e)[:160]}"}
                 )
-            for r in rows[-3:]:
-                print(f"  new mask: {r}", flush=True)
     return rows
 
 
-def _new_mask_rows(backend, grad, s, device, repeats, n, w) -> list[dict]:
+def _new_mask_rows(backend, grad, s, device, repeats, budget: Budget) -> list[dict]:
+    """Warm ``backend`` on a window and on documents (one compilation per feature set), then time the
+    first call of each new mask against the warm call; rows are printed as they finish."""
+
     def call(q, k, v, mask):
         if not grad:
             with torch.no_grad():
@@ -252,13 +249,15 @@ def _new_mask_rows(backend, grad, s, device, repeats, n, w) -> list[dict]:
         out = mh.attention(q, k, v, mask=mask, backend=backend)
         return torch.autograd.grad(out.sum(), (q, k, v))
 
+    n, w = s["N"], s["W"]
+    if budget.over():
+        return [{"backend": backend, "grad": grad, "skipped": "budget spent"}]
     q, k, v, _ = inputs(s, device, grad)
     ids8 = torch.arange(n, device=device) * 8 // n  # (N,)
-    for base in (mh.sliding_window(w), mh.document(ids8) & mh.causal()):  # compile once per feature set
+    for base in (mh.sliding_window(w), mh.document(ids8) & mh.causal()):
         call(q, k, v, base)
-        call(q, k, v, base)
-    warm = warm_ms(lambda: call(q, k, v, mh.sliding_window(w)), device, repeats)
-    m = n - 3 * 128 - 5  # a new length that is not a multiple of any block size
+    warm = warm_ms(lambda: call(q, k, v, mh.sliding_window(w)), device, min(repeats, 3))
+    m = n - 128 - 5  # a new length that is not a multiple of any block size
     q2, k2, v2 = (t.detach()[:, :, :m].clone().requires_grad_(grad) for t in (q, k, v))
     ids7 = torch.sort(torch.randint(0, 7, (n,), device=device)).values  # (N,) seven uneven documents
     new = [
@@ -268,7 +267,12 @@ def _new_mask_rows(backend, grad, s, device, repeats, n, w) -> list[dict]:
     ]
     out = []
     for what, fn in new:
-        first = once_ms(fn, device)
-        out.append({"backend": backend, "grad": grad, "what": what, "first_ms": first, "warm_ms": warm,
-                    "first_over_warm": round(first / warm, 2)})  # fmt: skip
+        row = {"backend": backend, "grad": grad, "what": what, "warm_ms": warm}
+        if budget.over():
+            row["skipped"] = "budget spent"
+        else:
+            row["first_ms"] = once_ms(fn, device)
+            row["first_over_warm"] = round(row["first_ms"] / warm, 2)
+        print(f"  new mask: {row}", flush=True)
+        out.append(row)
     return out

@@ -124,3 +124,13 @@ def test_custom_masks_are_built_every_time_and_not_stored():
 def test_keyed_cache_rejects_a_bad_size():
     with pytest.raises(ValueError, match="maxsize must be >= 1, got 0"):
         KeyedCache(0)
+
+
+def test_mask_dims_evaluates_unknown_masks_on_the_device_of_their_tensors():
+    # a predicate reading a tensor on another device (the meta device stands in for a GPU) cannot be
+    # evaluated on CPU indices; flex asks on the device of the call
+    per_head = torch.zeros(4, dtype=torch.long, device="meta")
+    m = mh.custom(lambda b, h, q, k: (k <= q) | (per_head[h] > 0))
+    assert mask_dims(m, CTX, "meta") == (False, True)
+    with pytest.raises(RuntimeError):
+        mask_dims(m, CTX)

@@ -69,23 +69,23 @@ def build(mask: Mask, ctx: MaskContext, device: torch.device) -> Any:
     def mask_mod(b, h, q_idx, kv_idx):
         return moved.evaluate(b, h, q_idx, kv_idx, ctx)
 
-    kinds = tile_kinds(mask, ctx)
+    kinds = tile_kinds(moved, ctx, device)
     if kinds is not None:
         return _from_kinds(kinds.to(device), mask_mod, ctx)
-    by_batch, by_head = mask_dims(mask, ctx)
+    by_batch, by_head = mask_dims(moved, ctx, device)  # a custom predicate is evaluated where it runs
     B, H = (ctx.B if by_batch else None), (ctx.H if by_head else None)
     create = _compiled_create() if device.type == "cuda" else _create()
     return create(mask_mod, B, H, ctx.Nq, ctx.Nk, device=device, BLOCK_SIZE=BLOCK)
 
 
-def tile_kinds(mask: Mask, ctx: MaskContext) -> Tensor | None:
+def tile_kinds(mask: Mask, ctx: MaskContext, device: torch.device | None = None) -> Tensor | None:
     """Analytic kinds of the (BLOCK x BLOCK) tiles, int8 of shape (B or 1, 1, nqb, nkb), or None.
 
     Batch-dependent masks are classified one batch row at a time (a tile that one row needs stays
     non-empty only for that row). A tile cut by the end of the queries or keys is never FULL: like
-    ``create_block_mask``, flex evaluates the mask there.
+    ``create_block_mask``, flex evaluates the mask there. ``device``: where the mask's tensors live.
     """
-    by_batch, by_head = mask_dims(mask, ctx)
+    by_batch, by_head = mask_dims(mask, ctx, device)
     if by_head:
         return None
     rows = [_row(mask, b) for b in range(ctx.B)] if by_batch else [mask]

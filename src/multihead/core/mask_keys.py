@@ -108,20 +108,20 @@ def mask_tensors(mask: Mask) -> list[Tensor]:
     return [_root(t) for t in held if _identity_keyed(t)]
 
 
-def mask_dims(mask: Mask, ctx: MaskContext) -> tuple[bool, bool]:
+def mask_dims(mask: Mask, ctx: MaskContext, device: torch.device | str | None = None) -> tuple[bool, bool]:
     """``(depends_on_batch, depends_on_head)``: whether the mask can differ between batch rows / heads.
 
     Known classes answer from their structure (padding and key padding read the batch row, document ids
     of shape (B, N) too, a bool tensor where its batch / head dim is not 1); any other mask is evaluated
-    on one (query, key) cell for every (b, h) and read from the broadcast shape of the result. A dim of
-    size 1 in ``ctx`` never counts as a dependency. The answer may be conservative (True where every row
-    happens to be equal), never wrong the other way.
+    on one (query, key) cell for every (b, h) on ``device`` (where its tensors live; default CPU) and read
+    from the broadcast shape of the result. A dim of size 1 in ``ctx`` never counts as a dependency. The
+    answer may be conservative (True where every row happens to be equal), never wrong the other way.
     """
-    b, h = _dims(mask, ctx)
+    b, h = _dims(mask, ctx, device)
     return b and ctx.B > 1, h and ctx.H > 1
 
 
-def _dims(mask: Mask, ctx: MaskContext) -> tuple[bool, bool]:
+def _dims(mask: Mask, ctx: MaskContext, device) -> tuple[bool, bool]:
     kind = type(mask)
     if kind in (Causal, SlidingWindow, PrefixLM):
         return False, False
@@ -134,11 +134,11 @@ def _dims(mask: Mask, ctx: MaskContext) -> tuple[bool, bool]:
         shape = (1,) * max(0, 4 - t.dim()) + tuple(t.shape)  # right-aligned to (B, H, Nq, Nk)
         return shape[0] > 1, shape[1] > 1
     if kind is NotMask:
-        return _dims(mask.a, ctx)  # type: ignore[attr-defined]
+        return _dims(mask.a, ctx, device)  # type: ignore[attr-defined]
     if kind in (AndMask, OrMask):
-        (ba, ha), (bb, hb) = _dims(mask.a, ctx), _dims(mask.b, ctx)  # type: ignore[attr-defined]
+        (ba, ha), (bb, hb) = _dims(mask.a, ctx, device), _dims(mask.b, ctx, device)  # type: ignore[attr-defined]
         return ba or bb, ha or hb
-    cell = mask.block(ctx, (0, min(1, ctx.Nq)), (0, min(1, ctx.Nk)))  # broadcastable to (B, H, 1, 1)
+    cell = mask.block(ctx, (0, min(1, ctx.Nq)), (0, min(1, ctx.Nk)), device)  # broadcastable to (B, H, 1, 1)
     shape = (1,) * max(0, 4 - cell.dim()) + tuple(cell.shape)
     return shape[0] > 1, shape[1] > 1
 

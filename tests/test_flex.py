@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -95,3 +97,18 @@ def test_flex_stays_compiled_past_dynamos_default_recompile_limit():
             assert max_err(out, gold) < 1e-5
     unfused = [str(w.message) for w in seen if "without torch.compile" in str(w.message)]
     assert not unfused, unfused[0]
+
+
+def test_flex_with_broadcast_and_per_row_block_masks_matches_reference():
+    # One compiled call over two masks: a per-batch-row block mask (padding) combined with a broadcast
+    # one (documents + causal); the cached block masks must serve flex exactly as built.
+    if os.environ.get("MULTIHEAD_FLEX") != "1" or flex_mod.BACKEND.unusable() is not None:
+        print("skipping: set MULTIHEAD_FLEX=1 to compile flex_attention on the CPU (about 30 s)")
+        pytest.skip("set MULTIHEAD_FLEX=1 to compile flex_attention on the CPU")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 300, 16, generator=g) for _ in range(3))
+    ids = torch.tensor([0] * 90 + [1] * 150 + [2] * 60)
+    mask = mh.document(ids) & mh.causal() & mh.padding([300, 170])
+    out = flex_mod.BACKEND.run(make_problem(q, k, v, mask=mask)).out
+    gold = mh.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    assert max_err(out, gold) < 1e-5

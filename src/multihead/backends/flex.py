@@ -17,6 +17,9 @@ Attention sinks have no mask_mod / score_mod form (they are a column that no key
 merged from flex's returned log-sum-exp, in torch ops that autograd differentiates
 (:func:`multihead.core.numerics.add_sink`): ``lse' = logaddexp(lse, sink_h)``, ``out' = out *
 exp(lse - lse')``. Compiled flex on CPU returns no lse, so there sinks are refused.
+
+Block masks are built once per mask and shape and reused from a bounded cache, from the masks' analytic
+tile kinds where they have them (:mod:`multihead.backends.flex_blocks`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from ..core.numerics import acc_dtype, add_sink
 from ..core.placement import on_device
 from ..core.problem import AttentionOutput, Problem
+from .flex_blocks import block_mask_for
 
 # torch.compile recompiles flex_attention for each new shape, dtype and mask/score function, and after
 # dynamo's recompile limit (8 by default) it silently falls back to flex's unfused eager path, which
@@ -106,17 +110,10 @@ class FlexBackend:
         reason = self.unusable() or self._cannot(p)
         if reason is not None:
             raise ValueError(f"backend 'flex' cannot serve this call: {reason}")
-        from torch.nn.attention.flex_attention import create_block_mask
-
         ctx = p.ctx
         block_mask, score_mod = None, None
-        if p.mask is not None:
-            mask = on_device(p.mask, p.q.device)  # compiled code cannot move the ids, lengths, ...
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return mask.evaluate(b, h, q_idx, kv_idx, ctx)
-
-            block_mask = create_block_mask(mask_mod, p.B, p.Hq, p.Nq, p.Nk, device=str(p.q.device))
+        if p.mask is not None:  # built once per mask and shape (flex_blocks.CACHE)
+            block_mask = block_mask_for(p.mask, ctx, p.q.device)
         if p.bias is not None:
             bias = on_device(p.bias, p.q.device)
 

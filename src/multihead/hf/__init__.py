@@ -35,7 +35,8 @@ def register(name: str = "multihead", *, backend: Any = "auto", approx: Any = No
             instead of exact attention, for studies; register it under its own name.
 
     Returns:
-        The registered attention function; its ``calls`` attribute counts the attention calls.
+        The registered attention function; its ``calls`` attribute counts the attention calls made
+        outside ``torch.compile``.
 
     Raises:
         ValueError: when ``name`` is empty or names one of transformers' own implementations, or both

@@ -79,7 +79,8 @@ def make_attention_function(backend: Any = "auto") -> Callable[..., tuple[Tensor
 
     Returns:
         ``fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-        **kwargs) -> (out (B, Sq, Hq, Dv), weights (B, Hq, Sq, Sk) or None)``; ``fn.calls`` counts its calls.
+        **kwargs) -> (out (B, Sq, Hq, Dv), weights (B, Hq, Sq, Sk) or None)``; ``fn.calls`` counts its calls
+        made outside ``torch.compile`` (transformers compiles static-cache generation on a GPU).
     """
 
     def multihead_attention_forward(
@@ -93,7 +94,8 @@ def make_attention_function(backend: Any = "auto") -> Callable[..., tuple[Tensor
         is_causal: bool | None = None,
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
-        wrapper.calls += 1  # type: ignore[attr-defined]
+        if not torch.compiler.is_compiling():  # a traced attribute write would break the graph and,
+            wrapper.calls += 1  # type: ignore[attr-defined]  # guarded as a constant, recompile every call
         if (
             fast
             and query.shape[2] == 1

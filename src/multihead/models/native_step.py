@@ -116,11 +116,11 @@ def _hooks_reason_cached(model: Any) -> str | None:
     ``RemovableHandle.next_id``: while it stands still, no hook was added since the last scan. Only a
     scan that found none is kept, so a model whose hooks are removed again returns to native steps.
     """
-    stamp = getattr(RemovableHandle, "next_id", None)
-    if stamp is not None and model.__dict__.get("_native_hooks_stamp") == stamp:
+    stamp = RemovableHandle.next_id
+    if model.__dict__.get("_native_hooks_stamp") == stamp:
         return None
     reason = _hooks_reason(model)
-    if reason is None and stamp is not None:
+    if reason is None:
         model.__dict__["_native_hooks_stamp"] = stamp
     return reason
 
@@ -168,9 +168,10 @@ def why_not_call(
     forward hooks are scanned again only after a hook was registered anywhere)."""
     if cache is None or ids.shape != (1, 1):
         return "not a one-token, one-row cached call"
-    hooked = _hooks_reason_cached(model)
-    if hooked is not None:
-        return hooked
+    if model.__dict__.get("_native_hooks_stamp") != RemovableHandle.next_id:  # a hook was registered
+        hooked = _hooks_reason_cached(model)
+        if hooked is not None:
+            return hooked
     if torch.is_grad_enabled() and any(p.requires_grad for p in model.final_norm.parameters()):
         return "gradients are on"
     if attention_mask is not None and not bool(attention_mask.all()):

@@ -33,9 +33,6 @@ import functools
 import hashlib
 import os
 import platform
-import signal
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import NamedTuple, cast
@@ -43,7 +40,7 @@ from typing import NamedTuple, cast
 import torch
 from torch import Tensor
 
-from . import build, cache
+from . import build, cache, first_load
 
 __all__ = [
     "DTYPES",
@@ -166,25 +163,10 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
     return None
 
 
-#: the first load of a build, in a separate interpreter: torch first (the library then shares its
-#: OpenMP runtime, as in the user's process), this package loaded from its files, then :func:`_probe`
-_PROBE = """
-import importlib.util, sys
-import torch
-init, library, digest = sys.argv[1:]
-spec = importlib.util.spec_from_file_location(
-    "multihead_native_probe", init, submodule_search_locations=[init.rpartition("/")[0]]
-)
-module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = module
-spec.loader.exec_module(module)
-sys.exit(module._probe(library, digest))
-"""
-
-
 def _probe(library: str, digest: str) -> int:
-    """The separate process's side of the first load: load ``library`` if its bytes still have
-    ``digest``, run :func:`_self_check`; 0 when it passed, else prints why and returns 1."""
+    """The separate process's side of a build's first load (:func:`.first_load.check_apart`): load
+    ``library`` if its bytes still have ``digest``, run :func:`_self_check`; 0 when it passed, else
+    prints why and returns 1."""
     path = Path(library)
     try:
         if cache.file_digest(path) != digest:
@@ -198,31 +180,6 @@ def _probe(library: str, digest: str) -> int:
         print(reason)
         return 1
     return 0
-
-
-def _check_apart(library: Path, digest: str) -> str | None:
-    """Load ``library`` and run its self-check in a separate Python process (a corrupt file may crash
-    the process that loads it); what went wrong, or None."""
-    if not sys.executable:
-        return "could not be checked: no Python executable to run the check in"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the same torch
-    argv = [sys.executable, "-c", _PROBE, str(HERE / "__init__.py"), str(library), digest]
-    try:
-        done = subprocess.run(
-            argv, capture_output=True, text=True, errors="replace", timeout=300, cwd=library.parent, env=env
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"could not be checked in a separate process: {e}"
-    if done.returncode < 0:
-        try:
-            name = signal.Signals(-done.returncode).name
-        except ValueError:
-            name = str(-done.returncode)
-        return f"crashed its self-check (signal {name})"
-    if done.returncode != 0:
-        lines = (done.stdout.strip() or done.stderr.strip() or "no message").splitlines()
-        return f"failed its self-check (status {done.returncode}: {lines[-1][-300:]})"
-    return None
 
 
 class _Loaded(NamedTuple):
@@ -247,7 +204,7 @@ def _open_entry(compiler: list[str], so: Path, notes: list[str]) -> tuple[ctypes
             if digest is None:
                 return None, why
         if cache.read_record(so, "checked") != digest:
-            why = _check_apart(so, digest)
+            why = first_load.check_apart(HERE / "__init__.py", so, digest)
             if why is not None:
                 cache.remove_entry(so)
                 if fresh:

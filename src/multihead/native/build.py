@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import cache
 
-__all__ = ["TIMEOUT_S", "compile_library", "find_compiler", "library_problem"]
+__all__ = ["TIMEOUT_S", "compile_library", "find_compiler", "library_problem", "signal_name"]
 
 TIMEOUT_S = 300  # a cold -O3 build takes seconds; minutes mean something hangs
 #: the first bytes of a shared library: ELF, and Mach-O (32/64-bit, both byte orders, universal)
@@ -63,16 +63,18 @@ def find_compiler() -> tuple[list[str] | None, str | None]:
     return [found], None
 
 
+def signal_name(number: int) -> str:
+    """``SIGBUS`` for 7 (on Linux), the number itself for one Python does not know."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
 def _exit_reason(argv: list[str], done: subprocess.CompletedProcess[str]) -> str:
     """What a failed compiler run says: its status (or signal), its command and its last output."""
     rc = done.returncode
-    if rc < 0:
-        try:
-            how = f"was killed by signal {signal.Signals(-rc).name}"
-        except ValueError:
-            how = f"was killed by signal {-rc}"
-    else:
-        how = f"exited with status {rc}"
+    how = f"was killed by signal {signal_name(-rc)}" if rc < 0 else f"exited with status {rc}"
     said = (done.stderr.strip() or done.stdout.strip())[-300:]
     return f"`{shlex.join(argv)}` {how}" + (f": {said}" if said else " and printed nothing")
 

@@ -17,8 +17,9 @@ a greedy or sampled decode step: one row, one new token, a dense cache of the we
 gradient. :func:`why_not_model` and :func:`why_not_call` say what else stops it; the caller then runs
 the eager step. That includes a forward hook or pre-hook on a module the native step replaces (the
 embedding, a layer or anything inside one, the final norm) or on every module, registered at any time:
-the call checks torch's hook counter at every step and scans the modules again only when it moved. ``mh.quant.quantize(model, weights="fp32" | "bf16" | "fp16", kernel="native")`` turns
-it on ("auto" picks native for a TransformerLM).
+the call checks torch's hook counter at every step and scans the modules again only when it moved.
+``mh.quant.quantize(model, weights="fp32" | "bf16" | "fp16", kernel="native")`` turns it on ("auto"
+picks native for a TransformerLM).
 
 Shape legend: d model width, Hq / Hkv query / kv heads, D head dim, F feed-forward width, V vocabulary.
 """

@@ -119,7 +119,9 @@ def _below_a_loose_parent(d: Path) -> Path:
 
 
 PLANTED_DIRS = [
-    pytest.param(_owned_by_nobody, f"is owned by uid {NOBODY}, not by this user", id="another owner"),
+    pytest.param(
+        _owned_by_nobody, f"is owned by uid {NOBODY}, not by this user", id="another owner", marks=needs_root
+    ),
     pytest.param(_open_to_all, r"can be written by its group or others \(mode 777\)", id="mode 0777"),
     pytest.param(_a_link, "is a symbolic link", id="a symbolic link"),
     pytest.param(_below_a_loose_parent, r"above the cache\) can be written by others", id="loose parent"),
@@ -127,7 +129,6 @@ PLANTED_DIRS = [
 
 
 @needs_native
-@needs_root
 @pytest.mark.parametrize(("plant", "why"), PLANTED_DIRS)
 def test_a_planted_cache_directory_is_never_used(
     plant, why, good, planted, tmp_path, monkeypatch, fresh_load

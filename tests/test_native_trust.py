@@ -375,6 +375,21 @@ def test_every_compiler_failure_says_what_ran_and_how_it_failed(cc, why, tmp_pat
         assert not list(tmp_path.glob("cache/native-*")) and not list(tmp_path.glob("cache/.native-*"))
 
 
+def test_a_full_disk_leaves_no_kernels_and_says_why(tmp_path, monkeypatch, fresh_load):
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native.build, "compile_library", full)
+    if native.build.find_compiler()[0] is None:
+        pytest.skip("no C compiler here: the build is never reached")
+    assert native.unavailable() == (
+        f"building or loading the native kernels in {tmp_path / 'cache'} failed: "
+        "[Errno 28] No space left on device"
+    )
+    assert native.library() is None and native.location() is None
+
+
 # -- forward hooks registered after a generation --------------------------------------------------------
 
 

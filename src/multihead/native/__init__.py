@@ -244,7 +244,11 @@ def _load() -> _Loaded:
         )
     so = library_path(" ".join(compiler), where)
     seen = len(notes)
-    lib, reason = _open_entry(compiler, so, notes)
+    try:
+        lib, reason = _open_entry(compiler, so, notes)
+    except OSError as e:  # a full disk, a directory removed under us: no kernels, and why
+        lib, reason = None, f"building or loading the native kernels in {where} failed: {e}"
+    # an entry kept before digests were recorded is rebuilt as a matter of course: no warning
     repaired = [n for n in notes[seen:] if "no recorded digest" not in n]
     if repaired:
         warnings.warn("multihead.native: " + "; ".join(repaired), RuntimeWarning, stacklevel=3)

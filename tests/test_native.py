@@ -4,6 +4,7 @@ machine, F.linear wherever the kernel cannot run, and the tokens of the plain mo
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -117,28 +118,40 @@ def test_gemv_rejects_bad_inputs_with_the_fix():
 @needs_native
 def test_the_build_is_cached_per_source_compiler_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
-    cc = native._compiler()
-    assert cc is not None
-    so = native._build(cc)
-    assert so.parent == tmp_path and so.name.startswith("native-") and so.exists()
-    assert native._build(cc) == so  # a second call reuses the file
-    assert native._self_check(native.open_library(so)) is None
-    monkeypatch.setattr(native, "_cpu_key", lambda: "another cpu")
-    assert native.library_path(cc) != so  # a build for one CPU is never loaded on another
+    native._load.cache_clear()
+    try:
+        assert native.unavailable() is None
+        so = native.location()
+        assert so is not None and so.parent == tmp_path and so.name.startswith("native-")
+        built = so.stat()
+        native._load.cache_clear()
+        assert native.unavailable() is None and native.location() == so
+        assert so.stat().st_ino == built.st_ino and so.stat().st_mtime_ns == built.st_mtime_ns  # reused
+        compiler, _ = native.build.find_compiler()
+        assert compiler is not None and native.library_path(" ".join(compiler), tmp_path) == so
+        monkeypatch.setattr(native, "_cpu_key", lambda: "another cpu")
+        assert (
+            native.library_path(" ".join(compiler), tmp_path) != so
+        )  # one CPU's build never runs on another
+    finally:
+        native._load.cache_clear()
 
 
 def test_without_a_compiler_gemv_linear_runs_f_linear_and_says_why(monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-here")
     native._load.cache_clear()
     try:
-        assert native.unavailable() == "no C compiler found (install gcc or clang, or set CC)"
+        assert native.unavailable() == (
+            "CC='no-such-compiler-here' is not an executable: no program 'no-such-compiler-here' on PATH; "
+            "set CC to a C compiler (or unset it)"
+        )
         lin = torch.nn.Linear(16, 8)
         layer = GemvLinear.from_linear(lin)
-        assert "F.linear (no C compiler found" in repr(layer)
+        assert "F.linear (CC='no-such-compiler-here' is not an executable" in repr(layer)
         x = torch.randn(1, 16)
         with torch.no_grad():
             assert torch.equal(layer(x), lin(x))
-        with pytest.raises(ValueError, match="the native GEMV is unavailable: no C compiler found"):
+        with pytest.raises(ValueError, match="the native GEMV is unavailable: CC='no-such-compiler-here'"):
             native.gemv(lin.weight.detach(), x[0])
         monkeypatch.setenv("MULTIHEAD_NATIVE", "0")
         native._load.cache_clear()
@@ -248,9 +261,15 @@ def test_an_unwritable_cache_directory_builds_into_the_temporary_directory(tmp_p
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")  # no directory can be made below it, not even by root
     monkeypatch.setenv("MULTIHEAD_CACHE", str(blocker / "cache"))
-    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    cc = native._compiler()
-    assert cc is not None
-    so = native._build(cc)
-    assert so.exists() and so.is_relative_to(tmp_path / "tmp")
-    assert native._self_check(native.open_library(so)) is None
+    monkeypatch.setattr(native.cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    native._load.cache_clear()
+    try:
+        assert native.unavailable() is None
+        so = native.location()
+        assert so is not None and so.parent == tmp_path / "tmp" / f"multihead-{os.getuid()}"
+        assert oct(so.parent.stat().st_mode & 0o777) == oct(0o700)
+        assert native.notes() == (
+            f"not building in {blocker / 'cache'}: {blocker / 'cache'} cannot be created: Not a directory",
+        )
+    finally:
+        native._load.cache_clear()

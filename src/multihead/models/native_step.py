@@ -15,8 +15,11 @@ RMSNorm, rotary positions (half-split or interleaved pairs), GQA / MQA / MHA sel
 textbook scale, SwiGLU feed-forward, no biases, fp32, bf16 or fp16 weights on the CPU; and the call shape of
 a greedy or sampled decode step: one row, one new token, a dense cache of the weights' dtype, no
 gradient. :func:`why_not_model` and :func:`why_not_call` say what else stops it; the caller then runs
-the eager step. ``mh.quant.quantize(model, weights="fp32" | "bf16" | "fp16", kernel="native")`` turns
-it on ("auto" picks native for a TransformerLM).
+the eager step. That includes a forward hook or pre-hook on a module the native step replaces (the
+embedding, a layer or anything inside one, the final norm) or on every module, registered at any time:
+the call checks torch's hook counter at every step and scans the modules again only when it moved.
+``mh.quant.quantize(model, weights="fp32" | "bf16" | "fp16", kernel="native")`` turns it on ("auto"
+picks native for a TransformerLM).
 
 Shape legend: d model width, Hq / Hkv query / kv heads, D head dim, F feed-forward width, V vocabulary.
 """
@@ -30,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
+from torch.utils.hooks import RemovableHandle
 
 from .. import native
 from ..nn.attention import MultiHeadAttention
@@ -70,8 +75,6 @@ def _layer_reason(i: int, layer: nn.Module, dtype: torch.dtype, eps: float | Non
         return f"layer {i}'s attention has sinks or a non-default score scale"
     if not isinstance(attn.rotary, RotaryEmbedding):
         return f"layer {i}'s attention has no RotaryEmbedding"
-    if attn._forward_hooks or attn._forward_pre_hooks or layer._forward_hooks or layer._forward_pre_hooks:
-        return f"layer {i} has forward hooks (the native step would skip them)"
     if type(ffn) is not FeedForward or ffn.activation != "swiglu":
         return f"layer {i}'s feed-forward is not SwiGLU"
     for name, m in (
@@ -93,8 +96,42 @@ def _layer_reason(i: int, layer: nn.Module, dtype: torch.dtype, eps: float | Non
     return None
 
 
-def why_not_model(model: Any) -> str | None:
-    """Why ``model`` (a TransformerLM) cannot take native decode steps here, or None when it can."""
+def _hooks_reason(model: Any) -> str | None:
+    """Which forward hook or pre-hook the native step would skip (on the embedding, a layer or any
+    module inside one, the final norm, or registered for every module), or None."""
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return "a global forward hook is registered (the native step would skip it)"
+    for name, m in (("the embedding", model.embed), ("the final norm", model.final_norm)):
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"{name} has forward hooks (the native step would skip them)"
+    for i, layer in enumerate(model.layers):
+        for name, m in layer.named_modules():
+            if m._forward_hooks or m._forward_pre_hooks:
+                where = f"layer {i}'s {name}" if name else f"layer {i}"
+                return f"{where} has forward hooks (the native step would skip them)"
+    return None
+
+
+def _hooks_reason_cached(model: Any) -> str | None:
+    """:func:`_hooks_reason`, scanned again only after a hook was registered somewhere.
+
+    Every hook torch registers (module, global or tensor) takes its id from one counter,
+    ``RemovableHandle.next_id``: while it stands still, no hook was added since the last scan. Only a
+    scan that found none is kept, so a model whose hooks are removed again returns to native steps.
+    """
+    stamp = RemovableHandle.next_id
+    if model.__dict__.get("_native_hooks_stamp") == stamp:
+        return None
+    reason = _hooks_reason(model)
+    if reason is None:
+        model.__dict__["_native_hooks_stamp"] = stamp
+    return reason
+
+
+def why_not_model(model: Any, *, hooks: bool = True) -> str | None:
+    """Why ``model`` (a TransformerLM) cannot take native decode steps here, or None when it can.
+    ``hooks=False`` leaves out the forward hooks (which :func:`why_not_call` checks at every call: they
+    come and go after the model's structure is fixed)."""
     reason = native.unavailable()
     if reason is not None:
         return f"the native kernels are unavailable: {reason}"
@@ -123,16 +160,21 @@ def why_not_model(model: Any) -> str | None:
         reason = _layer_reason(i, layer, dtype, final.eps)
         if reason is not None:
             return reason
-    return None
+    return _hooks_reason(model) if hooks else None
 
 
 def why_not_call(
     model: Any, ids: Tensor, attention_mask: Tensor | None, cache: list[KVCache] | None
 ) -> str | None:
     """Why this call of ``model.hidden_states`` is not a native decode step, or None when it is.
-    Cheap: made on every call (the model's structure is :func:`why_not_model`'s, asked once)."""
+    Cheap: made on every call (the model's structure is :func:`why_not_model`'s, asked once; its
+    forward hooks are scanned again only after a hook was registered anywhere)."""
     if cache is None or ids.shape != (1, 1):
         return "not a one-token, one-row cached call"
+    if model.__dict__.get("_native_hooks_stamp") != RemovableHandle.next_id:  # a hook was registered
+        hooked = _hooks_reason_cached(model)
+        if hooked is not None:
+            return hooked
     if torch.is_grad_enabled() and any(p.requires_grad for p in model.final_norm.parameters()):
         return "gradients are on"
     if attention_mask is not None and not bool(attention_mask.all()):

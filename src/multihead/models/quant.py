@@ -332,7 +332,7 @@ class _QuantizedLM(TransformerLM):
         with ``kernel="native"`` runs natively (:mod:`.native_step`) where it can."""
         if self.native_steps and native_step.why_not_call(self, ids, attention_mask, cache) is None:
             if self._why_not_native is _UNASKED:
-                self._why_not_native = native_step.why_not_model(self)
+                self._why_not_native = native_step.why_not_model(self, hooks=False)  # hooks: per call
             if self._why_not_native is None:
                 assert cache is not None  # why_not_call checked the one token id
                 return native_step.decode_step(self, ids, cache)  # (1, 1, d)

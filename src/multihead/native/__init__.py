@@ -11,13 +11,17 @@ and reads at the speed of the ``sum``; in bf16 it uses the AVX512-BF16 dot-produ
 CPU has it.
 
 The kernel is compiled once per machine by the system C compiler (``$CC``, else ``cc`` / ``gcc`` /
-``clang``; ``-O3 -march=native``, what ``torch.compile``'s CPU backend also needs) into
-``$MULTIHEAD_CACHE`` (default ``~/.cache/multihead``; the temporary directory when that is not
-writable) and loaded with ``ctypes``; a build is checked
-against ``torch.mv`` before use. Without a compiler, on a failed build or check, or with
+``clang``; ``-O3 -march=native``, what ``torch.compile``'s CPU backend also needs) into a directory
+private to the user: ``$MULTIHEAD_CACHE`` (default ``~/.cache/multihead``), else
+``<tmp>/multihead-<uid>``, else a fresh temporary directory, each used only when it passes the owner
+and mode checks of :mod:`.cache`. The library's sha256 is recorded at build time and checked before
+every load; the first load of each build, with its check against ``torch.mv``, runs in a separate
+Python process, so a corrupt library ends there (and is rebuilt), never in the user's process
+(SECURITY.md, "Native kernels"). Without a compiler, on a failed build or check, or with
 ``MULTIHEAD_NATIVE=0``, :func:`unavailable` says why and the callers (``mh.quant.GemvLinear``) run
-``F.linear``. Large products split their rows over torch's OpenMP threads (``torch.set_num_threads``)
-where the compiler has OpenMP, else one thread (:func:`threads` says how many run).
+``F.linear``; :func:`notes` says what was skipped or repaired on the way. Large products split their
+rows over torch's OpenMP threads (``torch.set_num_threads``) where the compiler has OpenMP, else one
+thread (:func:`threads` says how many run).
 
 Shape legend: O rows (output features), I columns (input features).
 """
@@ -29,14 +33,14 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
+import warnings
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
+
+from . import build, cache, first_load
 
 __all__ = [
     "DTYPES",
@@ -48,6 +52,8 @@ __all__ = [
     "has_dpbf16",
     "library",
     "library_path",
+    "location",
+    "notes",
     "open_library",
     "run",
     "threads",
@@ -77,13 +83,6 @@ def cache_dir() -> Path:
     return Path(base) / "multihead"
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
-
-
 def _cpu_key() -> str:
     """The CPU's identity for the cache key: a kernel built with -march=native runs only where it was
     built (a home directory shared between machines must not hand one CPU's build to another)."""
@@ -96,48 +95,14 @@ def _cpu_key() -> str:
     return text
 
 
-def library_path(cc: str) -> Path:
-    """The shared library built from :data:`SOURCES` by ``cc`` for this CPU (it may not exist yet)."""
+def library_path(cc: str, directory: Path | None = None) -> Path:
+    """The shared library built from :data:`SOURCES` by the compiler command ``cc`` for this CPU, in
+    ``directory`` (default :func:`cache_dir`); it may not exist yet."""
     code = [p.read_bytes() for p in (*SOURCES, HEADER)]
     key = hashlib.sha256(
         b"\0".join([*code, cc.encode(), " ".join((*FLAGS, OPENMP)).encode(), _cpu_key().encode()])
     ).hexdigest()[:16]
-    return cache_dir() / f"native-{key}.so"
-
-
-def _build(cc: str) -> Path:
-    """Compile :data:`SOURCES` (once per source, compiler and CPU); an atomic rename publishes it."""
-    so = library_path(cc)
-    if so.exists():
-        return so
-    try:
-        so.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
-    except OSError:  # a read-only home: build into the temporary directory instead
-        so = (
-            Path(tempfile.gettempdir()) / f"multihead-{os.getuid() if hasattr(os, 'getuid') else 0}" / so.name
-        )
-        if so.exists():
-            return so
-        so.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
-    os.close(fd)
-    try:
-        for extra in ([OPENMP], []):  # without OpenMP (one thread) where the compiler lacks it
-            done = subprocess.run(
-                [cc, *FLAGS, *extra, "-o", tmp, *map(str, SOURCES), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if done.returncode == 0:
-                break
-        done.check_returncode()
-        os.replace(tmp, so)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return so
+    return (cache_dir() if directory is None else directory) / f"native-{key}.so"
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -198,21 +163,96 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
     return None
 
 
-@functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
-        return None, "disabled by MULTIHEAD_NATIVE=0"
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler found (install gcc or clang, or set CC)"
+def _probe(library: str, digest: str) -> int:
+    """The separate process's side of a build's first load (:func:`.first_load.check_apart`): load
+    ``library`` if its bytes still have ``digest``, run :func:`_self_check`; 0 when it passed, else
+    prints why and returns 1."""
+    path = Path(library)
     try:
-        lib = open_library(_build(cc))
-    except subprocess.CalledProcessError as e:
-        return None, f"building the native kernels with {cc} failed: {e.stderr.strip()[-300:]}"
-    except (OSError, AttributeError, subprocess.SubprocessError) as e:
-        return None, f"building or loading the native kernels with {cc} failed: {e}"
-    reason = _self_check(lib)
-    return (None, reason) if reason else (lib, None)
+        if cache.file_digest(path) != digest:
+            print("its bytes changed while it was checked")
+            return 1
+    except OSError as e:
+        print(f"it cannot be read: {e}")
+        return 1
+    reason = _self_check(open_library(path))
+    if reason is not None:
+        print(reason)
+        return 1
+    return 0
+
+
+class _Loaded(NamedTuple):
+    lib: ctypes.CDLL | None
+    reason: str | None  # why lib is None
+    path: Path | None  # the file lib was loaded from
+    notes: tuple[str, ...]  # what was skipped or repaired on the way
+
+
+def _open_entry(compiler: list[str], so: Path, notes: list[str]) -> tuple[ctypes.CDLL | None, str | None]:
+    """Load the build at ``so``: verified against its digest, rebuilt when it fails (once), its first
+    load checked in a separate process. Appends what it repaired to ``notes``."""
+    for _ in range(2):
+        digest, why = cache.verify(so)
+        fresh = digest is None
+        if digest is None:
+            if why is not None:
+                notes.append(f"{why}; rebuilt")
+            cache.remove_entry(so)
+            args = [*FLAGS, OPENMP, *map(str, SOURCES), "-lm"]
+            digest, why = build.compile_library(compiler, args, OPENMP, so)
+            if digest is None:
+                return None, why
+        if cache.read_record(so, "checked") != digest:
+            why = first_load.check_apart(HERE / "__init__.py", so, digest)
+            if why is not None:
+                cache.remove_entry(so)
+                if fresh:
+                    return None, f"the newly built native library {why}; it was removed"
+                notes.append(f"the cached native library {so} {why}; it was removed and rebuilt")
+                continue
+            cache.record(so, "checked", digest)
+        if cache.verify(so)[0] != digest:
+            notes.append(f"the cached native library {so} changed while it was checked; rebuilt")
+            continue
+        try:
+            lib = open_library(so)
+        except (OSError, AttributeError) as e:
+            return None, f"loading the native kernels from {so} failed: {e}"
+        reason = _self_check(lib)
+        return (None, reason) if reason else (lib, None)
+    return None, f"the native library at {so} failed twice: {'; '.join(notes[-2:])}"
+
+
+@functools.cache
+def _load() -> _Loaded:
+    if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
+        return _Loaded(None, "disabled by MULTIHEAD_NATIVE=0", None, ())
+    if not hasattr(os, "getuid"):
+        return _Loaded(
+            None, "the native kernels need a POSIX system (their cache is checked by owner)", None, ()
+        )
+    compiler, reason = build.find_compiler()
+    if compiler is None:
+        return _Loaded(None, reason, None, ())
+    where, notes, unsafe = cache.private_dir(cache_dir())
+    if unsafe:  # a directory planted by another account, or one anybody may write
+        warnings.warn("multihead.native: " + "; ".join(notes), RuntimeWarning, stacklevel=3)
+    if where is None:
+        return _Loaded(
+            None, f"no private directory to build the native kernels in: {'; '.join(notes)}", None, ()
+        )
+    so = library_path(" ".join(compiler), where)
+    seen = len(notes)
+    try:
+        lib, reason = _open_entry(compiler, so, notes)
+    except OSError as e:  # a full disk, a directory removed under us: no kernels, and why
+        lib, reason = None, f"building or loading the native kernels in {where} failed: {e}"
+    # an entry kept before digests were recorded is rebuilt as a matter of course: no warning
+    repaired = [n for n in notes[seen:] if "no recorded digest" not in n]
+    if repaired:
+        warnings.warn("multihead.native: " + "; ".join(repaired), RuntimeWarning, stacklevel=3)
+    return _Loaded(lib, reason, so if lib is not None else None, tuple(notes))
 
 
 def unavailable() -> str | None:
@@ -259,7 +299,7 @@ def gemv(weight: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
             match, a weight whose columns are not contiguous, an input that requires grad with grad
             enabled (the kernel has no backward).
     """
-    lib, reason = _load()
+    lib, reason = _load()[:2]
     if lib is None:
         raise ValueError(f"the native GEMV is unavailable: {reason}; use F.linear")
     tensors = [weight, x] if bias is None else [weight, x, bias]
@@ -300,3 +340,15 @@ def run(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -> Ten
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (:func:`unavailable` says why)."""
     return _load()[0]
+
+
+def location() -> Path | None:
+    """The file the kernels were loaded from (in the private build directory), or None."""
+    return _load().path
+
+
+def notes() -> tuple[str, ...]:
+    """What the build skipped or repaired on the way, in order: a cache directory that could not be
+    made or failed its owner and mode checks, a cached library that failed its digest or crashed its
+    first load (then rebuilt)."""
+    return _load().notes

@@ -80,6 +80,11 @@ def resolve(backend: object) -> Backend | None:
     )
 
 
+def unregister(name: str) -> None:
+    """Remove a backend from the registry (no error when it is not there)."""
+    _REGISTRY.pop(name, None)
+
+
 def names() -> list[str]:
     """Registered backend names, in registration order."""
     return list(_REGISTRY)
@@ -95,6 +100,10 @@ def _register_builtins() -> None:
 
     if flex.should_register():  # optional: with CUDA, or MULTIHEAD_FLEX=1 (it compiles per shape)
         register(flex.BACKEND)
+    from .triton import backend as triton
+
+    if triton.should_register():  # with CUDA and Triton, or TRITON_INTERPRET=1 on the CPU (tests)
+        register(triton.BACKEND)
 
 
 _register_builtins()

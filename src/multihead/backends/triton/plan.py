@@ -1,0 +1,171 @@
+"""The mask as data for the Triton kernels: tile lists and bit masks of the partial tiles.
+
+Shape legend: B batch, Hq query heads, Nq queries, Nk keys; tiles are BM query rows x BN keys, nqb / nkb
+blocks, nnz non-empty tiles, P partial tiles; Bm / Hm are B / Hq where the mask depends on them, else 1.
+
+The mask's tile grid (:meth:`multihead.core.problem.Problem.grid`, key edges shifted by ``(Nk - Nq) % BN``
+so that a causal diagonal falls on whole tiles) becomes
+
+* per query block the non-empty key tiles (CSR: ``row_ptr`` (nqb + 1,), ``row_cols`` (nnz,)) for the
+  forward and dQ kernels, and per key block the non-empty query tiles (``col_ptr``, ``col_rows``) for the
+  dK/dV kernel;
+* per tile a code (``row_code`` / ``col_code``): ``>= 0`` a partial tile, the index of its bit mask;
+  :data:`FULL_TILE` a full tile (no mask evaluated); :data:`EDGE_TILE` a full tile that reaches past the
+  keys (only the bounds ``0 <= k < Nk`` are checked);
+* ``bits`` (Bm, Hm, P, BM, BN) uint8: the mask on each partial tile, evaluated once in torch on index
+  tensors (any predicate: padding, documents, tensors, custom functions), 0 outside the problem.
+
+Key tile ``j`` covers keys ``kbase + j * BN + [0, BN)`` with ``kbase = shift - BN`` (shift = the first key
+block's size), so the first tile starts before key 0 when the edges are shifted. Everything here is a
+tensor or an int, so a new mask never changes what the kernels are compiled for.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...core.masks import EMPTY, PARTIAL, Mask
+from ...core.problem import Problem
+
+__all__ = ["EDGE_TILE", "FULL_TILE", "TilePlan", "clear_cache", "plan_for"]
+
+FULL_TILE = -1
+EDGE_TILE = -2
+# Plans kept per (mask, shape, blocks, device); a model calls with a few masks and lengths at a time.
+CACHE_SIZE = 32
+_CACHE: OrderedDict[tuple, TilePlan] = OrderedDict()
+
+
+@dataclass
+class TilePlan:
+    """The tile lists and partial-tile bit masks of one (mask, shape, BM, BN), on the kernels' device."""
+
+    bm: int
+    bn: int
+    kbase: int
+    nqb: int
+    nkb: int
+    row_ptr: Tensor  # (nqb + 1,) int32
+    row_cols: Tensor  # (nnz,) int32
+    row_code: Tensor  # (nnz,) int32
+    col_ptr: Tensor  # (nkb + 1,) int32
+    col_rows: Tensor  # (nnz,) int32
+    col_code: Tensor  # (nnz,) int32
+    bits: Tensor  # (Bm, Hm, P, BM, BN) uint8 (one zero tile when P == 0)
+
+    def bit_strides(self) -> tuple[int, int]:
+        """Batch and head strides of ``bits``, 0 where the mask does not depend on that dim."""
+        Bm, Hm = self.bits.shape[:2]
+        return (self.bits.stride(0) if Bm > 1 else 0, self.bits.stride(1) if Hm > 1 else 0)
+
+    @property
+    def n_partial(self) -> int:
+        return int((self.row_code >= 0).sum())
+
+
+def plan_for(p: Problem, bm: int, bn: int) -> TilePlan:
+    """The plan of ``p``'s mask for (bm x bn) tiles, from a bounded cache when this mask object (with its
+    tensors unchanged) was planned before at this shape and device."""
+    key = _cache_key(p, bm, bn)
+    plan = _CACHE.get(key)
+    if plan is not None:
+        _CACHE.move_to_end(key)
+        return plan
+    plan = build_plan(p, bm, bn)
+    _CACHE[key] = plan
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return plan
+
+
+def clear_cache() -> None:
+    """Forget every cached plan."""
+    _CACHE.clear()
+
+
+def _cache_key(p: Problem, bm: int, bn: int) -> tuple:
+    # The mask object itself (identity) plus the version counters of the tensors it holds: an in-place
+    # change of a key-padding or document tensor makes a new key, never a stale plan.
+    versions = tuple((id(t), t._version) for t in _mask_tensors(p.mask))
+    return (p.mask, versions, p.B, p.Hq, p.Nq, p.Nk, bm, bn, p.q.device)
+
+
+def _mask_tensors(m: object) -> list[Tensor]:
+    if isinstance(m, Tensor):
+        return [m]
+    if isinstance(m, list | tuple):
+        return [t for x in m for t in _mask_tensors(x)]
+    if isinstance(m, Mask):
+        return [t for v in vars(m).values() for t in _mask_tensors(v)]
+    return []
+
+
+def build_plan(p: Problem, bm: int, bn: int) -> TilePlan:
+    """Classify ``p``'s tiles (kept on the problem) and build the lists and bit masks (no cache)."""
+    grid = p.grid(bm, bn)
+    kinds = grid.kinds  # (nqb, nkb) int8
+    nqb, nkb = kinds.shape
+    shift = grid.k_edges[1] if nkb > 0 else bn
+    kbase = shift - bn
+    rows, cols = (kinds != EMPTY).nonzero(as_tuple=True)  # (nnz,) each, row-major
+    partial = kinds[rows, cols] == PARTIAL  # (nnz,)
+    code = torch.full(rows.shape, -1, dtype=torch.long)
+    code[partial] = torch.arange(int(partial.sum()))
+    k_lo = kbase + cols * bn  # (nnz,) first key of each tile's window
+    edge = ~partial & ((k_lo < 0) | (k_lo + bn > p.Nk))
+    code[edge] = EDGE_TILE
+    order = (cols * nqb + rows).argsort()  # (nnz,) column-major: the transposed lists
+    dev = p.q.device
+    bits = partial_bits(p, rows[partial], cols[partial], bm, bn, kbase)
+
+    def i32(t: Tensor) -> Tensor:
+        return t.to(device=dev, dtype=torch.int32)
+
+    return TilePlan(
+        bm=bm,
+        bn=bn,
+        kbase=kbase,
+        nqb=nqb,
+        nkb=nkb,
+        row_ptr=i32(_ptr(rows, nqb)),
+        row_cols=i32(cols),
+        row_code=i32(code),
+        col_ptr=i32(_ptr(cols, nkb)),
+        col_rows=i32(rows[order]),
+        col_code=i32(code[order]),
+        bits=bits,
+    )
+
+
+def _ptr(index: Tensor, n: int) -> Tensor:
+    """CSR offsets (n + 1,) of a sorted-by-group index (nnz,)."""
+    counts = torch.bincount(index, minlength=n)  # (n,)
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # (n + 1,)
+
+
+def partial_bits(p: Problem, rows: Tensor, cols: Tensor, bm: int, bn: int, kbase: int) -> Tensor:
+    """The mask on the partial tiles ``(rows[t], cols[t])`` as (Bm, Hm, P, BM, BN) uint8, one vectorised
+    evaluation of the predicate; positions outside the problem are 0."""
+    dev = p.q.device
+    P = rows.numel()
+    if P == 0 or p.mask is None:
+        return torch.zeros(1, 1, 1, bm, bn, dtype=torch.uint8, device=dev)  # (1, 1, 1, BM, BN) unused
+    ctx = p.ctx
+    q = rows.to(dev)[:, None] * bm + torch.arange(bm, device=dev)  # (P, BM)
+    k = kbase + cols.to(dev)[:, None] * bn + torch.arange(bn, device=dev)  # (P, BN)
+    qi = q.reshape(1, 1, P * bm, 1)  # (1, 1, P*BM, 1)
+    ki = k[:, None, :].expand(P, bm, bn).reshape(1, 1, P * bm, bn)  # (1, 1, P*BM, BN)
+    b = torch.arange(ctx.B, device=dev).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    h = torch.arange(ctx.H, device=dev).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    # Indices are clamped into the problem so that predicates which index their tensors stay in range;
+    # the positions outside it are then cleared.
+    allowed = p.mask.evaluate(b, h, qi.clamp(0, ctx.Nq - 1), ki.clamp(0, ctx.Nk - 1), ctx)
+    allowed = torch.as_tensor(allowed, dtype=torch.bool, device=dev)
+    inside = (qi < ctx.Nq) & (ki >= 0) & (ki < ctx.Nk)  # (1, 1, P*BM, BN)
+    allowed = allowed & inside  # (Bm, Hm, P*BM, BN)
+    Bm, Hm = allowed.shape[0], allowed.shape[1]
+    return allowed.expand(Bm, Hm, P * bm, bn).reshape(Bm, Hm, P, bm, bn).to(torch.uint8).contiguous()

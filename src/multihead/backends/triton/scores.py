@@ -1,0 +1,91 @@
+"""Device helpers shared by the forward and backward kernels: score modifiers and the tile's mask.
+
+Shape legend: BM query rows x BN keys per tile. Scores leave :func:`modified_scores` in log2 units
+(multiplied by log2(e)), so the softmax runs on ``exp2``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def tanh(x):
+    """tanh to a few fp32 ulps on every device (the Triton interpreter has no libdevice): a Taylor
+    polynomial near 0, where ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` would cancel."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    far = (1.0 - e) / (1.0 + e)
+    x2 = a * a
+    poly = -1382.0 / 155925.0
+    poly = 62.0 / 2835.0 + x2 * poly
+    poly = -17.0 / 315.0 + x2 * poly
+    poly = 2.0 / 15.0 + x2 * poly
+    poly = -1.0 / 3.0 + x2 * poly
+    near = a + a * x2 * poly
+    r = tl.where(a < 0.25, near, far)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def modified_scores(
+    s,
+    b,
+    h,
+    offs_m,
+    offs_n,
+    kvalid,
+    BIAS,
+    sbb,
+    sbh,
+    sbq,
+    sbk,
+    SLOPES,
+    Nq,
+    Nk,
+    scale,
+    cap,
+    HAS_BIAS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BIAS_AFTER_CAP: tl.constexpr,
+):
+    """Raw dot products (BM, BN) -> scaled, biased, soft-capped scores in log2 units, and the tanh of
+    the soft-cap (its derivative ``1 - t^2`` is the backward's; 0 without a cap)."""
+    s = s * scale
+    add = tl.zeros_like(s)
+    if HAS_BIAS:
+        ptrs = BIAS + b * sbb + h * sbh + offs_m[:, None] * sbq + offs_n[None, :] * sbk  # (BM, BN)
+        inside = (offs_m < Nq)[:, None] & kvalid[None, :]  # (BM, BN)
+        add += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h)
+        dist = (offs_m + (Nk - Nq))[:, None] - offs_n[None, :]  # (BM, BN) bottom-right aligned
+        add += -slope * tl.abs(dist).to(tl.float32)
+    t = tl.zeros_like(s)
+    if SOFTCAP:
+        if not BIAS_AFTER_CAP:
+            s = s + add
+        t = tanh(s / cap)
+        s = cap * t
+        if BIAS_AFTER_CAP:
+            s = s + add
+    else:
+        s = s + add
+    return s * LOG2E, t
+
+
+@triton.jit
+def masked(s, b, h, code, kvalid, BITS, sxb, sxh, BM: tl.constexpr, BN: tl.constexpr):
+    """-inf where the tile's mask hides a key: a partial tile (code >= 0) reads its bit mask, a full
+    tile at the key edge (code -2) checks the bounds, a full tile (-1) is left as it is."""
+    if code >= 0:
+        offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]  # (BM, BN)
+        bits = tl.load(BITS + b * sxb + h * sxh + code.to(tl.int64) * (BM * BN) + offs)
+        s = tl.where(bits != 0, s, float("-inf"))
+    elif code == -2:
+        s = tl.where(kvalid[None, :], s, float("-inf"))
+    return s

@@ -22,9 +22,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import Launch, last_dim_contiguous
-from .scores import LOG2E, masked, modified_scores
+from .scores import LOG2E, masked, modified_scores, tl_core
 
 __all__ = ["attention_backward"]
+
+_ = tl_core  # see .scores
 
 _INTS = ["Hq", "G", "Nq", "Nk", "D", "Dv", "kbase", "scale", "cap", "sxb", "sxh", "sbb", "sbh", "sbq", "sbk"]
 _STRIDES = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "son"]
@@ -69,7 +71,9 @@ def _dkdv_kernel(
             rows = offs_m < Nq
             q_ptrs = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]  # (BM, BD)
             q = tl.load(q_ptrs, mask=rows[:, None] & (offs_d < D)[None, :], other=0.0)
-            do_ptrs = DO + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :]  # (BM, BDV)
+            do_ptrs = (
+                DO + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :]
+            )  # (BM, BDV)
             do = tl.load(do_ptrs, mask=rows[:, None] & (offs_dv < Dv)[None, :], other=0.0)
             row_off = (b * Hq + h).to(tl.int64) * Nq + offs_m
             lse = tl.load(LSE + row_off, mask=rows, other=float("inf")) * LOG2E
@@ -128,8 +132,16 @@ def _dq_kernel(
         code = tl.load(ROW_CODE + t)
         offs_n = kbase + j * BN + tl.arange(0, BN)
         kvalid = (offs_n >= 0) & (offs_n < Nk)
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kvalid[:, None] & (offs_d < D)[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :], mask=kvalid[:, None] & (offs_dv < Dv)[None, :], other=0.0)
+        k = tl.load(
+            k_base + offs_n[:, None] * skn + offs_d[None, :],
+            mask=kvalid[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * svn + offs_dv[None, :],
+            mask=kvalid[:, None] & (offs_dv < Dv)[None, :],
+            other=0.0,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BM, BN)
         s, tc = modified_scores(
             s, b, h, offs_m, offs_n, kvalid, BIAS, sbb, sbh, sbq, sbk, SLOPES, Nq, Nk, scale, cap,
@@ -166,7 +178,9 @@ def attention_backward(
     delta = (dout.float() * out.float()).sum(-1)  # (B, Hq, Nq)
     if dlse is not None:
         delta = delta - dlse.float()
-    lse_b = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse).contiguous()  # (B, Hq, Nq)
+    lse_b = torch.where(
+        lse == float("-inf"), torch.full_like(lse, float("inf")), lse
+    ).contiguous()  # (B, Hq, Nq)
     delta = delta.contiguous()
     # Gradients in the inputs' own strides: the kernels write them through q's and k's strides.
     dq, dk, dv = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -190,4 +204,3 @@ def attention_backward(
         *sizes, plan.kbase, run.scale, run.cap, BM=plan.bm, BN=plan.bn, **common,
     )  # fmt: skip
     return dq, dk, dv, delta
-

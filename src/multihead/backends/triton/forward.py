@@ -18,9 +18,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import Launch, dummy, last_dim_contiguous
-from .scores import LOG2E, masked, modified_scores
+from .scores import LOG2E, masked, modified_scores, row_max, row_sum, tl_core
 
 __all__ = ["attention_forward"]
+
+_ = tl_core  # see .scores
 
 _LEN_ARGS = ["Hq", "G", "Nq", "Nk", "D", "Dv", "kbase", "scale", "cap", "sxb", "sxh", "sbb", "sbh", "sbq"]
 _STRIDES = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "son", "sbk"]
@@ -66,11 +68,11 @@ def _forward_kernel(
             HAS_BIAS, HAS_ALIBI, SOFTCAP, BIAS_AFTER_CAP,
         )  # fmt: skip
         s = masked(s, b, h, code, kvalid, BITS, sxb, sxh, BM, BN)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, row_max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet: exp2(-inf) = 0
         p = tl.exp2(s - m_safe[:, None])  # (BM, BN)
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + row_sum(p, 1)
         v_ptrs = v_base + offs_n[:, None] * svn + offs_dv[None, :]  # (BN, BDV)
         v = tl.load(v_ptrs, mask=kvalid[:, None] & (offs_dv < Dv)[None, :], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -90,7 +92,9 @@ def _forward_kernel(
     tl.store(LSE + bh.to(tl.int64) * Nq + offs_m, lse, mask=offs_m < Nq)
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, run: Launch) -> tuple[Tensor, Tensor]:
+def attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, run: Launch
+) -> tuple[Tensor, Tensor]:
     """Run the forward kernel.
 
     Args:

@@ -37,7 +37,9 @@ class _TritonAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None
 
 
-def triton_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, run: Launch) -> tuple[Tensor, Tensor]:
+def triton_attention(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, run: Launch
+) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Nq, Dv), lse (B, Hq, Nq) fp32)``; differentiable in q, k, v, sinks and through lse.
 
     Rows no key reaches get output 0, lse -inf (``sink_h`` with sinks) and zero gradients.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language import core as tl_core  # in the kernels' globals: the interpreter then patches it too
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -54,27 +55,23 @@ def modified_scores(
     BIAS_AFTER_CAP: tl.constexpr,
 ):
     """Raw dot products (BM, BN) -> scaled, biased, soft-capped scores in log2 units, and the tanh of
-    the soft-cap (its derivative ``1 - t^2`` is the backward's; 0 without a cap)."""
+    the soft-cap (its derivative ``1 - t^2`` is the backward's; meaningless without a cap)."""
     s = s * scale
-    add = tl.zeros_like(s)
+    t = s  # the soft-cap's tanh below; unused without a cap
+    if SOFTCAP and BIAS_AFTER_CAP:
+        t = tanh(s / cap)
+        s = cap * t
     if HAS_BIAS:
         ptrs = BIAS + b * sbb + h * sbh + offs_m[:, None] * sbq + offs_n[None, :] * sbk  # (BM, BN)
         inside = (offs_m < Nq)[:, None] & kvalid[None, :]  # (BM, BN)
-        add += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        s += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h)
         dist = (offs_m + (Nk - Nq))[:, None] - offs_n[None, :]  # (BM, BN) bottom-right aligned
-        add += -slope * tl.abs(dist).to(tl.float32)
-    t = tl.zeros_like(s)
-    if SOFTCAP:
-        if not BIAS_AFTER_CAP:
-            s = s + add
+        s += -slope * tl.abs(dist).to(tl.float32)
+    if SOFTCAP and not BIAS_AFTER_CAP:
         t = tanh(s / cap)
         s = cap * t
-        if BIAS_AFTER_CAP:
-            s = s + add
-    else:
-        s = s + add
     return s * LOG2E, t
 
 
@@ -89,3 +86,18 @@ def masked(s, b, h, code, kvalid, BITS, sxb, sxh, BM: tl.constexpr, BN: tl.const
     elif code == -2:
         s = tl.where(kvalid[None, :], s, float("-inf"))
     return s
+
+
+def _inline_in_interpreter(fn):
+    """In Triton's interpreter, a device function called from a kernel re-patches ``triton.language`` on
+    every call (most of the interpreter's time here); the calling kernel has patched it already, so the
+    helpers are called as their rewritten Python functions instead. Compiled kernels are unaffected."""
+    rewrite = getattr(fn, "rewrite", None)
+    return rewrite() if type(fn).__name__ == "InterpretedFunction" and rewrite is not None else fn
+
+
+tanh = _inline_in_interpreter(tanh)
+modified_scores = _inline_in_interpreter(modified_scores)
+masked = _inline_in_interpreter(masked)
+row_max = _inline_in_interpreter(tl.max)
+row_sum = _inline_in_interpreter(tl.sum)

@@ -81,7 +81,10 @@ class TritonBackend:
                 "before the first call (slow; meant for tests)"
             )
         if dev == "cuda" and kernels_interpreted():
-            return "the Triton kernels were loaded in the interpreter (TRITON_INTERPRET=1), which serves CPU tensors"
+            return (
+                "the Triton kernels were loaded in the interpreter (TRITON_INTERPRET=1), which serves CPU "
+                "tensors"
+            )
         if dev not in ("cpu", "cuda"):
             return f"tensors on {p.q.device}: the Triton kernels run on CUDA GPUs (or the CPU interpreter)"
         return None

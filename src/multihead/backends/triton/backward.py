@@ -22,11 +22,10 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import Launch, last_dim_contiguous
-from .scores import LOG2E, masked, modified_scores, tl_core
+from .scores import LOG2E, masked, modified_scores
 
 __all__ = ["attention_backward"]
 
-_ = tl_core  # see .scores
 
 _INTS = ["Hq", "G", "Nq", "Nk", "D", "Dv", "kbase", "scale", "cap", "sxb", "sxh", "sbb", "sbh", "sbq", "sbk"]
 _STRIDES = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "son"]

@@ -18,11 +18,10 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import Launch, dummy, last_dim_contiguous
-from .scores import LOG2E, masked, modified_scores, row_max, row_sum, tl_core
+from .scores import LOG2E, masked, modified_scores, row_max, row_sum
 
 __all__ = ["attention_forward"]
 
-_ = tl_core  # see .scores
 
 _LEN_ARGS = ["Hq", "G", "Nq", "Nk", "D", "Dv", "kbase", "scale", "cap", "sxb", "sxh", "sbb", "sbh", "sbq"]
 _STRIDES = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "son", "sbk"]
@@ -120,7 +119,8 @@ def attention_forward(
         *run.bias_strides, sxb, sxh,
         Hq, Hq // Hkv, Nq, Nk, D, Dv, plan.kbase, run.scale, run.cap,
         BM=plan.bm, BN=plan.bn, BD=run.bd, BDV=run.bdv,
-        HAS_BIAS=run.has_bias, HAS_ALIBI=run.has_alibi, SOFTCAP=run.softcap, BIAS_AFTER_CAP=run.bias_after_cap,
+        HAS_BIAS=run.has_bias, HAS_ALIBI=run.has_alibi, SOFTCAP=run.softcap,
+        BIAS_AFTER_CAP=run.bias_after_cap,
         HAS_SINKS=sinks is not None, PRECISION=run.precision,
         num_warps=run.fwd_warps, num_stages=run.fwd_stages,
     )  # fmt: skip

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language import core as tl_core  # in the kernels' globals: the interpreter then patches it too
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 

@@ -44,7 +44,7 @@ class SdpaBackend:
             return "SDPA has no sink term (and no public log-sum-exp to add one exactly afterwards)"
         if p.bias is not None and not p.bias.is_additive:
             return f"{p.bias!r} is not an additive bias, SDPA has no hook for it"
-        if p.dtype in (torch.float16, torch.bfloat16) and p.needs_grad:
+        if p.dtype in (torch.float16, torch.bfloat16) and p.needs_grad and p.q.device.type == "cpu":
             return (
                 f"SDPA's CPU backward in {p.dtype} measured up to 3.9x the matrix path's gradient error "
                 "(the bound is 3x); the tiled backward accumulates in fp32"

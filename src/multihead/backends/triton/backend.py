@@ -42,7 +42,7 @@ def kernels_interpreted() -> bool:
     module = sys.modules.get(_KERNELS)
     if module is None:
         return interpret_requested()
-    return type(module._forward_kernel).__name__ == "InterpretedFunction"
+    return bool(module.INTERPRETED)
 
 
 def should_register() -> bool:

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import Launch, last_dim_contiguous
-from .scores import LOG2E, masked, modified_scores
+from .scores import LOG2E, masked, mma, modified_scores, narrow
 
 __all__ = ["attention_backward"]
 
@@ -77,21 +77,21 @@ def _dkdv_kernel(
             row_off = (b * Hq + h).to(tl.int64) * Nq + offs_m
             lse = tl.load(LSE + row_off, mask=rows, other=float("inf")) * LOG2E
             delta = tl.load(DELTA + row_off, mask=rows, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BM, BN)
+            s = mma(q, tl.trans(k), None, PRECISION)  # (BM, BN)
             s, tc = modified_scores(
                 s, b, h, offs_m, offs_n, kvalid, BIAS, sbb, sbh, sbq, sbk, SLOPES, Nq, Nk, scale, cap,
                 HAS_BIAS, HAS_ALIBI, SOFTCAP, BIAS_AFTER_CAP,
             )  # fmt: skip
             s = masked(s, b, h, code, kvalid, BITS, sxb, sxh, BM, BN)
             p = tl.exp2(s - lse[:, None])  # (BM, BN)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
+            dv = mma(tl.trans(narrow(p, do.dtype)), do, dv, PRECISION)
+            dp = mma(do, tl.trans(v), None, PRECISION)  # (BM, BN)
             ds = p * (dp - delta[:, None])
             if SOFTCAP:
                 ds = ds * (1.0 - tc * tc)
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
-    tl.store(DK + k_off, (dk * scale).to(DK.dtype.element_ty), mask=kmask)
-    tl.store(DV + v_off, dv.to(DV.dtype.element_ty), mask=vmask)
+            dk = mma(tl.trans(narrow(ds, q.dtype)), q, dk, PRECISION)
+    tl.store(DK + k_off, narrow(dk * scale, DK.dtype.element_ty), mask=kmask)
+    tl.store(DV + v_off, narrow(dv, DV.dtype.element_ty), mask=vmask)
 
 
 @triton.jit(do_not_specialize=_INTS + _STRIDES)
@@ -141,19 +141,19 @@ def _dq_kernel(
             mask=kvalid[:, None] & (offs_dv < Dv)[None, :],
             other=0.0,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BM, BN)
+        s = mma(q, tl.trans(k), None, PRECISION)  # (BM, BN)
         s, tc = modified_scores(
             s, b, h, offs_m, offs_n, kvalid, BIAS, sbb, sbh, sbq, sbk, SLOPES, Nq, Nk, scale, cap,
             HAS_BIAS, HAS_ALIBI, SOFTCAP, BIAS_AFTER_CAP,
         )  # fmt: skip
         s = masked(s, b, h, code, kvalid, BITS, sxb, sxh, BM, BN)
         p = tl.exp2(s - lse[:, None])  # (BM, BN)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
+        dp = mma(do, tl.trans(v), None, PRECISION)  # (BM, BN)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - tc * tc)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+        dq = mma(narrow(ds, k.dtype), k, dq, PRECISION)
+    tl.store(DQ + q_off, narrow(dq * scale, DQ.dtype.element_ty), mask=qmask)
 
 
 def attention_backward(

@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import Launch, dummy, last_dim_contiguous
-from .scores import LOG2E, masked, modified_scores, row_max, row_sum
+from .scores import LOG2E, masked, mma, modified_scores, narrow, row_max, row_sum
 
 __all__ = ["attention_forward"]
 
@@ -61,7 +61,7 @@ def _forward_kernel(
         kvalid = (offs_n >= 0) & (offs_n < Nk)
         kt_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]  # (BD, BN): K^T
         kt = tl.load(kt_ptrs, mask=kvalid[None, :] & (offs_d < D)[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision=PRECISION)  # (BM, BN) fp32
+        s = mma(q, kt, None, PRECISION)  # (BM, BN) fp32
         s, _ = modified_scores(
             s, b, h, offs_m, offs_n, kvalid, BIAS, sbb, sbh, sbq, sbk, SLOPES, Nq, Nk, scale, cap,
             HAS_BIAS, HAS_ALIBI, SOFTCAP, BIAS_AFTER_CAP,
@@ -74,7 +74,7 @@ def _forward_kernel(
         l_i = l_i * alpha + row_sum(p, 1)
         v_ptrs = v_base + offs_n[:, None] * svn + offs_dv[None, :]  # (BN, BDV)
         v = tl.load(v_ptrs, mask=kvalid[:, None] & (offs_dv < Dv)[None, :], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        acc = mma(narrow(p, v.dtype), v, acc * alpha[:, None], PRECISION)
         m_i = m_new
     if HAS_SINKS:
         sink = tl.load(SINKS + h) * LOG2E
@@ -87,8 +87,12 @@ def _forward_kernel(
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
     o_ptrs = O + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :]  # (BM, BDV)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < Nq)[:, None] & (offs_dv < Dv)[None, :])
+    tl.store(o_ptrs, narrow(out, O.dtype.element_ty), mask=(offs_m < Nq)[:, None] & (offs_dv < Dv)[None, :])
     tl.store(LSE + bh.to(tl.int64) * Nq + offs_m, lse, mask=offs_m < Nq)
+
+
+#: whether Triton decorated the kernels for its interpreter (TRITON_INTERPRET=1 at import) or to compile
+INTERPRETED = type(_forward_kernel).__name__ == "InterpretedFunction"
 
 
 def attention_forward(

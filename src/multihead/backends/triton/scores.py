@@ -12,6 +12,38 @@ import triton.language as tl
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
+if triton.knobs.runtime.interpret:
+
+    @triton.jit
+    def mma(a, b, acc, PRECISION: tl.constexpr):
+        """``a @ b (+ acc)`` in fp32. The interpreter's dot misreads bfloat16 operands, so they are widened
+        first (exact: every bf16 / fp16 value is an fp32 value; the products accumulate in fp32 as on
+        the GPU's tensor cores)."""
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+    @triton.jit
+    def narrow(x, dtype: tl.constexpr):
+        """``x.to(dtype)`` rounding to nearest even (the interpreter truncates fp32 -> bfloat16, a bias
+        that accumulates in P @ V and the gradients; the GPU rounds)."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
+else:
+
+    @triton.jit
+    def narrow(x, dtype: tl.constexpr):
+        """``x.to(dtype)`` (round to nearest even)."""
+        return x.to(dtype)
+
+    @triton.jit
+    def mma(a, b, acc, PRECISION: tl.constexpr):
+        """``a @ b (+ acc)`` with fp32 accumulation (``PRECISION`` "ieee": no TF32 for fp32 inputs)."""
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
 @triton.jit
 def tanh(x):
     """tanh to a few fp32 ulps on every device (the Triton interpreter has no libdevice): a Taylor
@@ -98,5 +130,7 @@ def _inline_in_interpreter(fn):
 tanh = _inline_in_interpreter(tanh)
 modified_scores = _inline_in_interpreter(modified_scores)
 masked = _inline_in_interpreter(masked)
+mma = _inline_in_interpreter(mma)
+narrow = _inline_in_interpreter(narrow)
 row_max = _inline_in_interpreter(tl.max)
 row_sum = _inline_in_interpreter(tl.sum)

@@ -112,6 +112,14 @@ def test_plans_are_cached_per_mask_object_and_follow_in_place_changes():
     real[0, 30:] = False  # the user edits the tensor the mask holds: a new plan, not a stale one
     again = tplan.plan_for(_problem(1, 1, 40, 40, mask), 16, 16)
     assert again is not first and again.n_partial > 0
+    window = tplan.plan_for(_problem(1, 1, 40, 40, mh.sliding_window(5) & mh.causal()), 16, 16)
+    assert tplan.plan_for(_problem(1, 1, 40, 40, mh.sliding_window(5) & mh.causal()), 16, 16) is window
+    assert tplan.plan_for(_problem(1, 1, 40, 40, mh.sliding_window(6) & mh.causal()), 16, 16) is not window
+    named = mh.custom(lambda b, h, q, k: q >= k)
+    other = mh.custom(lambda b, h, q, k: q <= k)  # the same repr, another predicate: not shared
+    assert tplan.plan_for(_problem(1, 1, 40, 40, named), 16, 16) is not tplan.plan_for(
+        _problem(1, 1, 40, 40, other), 16, 16
+    )
     for n in range(tplan.CACHE_SIZE + 5):
         tplan.plan_for(_problem(1, 1, 20 + n, 20 + n, mh.causal()), 16, 16)
     assert len(tplan._CACHE) == tplan.CACHE_SIZE

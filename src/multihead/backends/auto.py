@@ -46,9 +46,15 @@ def why_not(name: str, p: Problem) -> str | None:
     return reason
 
 
+# Up to this many query rows (a decode step) SDPA keeps masks without a bias: the dense mask is only
+# (Nq x Nk) and the triton kernel has no split of the keys across programs for so few rows.
+CUDA_SDPA_DECODE_ROWS = 16
+
+
 def _sdpa_on_cuda(p: Problem) -> str | None:
     plain = p.bias is None and (p.mask is None or (p.mask.is_causal and p.Nq == p.Nk))
-    if plain or "triton" not in registry.names() or registry.get("triton").why_not(p) is not None:
+    decode = p.bias is None and p.Nq <= CUDA_SDPA_DECODE_ROWS
+    if plain or decode or "triton" not in registry.names() or registry.get("triton").why_not(p) is not None:
         return None
     return (
         "on CUDA, SDPA takes this mask or bias as a dense (B, Hq, Nq, Nk) attn_mask, without its flash "

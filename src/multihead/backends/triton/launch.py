@@ -64,7 +64,7 @@ class Launch:
     has_alibi: bool
     has_bias: bool
     bias_tensor: Tensor  # (B|1, Hq|1, Nq|1, Nk|1) fp32, or a 1-element dummy
-    bias_strides: tuple[int, int, int, int]
+    bias_strides: tuple[int, ...]  # (4,) batch, head, row, key
     slope_tensor: Tensor  # (Hq,) fp32, or a 1-element dummy
     bd: int
     bdv: int
@@ -82,13 +82,6 @@ class Launch:
         if blocks not in self.plans:
             self.plans[blocks] = plan_for(self.problem, *blocks)
         return self.plans[blocks]
-
-    def features(self) -> tuple:
-        """What the compiled kernels specialise on (the mask and lengths are not part of it)."""
-        return (
-            self.problem.dtype, self.bd, self.bdv, self.has_bias, self.has_alibi, self.softcap,
-            self.bias_after_cap, self.problem.sinks is not None, self.precision,
-        )  # fmt: skip
 
 
 def dummy(like: Tensor) -> Tensor:
@@ -113,10 +106,11 @@ def make_launch(p: Problem, interpret: bool) -> Launch:
     slopes = [b.slopes for b in parts if isinstance(b, ALiBi)]
     others = [b for b in parts if b.is_additive and not isinstance(b, ALiBi)]
     dev = p.q.device
-    bias_tensor, strides = dummy(p.q), (0, 0, 0, 0)
+    bias_tensor = dummy(p.q)
+    strides_t: tuple[int, ...] = (0, 0, 0, 0)
     if others:
         bias_tensor = _additive(others, p)  # (B|1, Hq|1, Nq|1, Nk|1)
-        strides = tuple(st if n > 1 else 0 for st, n in zip(bias_tensor.stride(), bias_tensor.shape))
+        strides_t = tuple(st if n > 1 else 0 for st, n in zip(bias_tensor.stride(), bias_tensor.shape))
     slope_tensor = torch.stack(slopes).sum(0).to(dev, torch.float32) if slopes else dummy(p.q)  # (Hq,)
     bd, bdv = _pow2(p.D), _pow2(p.Dv)
     return Launch(
@@ -128,7 +122,7 @@ def make_launch(p: Problem, interpret: bool) -> Launch:
         has_alibi=bool(slopes),
         has_bias=bool(others),
         bias_tensor=bias_tensor,
-        bias_strides=strides,  # type: ignore[arg-type]
+        bias_strides=strides_t,
         slope_tensor=slope_tensor,
         bd=bd,
         bdv=bdv,

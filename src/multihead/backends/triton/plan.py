@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...core.masks import EMPTY, PARTIAL, Mask
+from ...core.masks import EMPTY, PARTIAL, AndMask, Causal, Mask, NotMask, PrefixLM, SlidingWindow
 from ...core.problem import Problem
 
 __all__ = ["EDGE_TILE", "FULL_TILE", "TilePlan", "clear_cache", "plan_for"]
@@ -88,10 +88,21 @@ def clear_cache() -> None:
 
 
 def _cache_key(p: Problem, bm: int, bn: int) -> tuple:
-    # The mask object itself (identity) plus the version counters of the tensors it holds: an in-place
-    # change of a key-padding or document tensor makes a new key, never a stale plan.
+    shape = (p.B, p.Hq, p.Nq, p.Nk, bm, bn, p.q.device)
+    if _by_value(p.mask):  # causal(), sliding_window(w), ...: models build a new one per call
+        return (repr(p.mask), *shape)
+    # Otherwise the mask object itself (identity) plus the version counters of the tensors it holds: an
+    # in-place change of a key-padding or document tensor makes a new key, never a stale plan.
     versions = tuple((id(t), t._version) for t in _mask_tensors(p.mask))
-    return (p.mask, versions, p.B, p.Hq, p.Nq, p.Nk, bm, bn, p.q.device)
+    return (p.mask, versions, *shape)
+
+
+def _by_value(m: object) -> bool:
+    """Whether ``m`` is one of the library's masks given entirely by their repr (causal, sliding window,
+    prefix LM and their combinations; not tensors, nor functions whose repr is only their name)."""
+    if isinstance(m, AndMask | NotMask):  # OrMask derives from AndMask
+        return all(_by_value(v) for v in vars(m).values())
+    return type(m) in (Causal, SlidingWindow, PrefixLM)
 
 
 def _mask_tensors(m: object) -> list[Tensor]:

@@ -224,6 +224,27 @@ def test_auto_never_picks_triton_on_cpu():
     assert "not triton: auto uses the Triton kernels on CUDA only" in text
 
 
+def test_sdpa_leaves_masks_and_biases_to_triton_where_it_serves():
+    """The rule auto applies on CUDA (checked here on problems the registered kernel can serve)."""
+    from multihead.backends.auto import sdpa_leaves_to_triton
+    from multihead.core.problem import make_problem
+
+    q, k, v, *_ = _inputs(1, 4, 2, 64, 64, 16)
+    q, k, v = (t.to(DEVICE, torch.bfloat16) for t in (q, k, v))
+    for kw in (
+        dict(mask=mh.sliding_window(8)),
+        dict(bias=mh.softcap(30.0)),
+        dict(mask=mh.causal(), bias=mh.alibi(4)),
+    ):
+        assert "the triton kernel serves it" in sdpa_leaves_to_triton(make_problem(q, k, v, **kw))
+    assert sdpa_leaves_to_triton(make_problem(q, k, v, mask=mh.causal())) is None  # flash serves it
+    assert sdpa_leaves_to_triton(make_problem(q, k, v)) is None
+    assert sdpa_leaves_to_triton(make_problem(q[:, :, :4], k, v, mask=mh.causal())) is None  # a decode step
+    assert (
+        sdpa_leaves_to_triton(make_problem(q, k, v, mask=mh.causal(), dropout_p=0.1)) is None
+    )  # kernel can't
+
+
 @pytest.mark.skipif(not CUDA, reason="auto's CUDA choices need CUDA tensors")
 def test_auto_on_cuda_picks_triton_for_masks_and_sdpa_for_plain_causal():
     q, k, v, *_ = _inputs(1, 4, 2, 256, 256, 64)

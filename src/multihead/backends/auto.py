@@ -42,7 +42,7 @@ def why_not(name: str, p: Problem) -> str | None:
     masks and biases to the Triton kernel when that kernel can serve them."""
     reason = registry.get(name).why_not(p)
     if reason is None and name == "sdpa" and p.q.device.type == "cuda":
-        reason = _sdpa_on_cuda(p)
+        reason = sdpa_leaves_to_triton(p)
     return reason
 
 
@@ -51,7 +51,9 @@ def why_not(name: str, p: Problem) -> str | None:
 CUDA_SDPA_DECODE_ROWS = 16
 
 
-def _sdpa_on_cuda(p: Problem) -> str | None:
+def sdpa_leaves_to_triton(p: Problem) -> str | None:
+    """Why SDPA leaves ``p`` to the triton kernel on CUDA (None when it keeps it): a mask other than plain
+    causal, or a bias, where the kernel can serve the call and it is not a decode step."""
     plain = p.bias is None and (p.mask is None or (p.mask.is_causal and p.Nq == p.Nk))
     decode = p.bias is None and p.Nq <= CUDA_SDPA_DECODE_ROWS
     if plain or decode or "triton" not in registry.names() or registry.get("triton").why_not(p) is not None:

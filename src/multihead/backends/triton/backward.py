@@ -53,8 +53,10 @@ def _dkdv_kernel(
     offs_dv = tl.arange(0, BDV)
     kmask = kvalid[:, None] & (offs_d < D)[None, :]
     vmask = kvalid[:, None] & (offs_dv < Dv)[None, :]
-    k_off = b.to(tl.int64) * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :]  # (BN, BD)
-    v_off = b.to(tl.int64) * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :]  # (BN, BDV)
+    k_off = b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :]  # (BN, BD)
+    v_off = (
+        b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_dv[None, :]
+    )  # (BN, BDV)
     k = tl.load(K + k_off, mask=kmask, other=0.0)
     v = tl.load(V + v_off, mask=vmask, other=0.0)
     dk = tl.zeros([BN, BD], tl.float32)
@@ -68,10 +70,12 @@ def _dkdv_kernel(
             code = tl.load(COL_CODE + t)
             offs_m = i * BM + tl.arange(0, BM)
             rows = offs_m < Nq
-            q_ptrs = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]  # (BM, BD)
+            q_ptrs = (
+                Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :]
+            )  # (BM, BD)
             q = tl.load(q_ptrs, mask=rows[:, None] & (offs_d < D)[None, :], other=0.0)
             do_ptrs = (
-                DO + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :]
+                DO + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_dv[None, :]
             )  # (BM, BDV)
             do = tl.load(do_ptrs, mask=rows[:, None] & (offs_dv < Dv)[None, :], other=0.0)
             row_off = (b * Hq + h).to(tl.int64) * Nq + offs_m
@@ -114,15 +118,17 @@ def _dq_kernel(
     rows = offs_m < Nq
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    q_off = b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]  # (BM, BD)
+    q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :]  # (BM, BD)
     qmask = rows[:, None] & (offs_d < D)[None, :]
     q = tl.load(Q + q_off, mask=qmask, other=0.0)
-    do_ptrs = DO + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :]  # (BM, BDV)
+    do_ptrs = (
+        DO + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_dv[None, :]
+    )  # (BM, BDV)
     do = tl.load(do_ptrs, mask=rows[:, None] & (offs_dv < Dv)[None, :], other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=rows, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + bh.to(tl.int64) * Nq + offs_m, mask=rows, other=0.0)
-    k_base = K + b.to(tl.int64) * skb + hk * skh
-    v_base = V + b.to(tl.int64) * svb + hk * svh
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     dq = tl.zeros([BM, BD], tl.float32)
     start = tl.load(ROW_PTR + pid_m)
     end = tl.load(ROW_PTR + pid_m + 1)

@@ -45,10 +45,12 @@ def _forward_kernel(
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    q_ptrs = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]  # (BM, BD)
+    q_ptrs = (
+        Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :]
+    )  # (BM, BD)
     q = tl.load(q_ptrs, mask=(offs_m < Nq)[:, None] & (offs_d < D)[None, :], other=0.0)
-    k_base = K + b.to(tl.int64) * skb + hk * skh
-    v_base = V + b.to(tl.int64) * svb + hk * svh
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
@@ -86,7 +88,9 @@ def _forward_kernel(
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
-    o_ptrs = O + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :]  # (BM, BDV)
+    o_ptrs = (
+        O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_dv[None, :]
+    )  # (BM, BDV)
     tl.store(o_ptrs, narrow(out, O.dtype.element_ty), mask=(offs_m < Nq)[:, None] & (offs_dv < Dv)[None, :])
     tl.store(LSE + bh.to(tl.int64) * Nq + offs_m, lse, mask=offs_m < Nq)
 

@@ -126,7 +126,7 @@ def make_launch(p: Problem, interpret: bool) -> Launch:
         slope_tensor=slope_tensor,
         bd=bd,
         bdv=bdv,
-        precision="ieee",  # fp32 inputs: no TF32 rounding (the numerics rule)
+        precision="ieee" if p.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding; 16-bit: MMA
         **_blocks(max(bd, bdv), interpret),
     )
 

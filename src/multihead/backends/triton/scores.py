@@ -93,7 +93,9 @@ def modified_scores(
         t = tanh(s / cap)
         s = cap * t
     if HAS_BIAS:
-        ptrs = BIAS + b * sbb + h * sbh + offs_m[:, None] * sbq + offs_n[None, :] * sbk  # (BM, BN)
+        ptrs = (
+            BIAS + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh + offs_m[:, None] * sbq + offs_n[None, :] * sbk
+        )  # (BM, BN)
         inside = (offs_m < Nq)[:, None] & kvalid[None, :]  # (BM, BN)
         s += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
     if HAS_ALIBI:
@@ -112,7 +114,9 @@ def masked(s, b, h, code, kvalid, BITS, sxb, sxh, BM: tl.constexpr, BN: tl.const
     tile at the key edge (code -2) checks the bounds, a full tile (-1) is left as it is."""
     if code >= 0:
         offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]  # (BM, BN)
-        bits = tl.load(BITS + b * sxb + h * sxh + code.to(tl.int64) * (BM * BN) + offs)
+        bits = tl.load(
+            BITS + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + code.to(tl.int64) * (BM * BN) + offs
+        )
         s = tl.where(bits != 0, s, float("-inf"))
     elif code == -2:
         s = tl.where(kvalid[None, :], s, float("-inf"))

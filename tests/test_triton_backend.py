@@ -113,6 +113,18 @@ def test_causal_more_queries_than_keys_top_rows_empty():
     assert torch.equal(dq[:, :, :17], torch.zeros_like(dq[:, :, :17]))
 
 
+def test_key_only_bias_broadcasts_with_zero_strides():
+    g = torch.Generator().manual_seed(4)
+    bias = torch.randn(45, generator=g).to(DEVICE)  # (Nk,): one value per key, every row and head
+    check(torch.float32, (2, 2, 2, 30, 45, 16), bias=bias, mask=mh.padding([45, 12]))
+
+
+def test_no_query_rows():
+    q, k, v, *_ = _inputs(1, 2, 2, 0, 9, 16)
+    res = mh.attention(*(t.float().to(DEVICE) for t in (q, k, v)), backend="triton", return_lse=True)
+    assert res.out.shape == (1, 2, 0, 16) and res.lse.shape == (1, 2, 0)
+
+
 def test_tensor_mask_and_tensor_bias():
     g = torch.Generator().manual_seed(3)
     keep = torch.rand(2, 1, 37, 45, generator=g) > 0.3  # (B, 1, Nq, Nk)
@@ -146,7 +158,7 @@ def test_custom_bias_forward():
 
 def test_sinks_fp32_and_bf16_with_fully_masked_rows():
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=f64)
-    check(torch.float32, (1, 4, 2, 40, 24, 16), mask=mh.causal(), sinks=sinks)
+    check(torch.float32, (1, 4, 2, 40, 24, 16), mask=mh.causal(), sinks=sinks, lse_grad=True)
     check(torch.bfloat16, (1, 4, 1, 33, 33, 32), mask=mh.sliding_window(7), sinks=sinks)
 
 

@@ -75,6 +75,15 @@ def test_plan_reproduces_the_mask(name, mask, B, H, Nq, Nk, blocks):
     assert torch.equal(_dense_from_plan(pl, B, H, Nq, Nk), want)
 
 
+@pytest.mark.parametrize("name,mask,B,H,Nq,Nk", MASKS, ids=[m[0] for m in MASKS])
+def test_device_classification_equals_the_library_grid(name, mask, B, H, Nq, Nk):
+    """Masks without analytic tile kinds are classified in a few vectorised evaluations; the result is
+    the library's own grid (classified one query block at a time)."""
+    ours = tplan.tile_grid(_problem(B, H, Nq, Nk, mask), 16, 32)
+    theirs = _problem(B, H, Nq, Nk, mask).grid(16, 32)
+    assert ours.k_edges == theirs.k_edges and torch.equal(ours.kinds, theirs.kinds)
+
+
 def test_transposed_lists_hold_the_same_tiles():
     p = _problem(1, 1, 45, 70, mh.sliding_window(13) | mh.prefix_lm(3))
     pl = tplan.build_plan(p, 16, 16)

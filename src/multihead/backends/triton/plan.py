@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...core.masks import EMPTY, PARTIAL, AndMask, Causal, Mask, NotMask, PrefixLM, SlidingWindow
+from ...core.masks import EMPTY, FULL, PARTIAL, AndMask, Causal, Mask, NotMask, PrefixLM, SlidingWindow
 from ...core.problem import Problem
+from ...core.tiles import Grid, edges
 
 __all__ = ["EDGE_TILE", "FULL_TILE", "TilePlan", "clear_cache", "plan_for"]
 
@@ -37,6 +38,8 @@ FULL_TILE = -1
 EDGE_TILE = -2
 # Plans kept per (mask, shape, blocks, device); a model calls with a few masks and lengths at a time.
 CACHE_SIZE = 32
+# Mask positions evaluated at once when a mask without analytic tile kinds is classified (64 MiB bools).
+EVAL_CHUNK = 1 << 26
 _CACHE: OrderedDict[tuple, TilePlan] = OrderedDict()
 
 
@@ -117,11 +120,10 @@ def _mask_tensors(m: object) -> list[Tensor]:
 
 def build_plan(p: Problem, bm: int, bn: int) -> TilePlan:
     """Classify ``p``'s tiles (kept on the problem) and build the lists and bit masks (no cache)."""
-    grid = p.grid(bm, bn)
+    grid = tile_grid(p, bm, bn)
     kinds = grid.kinds  # (nqb, nkb) int8
     nqb, nkb = kinds.shape
-    shift = grid.k_edges[1] if nkb > 0 else bn
-    kbase = shift - bn
+    kbase = grid.k_edges[1] - bn
     rows, cols = (kinds != EMPTY).nonzero(as_tuple=True)  # (nnz,) each, row-major
     partial = kinds[rows, cols] == PARTIAL  # (nnz,)
     code = torch.full(rows.shape, -1, dtype=torch.long)
@@ -150,6 +152,42 @@ def build_plan(p: Problem, bm: int, bn: int) -> TilePlan:
         col_code=i32(code[order]),
         bits=bits,
     )
+
+
+def tile_grid(p: Problem, bm: int, bn: int) -> Grid:
+    """``p``'s (bm x bn) tile grid: the analytic one when the mask has it, else classified here on the
+    call's device in a few vectorised evaluations (not one CPU pass per query block); kept on ``p``."""
+    grid = p.analytic_grid(bm, bn)
+    if grid is not None:
+        return grid
+    assert p.mask is not None  # no mask always has an analytic grid
+    q_edges, k_edges = edges(p.Nq, bm), edges(p.Nk, bn, p.ctx.offset % bn)
+    kinds = _evaluated_kinds(p, p.mask, bm, bn, k_edges[1] - bn, len(q_edges) - 1, len(k_edges) - 1)
+    p.grids[(bm, bn)] = Grid(q_edges, k_edges, kinds)
+    return p.grids[(bm, bn)]
+
+
+def _evaluated_kinds(p: Problem, mask: Mask, bm: int, bn: int, kbase: int, nqb: int, nkb: int) -> Tensor:
+    """EMPTY / PARTIAL / FULL per tile from the mask evaluated a chunk of query blocks at a time."""
+    ctx, dev = p.ctx, p.q.device
+    k = kbase + torch.arange(nkb * bn, device=dev)  # (nkb*BN,)
+    b = torch.arange(ctx.B, device=dev).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    h = torch.arange(ctx.H, device=dev).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    ki = k.clamp(0, ctx.Nk - 1).view(1, 1, 1, -1)  # (1, 1, 1, nkb*BN)
+    per_chunk = max(1, EVAL_CHUNK // (ctx.B * ctx.H * bm * nkb * bn))  # query blocks per evaluation
+    rows = []
+    for i0 in range(0, nqb, per_chunk):
+        n = min(nqb, i0 + per_chunk) - i0
+        q = torch.arange(i0 * bm, (i0 + n) * bm, device=dev)  # (n*BM,)
+        inside = (q < ctx.Nq)[:, None] & (k >= 0)[None, :] & (k < ctx.Nk)[None, :]  # (n*BM, nkb*BN)
+        qi = q.clamp(0, ctx.Nq - 1).view(1, 1, -1, 1)  # (1, 1, n*BM, 1)
+        allowed = torch.as_tensor(mask.evaluate(b, h, qi, ki, ctx), dtype=torch.bool, device=dev) & inside
+        tiles = allowed.reshape(-1, n, bm, nkb, bn)  # (Bm*Hm, n, BM, nkb, BN)
+        outside = ~inside.view(1, n, bm, nkb, bn)  # (1, n, BM, nkb, BN)
+        any_t = tiles.any(4).any(2).any(0)  # (n, nkb)
+        all_t = (tiles | outside).all(4).all(2).all(0)  # (n, nkb): every in-bounds position allowed
+        rows.append(torch.where(all_t, FULL, torch.where(any_t, PARTIAL, EMPTY)))
+    return torch.cat(rows).to(torch.int8).cpu()  # (nqb, nkb)
 
 
 def _ptr(index: Tensor, n: int) -> Tensor:

@@ -81,8 +81,9 @@ def _forward_kernel(
     if HAS_SINKS:
         sink = tl.load(SINKS + h) * LOG2E
         m_new = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a -inf sink on a row no key reached
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.exp2(sink - m_safe)
         acc = acc * alpha[:, None]
         m_i = m_new
     has = l_i > 0.0

@@ -4,8 +4,8 @@ Shape legend: B batch, Hq query heads, Nq queries, Nk keys.
 
 Score modifiers become data: ALiBi its (Hq,) slopes, every other additive bias (tensor biases, custom
 biases) one fp32 tensor read through its strides (stride 0 on a broadcast dim), the soft-cap its value.
-The compiled kernel depends only on the head dims, the dtype and which modifiers are present
-(``features``), never on the mask or the lengths.
+The compiled kernel depends only on the head dims, the dtype and which modifiers are present, never on
+the mask or the lengths.
 """
 
 from __future__ import annotations

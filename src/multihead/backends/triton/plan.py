@@ -163,8 +163,9 @@ def tile_grid(p: Problem, bm: int, bn: int) -> Grid:
     assert p.mask is not None  # no mask always has an analytic grid
     q_edges, k_edges = edges(p.Nq, bm), edges(p.Nk, bn, p.ctx.offset % bn)
     kinds = _evaluated_kinds(p, p.mask, bm, bn, k_edges[1] - bn, len(q_edges) - 1, len(k_edges) - 1)
-    p.grids[(bm, bn)] = Grid(q_edges, k_edges, kinds)
-    return p.grids[(bm, bn)]
+    grid = Grid(q_edges, k_edges, kinds)
+    p.grids[(bm, bn)] = grid
+    return grid
 
 
 def _evaluated_kinds(p: Problem, mask: Mask, bm: int, bn: int, kbase: int, nqb: int, nkb: int) -> Tensor:

@@ -80,11 +80,6 @@ def resolve(backend: object) -> Backend | None:
     )
 
 
-def unregister(name: str) -> None:
-    """Remove a backend from the registry (no error when it is not there)."""
-    _REGISTRY.pop(name, None)
-
-
 def names() -> list[str]:
     """Registered backend names, in registration order."""
     return list(_REGISTRY)

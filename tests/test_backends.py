@@ -262,6 +262,8 @@ def test_no_repeat_gqa_equals_repeated_mha():
     q, k, v = _inputs(2, 6, 2, 19, 23, 8, 8, torch.float64, seed=10)
     k_rep, v_rep = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
     for name in mh.backends():
+        if name == "triton":  # float64 is not a kernel dtype; test_triton_backend.py checks its GQA
+            continue
         rows = q[:, :, -8:] if name == "decode" else q  # decode serves decode steps: at most 16 query rows
         a = mh.attention(rows, k, v, mask=mh.causal(), backend=name)
         b = mh.attention(rows, k_rep, v_rep, mask=mh.causal(), backend="reference")

@@ -24,13 +24,51 @@ __all__ = ["AUTO_ORDER", "choose", "explain", "first_fit"]
 #   matrix  the attention weights
 # `reference` is the test oracle and is never chosen automatically; `flex` (where registered) neither.
 AUTO_ORDER = ("decode", "sdpa", "tiled", "matrix")
+# On CUDA the fused Triton kernel comes before `tiled` (a Python loop of small kernels there), and SDPA
+# keeps only the calls its flash / cuDNN / memory-efficient kernels serve without a dense mask.
+CUDA_ORDER = ("decode", "sdpa", "triton", "tiled", "matrix")
+
+
+def order(p: Problem) -> tuple[str, ...]:
+    """The backends auto tries for ``p``, in order: :data:`CUDA_ORDER` for CUDA tensors (those that are
+    registered), :data:`AUTO_ORDER` elsewhere."""
+    if p.q.device.type == "cuda":
+        return tuple(name for name in CUDA_ORDER if name in registry.names())
+    return AUTO_ORDER
+
+
+def why_not(name: str, p: Problem) -> str | None:
+    """Backend ``name``'s objection to ``p`` as auto sees it: its own ``why_not``, and on CUDA SDPA leaves
+    masks and biases to the Triton kernel when that kernel can serve them."""
+    reason = registry.get(name).why_not(p)
+    if reason is None and name == "sdpa" and p.q.device.type == "cuda":
+        reason = sdpa_leaves_to_triton(p)
+    return reason
+
+
+# Up to this many query rows (a decode step) SDPA keeps masks without a bias: the dense mask is only
+# (Nq x Nk) and the triton kernel has no split of the keys across programs for so few rows.
+CUDA_SDPA_DECODE_ROWS = 16
+
+
+def sdpa_leaves_to_triton(p: Problem) -> str | None:
+    """Why SDPA leaves ``p`` to the triton kernel on CUDA (None when it keeps it): a mask other than plain
+    causal, or a bias, where the kernel can serve the call and it is not a decode step."""
+    plain = p.bias is None and (p.mask is None or (p.mask.is_causal and p.Nq == p.Nk))
+    decode = p.bias is None and p.Nq <= CUDA_SDPA_DECODE_ROWS
+    if plain or decode or "triton" not in registry.names() or registry.get("triton").why_not(p) is not None:
+        return None
+    return (
+        "on CUDA, SDPA takes this mask or bias as a dense (B, Hq, Nq, Nk) attn_mask, without its flash "
+        "kernel and without skipping empty tiles; the triton kernel serves it"
+    )
 
 
 def first_fit(p: Problem) -> str:
-    """auto's pick for ``p``: the first backend of ``AUTO_ORDER`` that fits (what :func:`choose` picks,
+    """auto's pick for ``p``: the first backend of :func:`order` that fits (what :func:`choose` picks,
     without asking the remaining backends why not - a decode step pays for every check it makes)."""
-    for name in AUTO_ORDER:
-        if registry.get(name).why_not(p) is None:
+    for name in order(p):
+        if why_not(name, p) is None:
             return name
     return "matrix"  # pragma: no cover - as in choose
 
@@ -39,21 +77,28 @@ def choose(p: Problem) -> tuple[str, dict[str, str]]:
     """Pick a backend for ``p``; return it with the reason each other backend was not taken."""
     rejected: dict[str, str] = {}
     chosen = None
-    for name in AUTO_ORDER:
-        reason = registry.get(name).why_not(p)
+    candidates = order(p)
+    for name in candidates:
+        reason = why_not(name, p)
         if chosen is None and reason is None:
             chosen = name
         elif reason is not None:
             rejected[name] = reason
     for name in registry.names():
-        if name not in AUTO_ORDER and name != chosen:
-            rejected[name] = registry.get(name).why_not(p) or "not in auto's candidate list"
+        if name not in candidates and name != chosen:
+            rejected[name] = registry.get(name).why_not(p) or _not_candidate(name, p)
     if chosen is None:  # pragma: no cover - `matrix` only refuses on size, `tiled` only on weights
         chosen = "matrix"
-    for name in AUTO_ORDER:
+    for name in candidates:
         if name != chosen and name not in rejected:
-            rejected[name] = f"fits, but '{chosen}' comes first in auto's order {list(AUTO_ORDER)}"
+            rejected[name] = f"fits, but '{chosen}' comes first in auto's order {list(candidates)}"
     return chosen, rejected
+
+
+def _not_candidate(name: str, p: Problem) -> str:
+    if name == "triton" and p.q.device.type != "cuda":
+        return "auto uses the Triton kernels on CUDA only (the CPU interpreter is for tests)"
+    return "not in auto's candidate list"
 
 
 def explain(

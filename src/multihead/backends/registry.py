@@ -95,6 +95,10 @@ def _register_builtins() -> None:
 
     if flex.should_register():  # optional: with CUDA, or MULTIHEAD_FLEX=1 (it compiles per shape)
         register(flex.BACKEND)
+    from .triton import backend as triton
+
+    if triton.should_register():  # with CUDA and Triton, or TRITON_INTERPRET=1 on the CPU (tests)
+        register(triton.BACKEND)
 
 
 _register_builtins()

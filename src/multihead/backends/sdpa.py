@@ -7,6 +7,8 @@
 * GQA through ``enable_gqa=True`` (query head i reads kv head i // G, like ours) - no repeated K/V.
 * Rows with no allowed key: torch >= 2.5 returns zeros there; we additionally zero them explicitly so the
   convention does not hang on a torch version.
+* Half-precision training is refused on the CPU only (torch's CPU backward in bf16/fp16 is less exact
+  than the rule allows); on CUDA its flash kernel's backward serves it.
 * Attention sinks: SDPA has no sink term and does not return the log-sum-exp that would let us add one
   afterwards, so calls with ``sinks`` are refused (``auto`` then takes ``decode`` or ``tiled``).
 """
@@ -44,7 +46,7 @@ class SdpaBackend:
             return "SDPA has no sink term (and no public log-sum-exp to add one exactly afterwards)"
         if p.bias is not None and not p.bias.is_additive:
             return f"{p.bias!r} is not an additive bias, SDPA has no hook for it"
-        if p.dtype in (torch.float16, torch.bfloat16) and p.needs_grad:
+        if p.dtype in (torch.float16, torch.bfloat16) and p.needs_grad and p.q.device.type == "cpu":
             return (
                 f"SDPA's CPU backward in {p.dtype} measured up to 3.9x the matrix path's gradient error "
                 "(the bound is 3x); the tiled backward accumulates in fp32"

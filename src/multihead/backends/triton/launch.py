@@ -1,0 +1,162 @@
+"""Everything a kernel launch needs besides q, k, v: the plan, the score modifiers and the block sizes.
+
+Shape legend: B batch, Hq query heads, Nq queries, Nk keys.
+
+Score modifiers become data: ALiBi its (Hq,) slopes, every other additive bias (tensor biases, custom
+biases) one fp32 tensor read through its strides (stride 0 on a broadcast dim), the soft-cap its value.
+The compiled kernel depends only on the head dims, the dtype and which modifiers are present, never on
+the mask or the lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ...core.biases import ALiBi, Bias, CustomBias, SoftCap, TensorBias, bias_parts
+from ...core.problem import Problem
+from .plan import TilePlan, plan_for
+
+__all__ = ["MAX_HEAD_DIM", "Launch", "dummy", "last_dim_contiguous", "make_launch", "why_not_modifiers"]
+
+MAX_HEAD_DIM = 256
+
+
+def why_not_modifiers(p: Problem) -> str | None:
+    """Why the kernels cannot apply ``p``'s bias (None when they can)."""
+    parts = bias_parts(p.bias)
+    caps = [i for i, b in enumerate(parts) if isinstance(b, SoftCap)]
+    if len(caps) > 1:
+        return "more than one soft-cap in the bias chain (the kernel applies one)"
+    for part in parts:
+        if not isinstance(part, SoftCap | ALiBi | TensorBias | CustomBias) and not part.is_additive:
+            return f"{part!r} is not additive and not a soft-cap; the kernel has no form for it"
+        if isinstance(part, TensorBias) and part.t.requires_grad and torch.is_grad_enabled():
+            return (
+                f"{part!r} requires grad; the kernel's backward does not produce bias gradients "
+                "(the tiled backend does)"
+            )
+        if isinstance(part, CustomBias) and torch.is_grad_enabled() and p.needs_grad:
+            return (
+                "gradients into tensors a custom_bias fn captures cannot be routed through the kernel; "
+                "run under torch.no_grad() or pass the bias as a tensor"
+            )
+    if caps:
+        before = [b for b in parts[: caps[0]] if b.is_additive]
+        after = [b for b in parts[caps[0] + 1 :] if b.is_additive]
+        if before and after:
+            return "additive biases on both sides of the soft-cap (the kernel adds them on one side)"
+    return None
+
+
+@dataclass
+class Launch:
+    """The data and settings of one call's kernels (see the module docstring)."""
+
+    problem: Problem
+    scale: float
+    cap: float
+    softcap: bool
+    bias_after_cap: bool
+    has_alibi: bool
+    has_bias: bool
+    bias_tensor: Tensor  # (B|1, Hq|1, Nq|1, Nk|1) fp32, or a 1-element dummy
+    bias_strides: tuple[int, ...]  # (4,) batch, head, row, key
+    slope_tensor: Tensor  # (Hq,) fp32, or a 1-element dummy
+    bd: int
+    bdv: int
+    precision: str
+    fwd_blocks: tuple[int, int]
+    dkdv_blocks: tuple[int, int]
+    dq_blocks: tuple[int, int]
+    fwd_warps: int
+    fwd_stages: int
+    bwd_warps: int
+    bwd_stages: int
+    plans: dict[tuple[int, int], TilePlan] = field(default_factory=dict)
+
+    def plan(self, blocks: tuple[int, int]) -> TilePlan:
+        if blocks not in self.plans:
+            self.plans[blocks] = plan_for(self.problem, *blocks)
+        return self.plans[blocks]
+
+
+def dummy(like: Tensor) -> Tensor:
+    """A one-element fp32 tensor for a pointer argument the kernel does not read."""
+    return torch.zeros(1, dtype=torch.float32, device=like.device)
+
+
+def last_dim_contiguous(t: Tensor) -> Tensor:
+    """``t`` itself when its last dim has stride 1 (the kernels read rows as vectors), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def make_launch(p: Problem, interpret: bool) -> Launch:
+    """The launch of ``p`` (its modifiers must pass :func:`why_not_modifiers`)."""
+    parts = bias_parts(p.bias)
+    cap_at = next((i for i, b in enumerate(parts) if isinstance(b, SoftCap)), None)
+    cap = parts[cap_at].cap if cap_at is not None else 1.0  # type: ignore[attr-defined]
+    slopes = [b.slopes for b in parts if isinstance(b, ALiBi)]
+    others = [b for b in parts if b.is_additive and not isinstance(b, ALiBi)]
+    dev = p.q.device
+    bias_tensor = dummy(p.q)
+    strides_t: tuple[int, ...] = (0, 0, 0, 0)
+    if others:
+        bias_tensor = _additive(others, p)  # (B|1, Hq|1, Nq|1, Nk|1)
+        strides_t = tuple(st if n > 1 else 0 for st, n in zip(bias_tensor.stride(), bias_tensor.shape))
+    slope_tensor = torch.stack(slopes).sum(0).to(dev, torch.float32) if slopes else dummy(p.q)  # (Hq,)
+    bd, bdv = _pow2(p.D), _pow2(p.Dv)
+    return Launch(
+        problem=p,
+        scale=p.scale,
+        cap=cap,
+        softcap=cap_at is not None,
+        bias_after_cap=cap_at is not None and not any(b.is_additive for b in parts[:cap_at]),
+        has_alibi=bool(slopes),
+        has_bias=bool(others),
+        bias_tensor=bias_tensor,
+        bias_strides=strides_t,
+        slope_tensor=slope_tensor,
+        bd=bd,
+        bdv=bdv,
+        precision="ieee" if p.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding; 16-bit: MMA
+        **_blocks(max(bd, bdv), interpret),
+    )
+
+
+def _additive(parts: list[Bias], p: Problem) -> Tensor:
+    """The sum of additive biases as one fp32 tensor at its natural broadcast shape."""
+    ctx, dev = p.ctx, p.q.device
+    total = parts[0].natural(ctx, dev, torch.float32)
+    for part in parts[1:]:
+        total = total + part.natural(ctx, dev, torch.float32)  # broadcast sum
+    return total.detach()
+
+
+@functools.cache
+def _blocks(d: int, interpret: bool) -> dict:
+    """Block sizes and launch settings by padded head dim (small tiles in the interpreter, where they
+    exercise the tile logic quickly; H100-sized tiles on a GPU)."""
+    if interpret:
+        return dict(
+            fwd_blocks=(32, 16), dkdv_blocks=(16, 32), dq_blocks=(16, 16),
+            fwd_warps=4, fwd_stages=1, bwd_warps=4, bwd_stages=1,
+        )  # fmt: skip
+    if d <= 64:
+        fwd, warps, stages = (128, 64), 4, 3
+    elif d <= 128:
+        fwd, warps, stages = (128, 64), 8, 3
+    else:
+        fwd, warps, stages = (64, 64), 8, 2
+    bwd = (64, 64) if d <= 128 else (32, 64)
+    return dict(
+        fwd_blocks=fwd, dkdv_blocks=bwd, dq_blocks=bwd,
+        fwd_warps=warps, fwd_stages=stages, bwd_warps=4 if d <= 64 else 8, bwd_stages=2,
+    )  # fmt: skip

@@ -1,0 +1,221 @@
+"""The mask as data for the Triton kernels: tile lists and bit masks of the partial tiles.
+
+Shape legend: B batch, Hq query heads, Nq queries, Nk keys; tiles are BM query rows x BN keys, nqb / nkb
+blocks, nnz non-empty tiles, P partial tiles; Bm / Hm are B / Hq where the mask depends on them, else 1.
+
+The mask's tile grid (:meth:`multihead.core.problem.Problem.grid`, key edges shifted by ``(Nk - Nq) % BN``
+so that a causal diagonal falls on whole tiles) becomes
+
+* per query block the non-empty key tiles (CSR: ``row_ptr`` (nqb + 1,), ``row_cols`` (nnz,)) for the
+  forward and dQ kernels, and per key block the non-empty query tiles (``col_ptr``, ``col_rows``) for the
+  dK/dV kernel;
+* per tile a code (``row_code`` / ``col_code``): ``>= 0`` a partial tile, the index of its bit mask;
+  :data:`FULL_TILE` a full tile (no mask evaluated); :data:`EDGE_TILE` a full tile that reaches past the
+  keys (only the bounds ``0 <= k < Nk`` are checked);
+* ``bits`` (Bm, Hm, P, BM, BN) uint8: the mask on each partial tile, evaluated once in torch on index
+  tensors (any predicate: padding, documents, tensors, custom functions), 0 outside the problem.
+
+Key tile ``j`` covers keys ``kbase + j * BN + [0, BN)`` with ``kbase = shift - BN`` (shift = the first key
+block's size), so the first tile starts before key 0 when the edges are shifted. Everything here is a
+tensor or an int, so a new mask never changes what the kernels are compiled for.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...core.masks import EMPTY, FULL, PARTIAL, AndMask, Causal, Mask, NotMask, PrefixLM, SlidingWindow
+from ...core.problem import Problem
+from ...core.tiles import Grid, edges
+
+__all__ = ["EDGE_TILE", "FULL_TILE", "TilePlan", "clear_cache", "plan_for"]
+
+FULL_TILE = -1
+EDGE_TILE = -2
+# Plans kept per (mask, shape, blocks, device); a model calls with a few masks and lengths at a time.
+CACHE_SIZE = 32
+# Mask positions evaluated at once when a mask without analytic tile kinds is classified (64 MiB bools).
+EVAL_CHUNK = 1 << 26
+_CACHE: OrderedDict[tuple, TilePlan] = OrderedDict()
+
+
+@dataclass
+class TilePlan:
+    """The tile lists and partial-tile bit masks of one (mask, shape, BM, BN), on the kernels' device."""
+
+    bm: int
+    bn: int
+    kbase: int
+    nqb: int
+    nkb: int
+    row_ptr: Tensor  # (nqb + 1,) int32
+    row_cols: Tensor  # (nnz,) int32
+    row_code: Tensor  # (nnz,) int32
+    col_ptr: Tensor  # (nkb + 1,) int32
+    col_rows: Tensor  # (nnz,) int32
+    col_code: Tensor  # (nnz,) int32
+    bits: Tensor  # (Bm, Hm, P, BM, BN) uint8 (one zero tile when P == 0)
+
+    def bit_strides(self) -> tuple[int, int]:
+        """Batch and head strides of ``bits``, 0 where the mask does not depend on that dim."""
+        Bm, Hm = self.bits.shape[:2]
+        return (self.bits.stride(0) if Bm > 1 else 0, self.bits.stride(1) if Hm > 1 else 0)
+
+    @property
+    def n_partial(self) -> int:
+        return int((self.row_code >= 0).sum())
+
+
+def plan_for(p: Problem, bm: int, bn: int) -> TilePlan:
+    """The plan of ``p``'s mask for (bm x bn) tiles, from a bounded cache when this mask object (with its
+    tensors unchanged) was planned before at this shape and device."""
+    key = _cache_key(p, bm, bn)
+    plan = _CACHE.get(key)
+    if plan is not None:
+        _CACHE.move_to_end(key)
+        return plan
+    plan = build_plan(p, bm, bn)
+    _CACHE[key] = plan
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return plan
+
+
+def clear_cache() -> None:
+    """Forget every cached plan."""
+    _CACHE.clear()
+
+
+def _cache_key(p: Problem, bm: int, bn: int) -> tuple:
+    shape = (p.B, p.Hq, p.Nq, p.Nk, bm, bn, p.q.device)
+    if _by_value(p.mask):  # causal(), sliding_window(w), ...: models build a new one per call
+        return (repr(p.mask), *shape)
+    # Otherwise the mask object itself (identity) plus the version counters of the tensors it holds: an
+    # in-place change of a key-padding or document tensor makes a new key, never a stale plan.
+    versions = tuple((id(t), t._version) for t in _mask_tensors(p.mask))
+    return (p.mask, versions, *shape)
+
+
+def _by_value(m: object) -> bool:
+    """Whether ``m`` is one of the library's masks given entirely by their repr (causal, sliding window,
+    prefix LM and their combinations; not tensors, nor functions whose repr is only their name)."""
+    if isinstance(m, AndMask | NotMask):  # OrMask derives from AndMask
+        return all(_by_value(v) for v in vars(m).values())
+    return type(m) in (Causal, SlidingWindow, PrefixLM)
+
+
+def _mask_tensors(m: object) -> list[Tensor]:
+    if isinstance(m, Tensor):
+        return [m]
+    if isinstance(m, list | tuple):
+        return [t for x in m for t in _mask_tensors(x)]
+    if isinstance(m, Mask):
+        return [t for v in vars(m).values() for t in _mask_tensors(v)]
+    return []
+
+
+def build_plan(p: Problem, bm: int, bn: int) -> TilePlan:
+    """Classify ``p``'s tiles (kept on the problem) and build the lists and bit masks (no cache)."""
+    grid = tile_grid(p, bm, bn)
+    kinds = grid.kinds  # (nqb, nkb) int8
+    nqb, nkb = kinds.shape
+    kbase = grid.k_edges[1] - bn
+    rows, cols = (kinds != EMPTY).nonzero(as_tuple=True)  # (nnz,) each, row-major
+    partial = kinds[rows, cols] == PARTIAL  # (nnz,)
+    code = torch.full(rows.shape, -1, dtype=torch.long)
+    code[partial] = torch.arange(int(partial.sum()))
+    k_lo = kbase + cols * bn  # (nnz,) first key of each tile's window
+    edge = ~partial & ((k_lo < 0) | (k_lo + bn > p.Nk))
+    code[edge] = EDGE_TILE
+    order = (cols * nqb + rows).argsort()  # (nnz,) column-major: the transposed lists
+    dev = p.q.device
+    bits = partial_bits(p, rows[partial], cols[partial], bm, bn, kbase)
+
+    def i32(t: Tensor) -> Tensor:
+        return t.to(device=dev, dtype=torch.int32)
+
+    return TilePlan(
+        bm=bm,
+        bn=bn,
+        kbase=kbase,
+        nqb=nqb,
+        nkb=nkb,
+        row_ptr=i32(_ptr(rows, nqb)),
+        row_cols=i32(cols),
+        row_code=i32(code),
+        col_ptr=i32(_ptr(cols, nkb)),
+        col_rows=i32(rows[order]),
+        col_code=i32(code[order]),
+        bits=bits,
+    )
+
+
+def tile_grid(p: Problem, bm: int, bn: int) -> Grid:
+    """``p``'s (bm x bn) tile grid: the analytic one when the mask has it, else classified here on the
+    call's device in a few vectorised evaluations (not one CPU pass per query block); kept on ``p``."""
+    grid = p.analytic_grid(bm, bn)
+    if grid is not None:
+        return grid
+    assert p.mask is not None  # no mask always has an analytic grid
+    q_edges, k_edges = edges(p.Nq, bm), edges(p.Nk, bn, p.ctx.offset % bn)
+    kinds = _evaluated_kinds(p, p.mask, bm, bn, k_edges[1] - bn, len(q_edges) - 1, len(k_edges) - 1)
+    grid = Grid(q_edges, k_edges, kinds)
+    p.grids[(bm, bn)] = grid
+    return grid
+
+
+def _evaluated_kinds(p: Problem, mask: Mask, bm: int, bn: int, kbase: int, nqb: int, nkb: int) -> Tensor:
+    """EMPTY / PARTIAL / FULL per tile from the mask evaluated a chunk of query blocks at a time."""
+    ctx, dev = p.ctx, p.q.device
+    k = kbase + torch.arange(nkb * bn, device=dev)  # (nkb*BN,)
+    b = torch.arange(ctx.B, device=dev).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    h = torch.arange(ctx.H, device=dev).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    ki = k.clamp(0, ctx.Nk - 1).view(1, 1, 1, -1)  # (1, 1, 1, nkb*BN)
+    per_chunk = max(1, EVAL_CHUNK // (ctx.B * ctx.H * bm * nkb * bn))  # query blocks per evaluation
+    rows = []
+    for i0 in range(0, nqb, per_chunk):
+        n = min(nqb, i0 + per_chunk) - i0
+        q = torch.arange(i0 * bm, (i0 + n) * bm, device=dev)  # (n*BM,)
+        inside = (q < ctx.Nq)[:, None] & (k >= 0)[None, :] & (k < ctx.Nk)[None, :]  # (n*BM, nkb*BN)
+        qi = q.clamp(0, ctx.Nq - 1).view(1, 1, -1, 1)  # (1, 1, n*BM, 1)
+        allowed = torch.as_tensor(mask.evaluate(b, h, qi, ki, ctx), dtype=torch.bool, device=dev) & inside
+        tiles = allowed.reshape(-1, n, bm, nkb, bn)  # (Bm*Hm, n, BM, nkb, BN)
+        outside = ~inside.view(1, n, bm, nkb, bn)  # (1, n, BM, nkb, BN)
+        any_t = tiles.any(4).any(2).any(0)  # (n, nkb)
+        all_t = (tiles | outside).all(4).all(2).all(0)  # (n, nkb): every in-bounds position allowed
+        rows.append(torch.where(all_t, FULL, torch.where(any_t, PARTIAL, EMPTY)))
+    return torch.cat(rows).to(torch.int8).cpu()  # (nqb, nkb)
+
+
+def _ptr(index: Tensor, n: int) -> Tensor:
+    """CSR offsets (n + 1,) of a sorted-by-group index (nnz,)."""
+    counts = torch.bincount(index, minlength=n)  # (n,)
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # (n + 1,)
+
+
+def partial_bits(p: Problem, rows: Tensor, cols: Tensor, bm: int, bn: int, kbase: int) -> Tensor:
+    """The mask on the partial tiles ``(rows[t], cols[t])`` as (Bm, Hm, P, BM, BN) uint8, one vectorised
+    evaluation of the predicate; positions outside the problem are 0."""
+    dev = p.q.device
+    P = rows.numel()
+    if P == 0 or p.mask is None:
+        return torch.zeros(1, 1, 1, bm, bn, dtype=torch.uint8, device=dev)  # (1, 1, 1, BM, BN) unused
+    ctx = p.ctx
+    q = rows.to(dev)[:, None] * bm + torch.arange(bm, device=dev)  # (P, BM)
+    k = kbase + cols.to(dev)[:, None] * bn + torch.arange(bn, device=dev)  # (P, BN)
+    qi = q.reshape(1, 1, P * bm, 1)  # (1, 1, P*BM, 1)
+    ki = k[:, None, :].expand(P, bm, bn).reshape(1, 1, P * bm, bn)  # (1, 1, P*BM, BN)
+    b = torch.arange(ctx.B, device=dev).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    h = torch.arange(ctx.H, device=dev).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    # Indices are clamped into the problem so that predicates which index their tensors stay in range;
+    # the positions outside it are then cleared.
+    allowed = p.mask.evaluate(b, h, qi.clamp(0, ctx.Nq - 1), ki.clamp(0, ctx.Nk - 1), ctx)
+    allowed = torch.as_tensor(allowed, dtype=torch.bool, device=dev)
+    inside = (qi < ctx.Nq) & (ki >= 0) & (ki < ctx.Nk)  # (1, 1, P*BM, BN)
+    allowed = allowed & inside  # (Bm, Hm, P*BM, BN)
+    Bm, Hm = allowed.shape[0], allowed.shape[1]
+    return allowed.expand(Bm, Hm, P * bm, bn).reshape(Bm, Hm, P, bm, bn).to(torch.uint8).contiguous()

@@ -148,6 +148,7 @@ def measure_all(
     warmup: int = 1,
     clock: Clock = time.perf_counter,
     resolution: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Timing]:
     """Time every call of ``fns``, samples interleaved (a, b, c, a, b, c, ...) so that a change of load
     on a shared machine hits them alike: name -> :class:`Timing`.
@@ -163,6 +164,7 @@ def measure_all(
         warmup: untimed calls of each first (threads, caches, lazy packing settle).
         clock: seconds now; ``time.perf_counter`` (tests pass a fake one).
         resolution: the clock's tick; measured with :func:`clock_resolution` when None.
+        progress: called with the name of each call before it is timed.
 
     Raises:
         ValueError: a count below 1 or a duration below 0.
@@ -181,7 +183,9 @@ def measure_all(
     inner: dict[str, int] = {}
     samples: dict[str, list[float]] = {}
     out: dict[str, Timing] = {}
+    say = progress or (lambda what: None)
     for k, fn in fns.items():
+        say(k)
         for _ in range(warmup):
             fn()
         inner[k], first = _calibrate(fn, min_sample, max_inner, clock)
@@ -204,6 +208,7 @@ def measure_all(
 
     while todo := [k for k in samples if not done(samples[k])]:
         for k in todo:
+            say(k)
             samples[k].append(_sample(fns[k], inner[k], clock))
     for k, xs in samples.items():
         per_call = [s / inner[k] for s in xs]

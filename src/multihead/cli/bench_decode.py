@@ -7,6 +7,7 @@ import argparse
 
 from ..bench import decode
 from .console import positive_int
+from .threads import threads_option
 
 __all__ = ["register"]
 
@@ -40,6 +41,7 @@ def register(sub) -> None:
     p.add_argument("--prompt", type=positive_int, default=256, help="prompt tokens (default 256)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     p.set_defaults(func=_cmd_decode)
+    threads_option(p, add=False)
 
 
 def _cmd_decode(args) -> int:

@@ -83,7 +83,9 @@ def test_spread_and_interleaving_of_measure_all():
         return fn
 
     out = timing.measure_all({"a": call("a"), "b": call("b")}, clock=c, warmup=0, min_total=0.1)
-    assert out["a"].median == pytest.approx(0.01, abs=1e-6) and out["b"].median == pytest.approx(0.02, abs=1e-6)
+    assert out["a"].median == pytest.approx(0.01, abs=1e-6) and out["b"].median == pytest.approx(
+        0.02, abs=1e-6
+    )
     assert out["a"].high is not None and out["a"].high >= out["a"].median
     timed = order[2:]  # after each one's calibration call, a and b alternate
     assert timed[:6] == ["a", "b", "a", "b", "a", "b"]
@@ -127,3 +129,15 @@ def test_bad_options_name_themselves():
 
 def test_time_text():
     assert timing.time_text(timing.Timing(0.0123, 0.0119, 0.0128, 5, 1)) == "12.3 ms (11.9-12.8)"
+
+
+def test_the_fastest_sample_is_kept_for_probes_of_a_limit():
+    c = FakeClock(0.0)
+    durations = iter([0.05, 0.04, 0.06, 0.05, 0.05, 0.07] * 10)
+
+    def fn():
+        c.true += next(durations)
+
+    t = timing.measure(fn, clock=c, warmup=0)
+    assert t.best == pytest.approx(0.04, abs=1e-6) and t.median == pytest.approx(0.05, abs=1e-6)
+    assert timing.limit_text(2.0, 1.0, "above its floor") == "above its floor"

@@ -1,6 +1,6 @@
 """``multihead bench decode``: decode speed per dtype against Hugging Face, and the bandwidth limit.
 
-    multihead bench decode                                   # llama-20m, 256-token prompt, seconds
+    multihead bench decode                                   # llama-20m, 256-token prompt, minutes
     multihead bench decode --preset llama-155m --threads 1 --rounds 3 --new-tokens 32
 
 A LLaMA-shaped model with random weights is built once by transformers (``LlamaForCausalLM`` from the
@@ -121,8 +121,8 @@ def step_bytes(model: nn.Module, embedding: str) -> int:
 def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
     """Read bandwidth (bytes/s) over ``nbytes`` of fp32, read again and again: the faster of a sum (a
     pure streaming read) and a matrix-vector product (what decoding repeats) over the same matrix, each
-    timed by :func:`multihead.bench.timing.measure` (the fast quartile counts: the limit is the best the
-    memory system allows).
+    timed by :func:`multihead.bench.timing.measure_all` (the fastest sample counts: the limit is the best
+    the memory system allows).
 
     A decode step reads its weights once per token, again and again, so the limit of a step that reads
     ``nbytes`` is this probe over ``nbytes``: from memory for a model larger than the caches, from the
@@ -139,10 +139,10 @@ def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
     n = int((nbytes // 4) ** 0.5)
     a, x = torch.ones(n, n), torch.ones(n)  # (n, n), (n,): the values do not matter, the bytes do
     times = timing.measure_all({"mv": lambda: torch.mv(a, x), "sum": a.sum}, min_samples=reps)
-    lows = [t.low for t in times.values() if t.low is not None]
-    if not lows:
+    best = [t.best for t in times.values() if t.best is not None]
+    if not best:
         raise ValueError(f"reading {nbytes} bytes was too short to measure: {times['sum'].why}")
-    return a.numel() * 4 / min(lows)
+    return a.numel() * 4 / min(best)
 
 
 def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> timing.Timing:
@@ -256,11 +256,23 @@ def _measure(
     for name in contestants:
         say(f"GEMVs alone: {name}")
         floors[name] = kernels_alone(models[name], acts[name], reps=rounds)
-    bandwidth = {}
-    for nbytes in sorted({b for _, b in contestants.values()}):
-        say(f"read bandwidth over {nbytes / 1e6:.1f} MB")
-        bandwidth[nbytes] = read_bandwidth(nbytes)
+    bandwidth: dict[int, float] = {}
+    for group in _size_groups(sorted({b for _, b in contestants.values()})):
+        say(f"read bandwidth over {group[-1] / 1e6:.1f} MB")
+        rate = read_bandwidth(group[-1])  # one probe for sizes within 25%: the same caches hold them
+        bandwidth.update(dict.fromkeys(group, rate))
     return steps, floors, bandwidth
+
+
+def _size_groups(sizes: list[int]) -> list[list[int]]:
+    """Sorted byte counts in groups whose largest is within 1.25x of its smallest."""
+    groups: list[list[int]] = []
+    for n in sizes:
+        if groups and n <= 1.25 * groups[-1][0]:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+    return groups
 
 
 def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.Timing], new: int,
@@ -288,7 +300,7 @@ def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.
         "fraction_of_limit": _fraction(tok_s, limit),
         "kernels_tok_s": kernels,
         "kernels_fraction_of_limit": _fraction(kernels, limit),
-        "fraction_of_kernels": None if tok_s is None or kernels is None else tok_s / kernels,
+        "fraction_of_kernels": _fraction(tok_s, kernels, "above its GEMVs alone: inside the noise"),
         "vs_hf_fp32": None if fp32 is None else fp32.ratio,
         "vs_hf_fp32_within_noise": None if fp32 is None else fp32.same,
         "vs_hf_same_dtype": None if same is None else same.ratio,
@@ -296,9 +308,9 @@ def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.
     }
 
 
-def _fraction(rate: float | None, limit: float) -> float | str | None:
+def _fraction(rate: float | None, limit: float | None, refusal: str = timing.ABOVE) -> float | str | None:
     """rate / limit, or the refusal text where it would pass 100% (see :func:`timing.limit_text`)."""
-    text = timing.limit_text(rate, limit)
+    text = timing.limit_text(rate, limit, refusal)
     return timing.fraction_of_limit(rate, limit) if text[-1] == "%" else (None if text == "-" else text)
 
 

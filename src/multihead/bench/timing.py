@@ -42,6 +42,7 @@ __all__ = [
 Clock = Callable[[], float]
 
 TOO_SHORT = "too short to measure"
+ABOVE = "above limit: probe or byte count wrong"
 SAME = "same within noise"
 MIN_TOTAL = 0.2  # seconds of samples: ~16 scheduler slices of 12 ms
 MIN_TICKS = 50  # clock ticks per sample: rounding to the clock costs under 2%
@@ -62,6 +63,7 @@ class Timing:
     samples: int
     inner: int
     why: str = ""
+    best: float | None = None  # the fastest sample per call: for a limit's probe, the best case counts
 
     @property
     def ok(self) -> bool:
@@ -213,7 +215,7 @@ def measure_all(
     for k, xs in samples.items():
         per_call = [s / inner[k] for s in xs]
         low, high = _spread(per_call)
-        out[k] = Timing(statistics.median(per_call), low, high, len(xs), inner[k])
+        out[k] = Timing(statistics.median(per_call), low, high, len(xs), inner[k], best=min(per_call))
     return {k: out[k] for k in fns}
 
 
@@ -263,13 +265,13 @@ def fraction_of_limit(rate: float | None, limit: float | None) -> float | None:
     return frac
 
 
-def limit_text(rate: float | None, limit: float | None) -> str:
+def limit_text(rate: float | None, limit: float | None, refusal: str = ABOVE) -> str:
     """The fraction of :func:`fraction_of_limit` as text: "92%", "-" without a number, or the refusal
-    "above limit: probe or byte count wrong" instead of a figure above 100%."""
+    (default "above limit: probe or byte count wrong") instead of a figure above 100%."""
     try:
         frac = fraction_of_limit(rate, limit)
     except ValueError:
-        return "above limit: probe or byte count wrong"
+        return refusal
     return "-" if frac is None else f"{frac:.0%}"
 
 

@@ -31,6 +31,7 @@ from ..nn.layers import TransformerLayer
 from ..nn.norms import make_norm
 from ..nn.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 from . import native_step
+from .gemv_linear import GemvLinear
 from .generation import generate
 from .padding import TrailingKeyPadding, as_real
 
@@ -124,7 +125,8 @@ class TransformerLM(nn.Module):
         )
         # Pre-LN leaves the residual stream un-normalised (GPT-2 ln_f, LLaMA norm); post-LN ends normed.
         self.final_norm = make_norm(norm, d_model, norm_eps) if norm_first else nn.Identity()
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        # an nn.Linear whose one-row calls (a decode step's logits) run the native GEMV where it builds
+        self.lm_head = GemvLinear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
         if tie_embeddings:
             self.lm_head.weight = self.embed.weight

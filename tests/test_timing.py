@@ -87,8 +87,8 @@ def test_spread_and_interleaving_of_measure_all():
         0.02, abs=1e-6
     )
     assert out["a"].high is not None and out["a"].high >= out["a"].median
-    timed = order[2:]  # after each one's calibration call, a and b alternate
-    assert timed[:6] == ["a", "b", "a", "b", "a", "b"]
+    timed = order[2:]  # after each one's calibration call, a and b alternate, rotating the lead
+    assert timed[:6] == ["a", "b", "b", "a", "a", "b"]
 
 
 def test_same_within_noise_is_never_a_gain():

@@ -152,8 +152,9 @@ def measure_all(
     resolution: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Timing]:
-    """Time every call of ``fns``, samples interleaved (a, b, c, a, b, c, ...) so that a change of load
-    on a shared machine hits them alike: name -> :class:`Timing`.
+    """Time every call of ``fns``, samples interleaved and rotated (a, b, c, b, c, a, c, a, b, ...) so
+    that a change of load on a shared machine hits them alike, and no call always runs right after the
+    same other one: name -> :class:`Timing`.
 
     Args:
         fns: name -> the call to time (its result is dropped).
@@ -208,10 +209,15 @@ def measure_all(
             or (total >= max_seconds and len(xs) >= min(3, min_samples))
         )
 
+    rounds = 0
     while todo := [k for k in samples if not done(samples[k])]:
-        for k in todo:
+        # each round starts one further along, so no call always follows the same one (a call that
+        # frees a lot of memory or evicts the caches would otherwise always slow the same next one)
+        shift = rounds % len(todo)
+        for k in todo[shift:] + todo[:shift]:
             say(k)
             samples[k].append(_sample(fns[k], inner[k], clock))
+        rounds += 1
     for k, xs in samples.items():
         per_call = [s / inner[k] for s in xs]
         low, high = _spread(per_call)

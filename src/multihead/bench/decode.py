@@ -294,7 +294,9 @@ def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.
         "dtype": dtype,
         "bytes_per_token": nbytes,
         "tok_s": tok_s,
-        "tok_s_spread": None if step.high is None else [(new - 1) / step.high, (new - 1) / step.low],
+        "tok_s_spread": None
+        if step.high is None or step.low is None
+        else [(new - 1) / step.high, (new - 1) / step.low],
         "why_no_rate": step.why or None,
         "limit_tok_s": limit,
         "fraction_of_limit": _fraction(tok_s, limit),

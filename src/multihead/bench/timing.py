@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +140,7 @@ def measure(fn: Callable[[], object], **options: Any) -> Timing:
 
 
 def measure_all(
-    fns: dict[str, Callable[[], object]],
+    fns: Mapping[str, Callable[[], object]],
     *,
     min_total: float = MIN_TOTAL,
     min_samples: int = 5,

@@ -222,7 +222,7 @@ class SentenceEncoder(nn.Module):
 
         The copy is rebuilt whenever a weight changes (a parameter or buffer replaced, or changed in
         place: its version counter moves), so training, ``load_state_dict`` or head surgery between two
-        ``encode`` calls are seen. ``self.bert`` runs instead in training mode (dropout), with
+        ``encode`` calls are seen. ``self.bert`` runs instead when it is in training mode (dropout), with
         ``prepack = False``, off the CPU, in a dtype oneDNN cannot pack, or when the model has no plain
         linear layers (already quantized). The copy holds the linear weights a second time.
         """
@@ -231,7 +231,6 @@ class SentenceEncoder(nn.Module):
         dtype = linears[0].weight.dtype if linears else None
         if (
             not self.prepack
-            or self.training
             or bert.training
             or not linears
             or dtype not in quant.PACKED_DTYPES

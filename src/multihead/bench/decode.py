@@ -450,7 +450,7 @@ def render(doc: dict[str, Any]) -> Any:
     table = Table(title=title)
     cols = ("contestant", "MB/token", "tok/s", "bandwidth limit", "of limit", "GEMVs alone", "of GEMVs")
     for col in (*cols, "vs HF fp32", "vs HF same"):
-        table.add_column(col, justify="left" if col == "contestant" else "right")
+        table.add_column(col, justify="left" if col == "contestant" else "right", no_wrap=col == "contestant")
     for r in doc["rows"]:
         kern = "-" if r["kernels_tok_s"] is None else f"{r['kernels_tok_s']:.1f}"
         differs = doc.get(f"tokens_identical_{r['dtype']}") is False

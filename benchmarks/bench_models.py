@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 import multihead as mh
+from multihead.bench import timing
 from multihead.bench.decode import read_bandwidth
 
 
@@ -111,13 +112,14 @@ def bench_decode(prompt_len: int, new_tokens: int, rounds: int) -> dict:
         return ours.generate(prompt, n)
 
     def decode_rate(gen: Callable[[int], torch.Tensor]) -> Callable[[], float]:
+        """Decode tokens/s: generate(new) - generate(1) through bench.timing (nan: inside the noise)."""
+
         def run() -> float:
-            start = time.perf_counter()
-            gen(1)
-            first = time.perf_counter() - start
-            start = time.perf_counter()
-            gen(new_tokens)
-            return (new_tokens - 1) / (time.perf_counter() - start - first)
+            t = timing.measure_all(
+                {"1": lambda: gen(1), "n": lambda: gen(new_tokens)}, warmup=0, min_samples=1
+            )
+            rate = timing.difference(t["n"], t["1"]).rate(new_tokens - 1)
+            return float("nan") if rate is None else rate
 
         return run
 

@@ -17,6 +17,7 @@ busy machine slows them alike.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -26,6 +27,7 @@ import torch
 
 import multihead as mh
 from multihead import variants as V
+from multihead.bench import timing
 
 
 def designs(d: int, h: int) -> dict[str, Callable[[], torch.nn.Module]]:
@@ -76,20 +78,22 @@ def main(argv: list[str] | None = None) -> dict:
     d, h = args.d_model, args.heads
     modules = {name: make().eval() for name, make in designs(d, h).items()}
     x = torch.randn(args.batch, args.n, d)
-    fwd: dict[str, list[float]] = {n: [] for n in modules}
     dec: dict[str, list[float]] = {n: [] for n in modules}
     with torch.no_grad():
+        calls = {name: functools.partial(forward_seconds, m, x) for name, m in modules.items()}
+        fwd = timing.measure_all(calls, min_samples=args.repeats)  # interleaved, median and spread
         for m in modules.values():  # warm-up
-            forward_seconds(m, x)
             decode_seconds(m, x, 2, h, d // h)
-        for _ in range(args.repeats):
+        for _ in range(args.repeats):  # each sample decodes args.steps tokens: long enough
             for name, m in modules.items():
-                fwd[name].append(forward_seconds(m, x))
                 dec[name].append(decode_seconds(m, x, args.steps, h, d // h))
     rows = {
         name: {
             "params": sum(p.numel() for p in modules[name].parameters()),
-            "forward_tokens_per_s": args.batch * args.n / statistics.median(fwd[name]),
+            "forward_tokens_per_s": fwd[name].rate(args.batch * args.n),
+            "forward_ms_spread": None
+            if fwd[name].low is None
+            else [1e3 * fwd[name].low, 1e3 * fwd[name].high],
             "decode_tokens_per_s": args.batch * args.steps / statistics.median(dec[name]),
         }
         for name in modules

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 import multihead as mh
+from multihead.bench import timing
 from multihead.bench.decode import DEFAULT_PRESET
 from multihead.core.functional import attention
 from multihead.models import quant
@@ -94,31 +94,36 @@ def main() -> None:
         "int8, bf16 activations, before": ("before", lambda n: q8_16.generate(ids, n)),
         "int8, bf16 activations, after": ("after", lambda n: q8_16.generate(ids, n)),
     }
-    one: dict[str, list[float]] = {k: [] for k in runs}
-    many: dict[str, list[float]] = {k: [] for k in runs}
+
+    def call(version: str, gen, n: int):
+        def run() -> None:
+            use(version)
+            gen(n)
+
+        return run
+
     with torch.inference_mode():
         tokens = {}
         for name, (version, gen) in runs.items():
             use(version)
             tokens[name] = gen(8)
-        for _ in range(args.rounds):
-            for name, (version, gen) in runs.items():
-                use(version)
-                start = time.perf_counter()
-                gen(1)
-                one[name].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                gen(args.new_tokens)
-                many[name].append(time.perf_counter() - start)
+        calls = {}
+        for name, (version, gen) in runs.items():
+            calls[f"{name}|1"] = call(version, gen, 1)
+            calls[f"{name}|n"] = call(version, gen, args.new_tokens)
+        t = timing.measure_all(calls, min_samples=args.rounds, warmup=0)  # interleaved, rotated
     use("after")
-    tok_s = {k: (args.new_tokens - 1) / max(min(many[k]) - min(one[k]), 1e-9) for k in runs}
+    steps = {k: timing.difference(t[f"{k}|n"], t[f"{k}|1"]) for k in runs}
+    tok_s = {k: steps[k].rate(args.new_tokens - 1) for k in runs}
     same = torch.equal(tokens["int8, fp32 activations, before"], tokens["int8, fp32 activations, after"])
     print(
         f"{args.preset}, prompt {args.prompt}, {args.new_tokens} new tokens, {args.threads} thread(s), "
-        f"fastest of {args.rounds} interleaved rounds; fp32-activation tokens before == after: {same}"
+        f"median of >= {args.rounds} interleaved samples; fp32-activation tokens before == after: {same}"
     )
     for name, rate in tok_s.items():
-        print(f"{name:32s} {rate:7.1f} tok/s  {rate / tok_s['HF fp32']:5.2f}x HF fp32")
+        vs = timing.compare(steps["HF fp32"], steps[name])  # HF's time / ours: our speed-up
+        shown = timing.TOO_SHORT if rate is None else f"{rate:7.1f} tok/s"
+        print(f"{name:32s} {shown}  vs HF fp32: {vs}")
 
 
 if __name__ == "__main__":

@@ -14,27 +14,22 @@ the smaller weights stay in cache between calls, so read the ranking, not a band
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from multihead.bench import timing
 from multihead.models import quant
 
 SHAPES = ((1024, 1024), (1024, 256), (1024, 2816), (2816, 1024), (1024, 32000))  # (I, O)
 
 
 def best_us(fn: Callable[[], object], reps: int) -> float:
-    """The fastest of ``reps`` calls, in microseconds (3 warm-up calls first)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e6
+    """The fastest sample of at least ``reps`` (:func:`multihead.bench.timing.measure`: calls batched
+    until a sample is long enough for the clock), in microseconds per call; nan if too short to measure."""
+    t = timing.measure(fn, min_samples=reps, warmup=3)
+    return float("nan") if t.best is None else t.best * 1e6
 
 
 def shape_row(i: int, o: int, reps: int) -> list[float]:

@@ -83,3 +83,26 @@ def test_only_picks_families_exactly_and_names_by_substring():
     assert names("dense,documents") == ["8 causal documents", "dense"]
     assert names("fwd+bwd") == ["fwd+bwd causal", "fwd+bwd window 256"]
     assert names(None) == sorted({c.name for c in bench.cases("full")})
+
+
+def test_a_ratio_inside_the_noise_is_no_gain_and_no_loss():
+    row = {"family": "dense", "n": 4096, "method": "auto", "ms": 1.0, "case": "dense",
+           "vs": {"sdpa": 1.19, "eager": 0.4}, "vs_noise": {"sdpa": True, "eager": False}}  # fmt: skip
+    (goal,) = bench.check_goals([row])
+    assert goal["met"] is True and goal["within_noise"] is True  # 1.19x inside the noise reads as 1.0x
+    assert bench.vs_text(row) == "sdpa same within noise, eager 0.40x"
+    assert "same within noise" in _text(bench.goals_table({"goals": [goal]}))
+
+
+def test_no_goal_case_ran_says_so_instead_of_an_empty_table():
+    text = _text(bench.goals_table({"goals": []}))
+    assert text.startswith("goals of the CPU kernels: none checked, their cases did not run")
+    assert "dense N=4096" in text
+
+
+def _text(renderable) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(renderable)
+    return console.export_text()

@@ -219,3 +219,28 @@ def test_kv_cache_advance_counts_positions_written_in_place():
         c.advance(0)
     with pytest.raises(ValueError, match="for 'dense' caches written in place, this one is 'int8'"):
         mh.KVCache(1, 2, 8, 4, kind="int8").advance(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plain_model_takes_native_steps_in_its_own_dtype(dtype, monkeypatch):
+    import pickle
+
+    lm = _lm().to(dtype)  # the natural call: no quantize step
+    assert lm.why_not_native_steps is None
+    eager = copy.deepcopy(lm)
+    eager.native_steps = False
+    assert eager.why_not_native_steps == "native_steps is off for this model"
+    calls = []
+    real = native_step.decode_step
+    monkeypatch.setattr(native_step, "decode_step", lambda *a: calls.append(1) or real(*a))
+    prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(8))
+    got = lm.generate(prompt, 12)
+    assert len(calls) == 11  # every step after the prefill
+    assert torch.equal(got, eager.generate(prompt, 12)) and len(calls) == 11
+    lm.train()  # training mode (dropout) runs the eager layers
+    cache = lm.make_cache(1, 16)
+    with torch.no_grad():
+        lm.hidden_states(prompt[:, :4], cache=cache)
+        lm.hidden_states(prompt[:, 4:5], cache=cache)
+    assert len(calls) == 11
+    assert pickle.loads(pickle.dumps(lm)).why_not_native_steps is None  # the memos do not travel

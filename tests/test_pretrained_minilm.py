@@ -116,3 +116,35 @@ def test_stdlib_corpus_is_fixed_and_validated():
     assert a == mh.pretrained.stdlib_docstrings(50) and len(set(a)) == 50
     with pytest.raises(ValueError, match="n must be None or an int >= 1, got 0"):
         mh.pretrained.stdlib_docstrings(0)
+
+
+@needs_weights
+def test_encode_runs_a_prepacked_copy_rebuilt_when_a_weight_changes():
+    from multihead.models.packed_linear import PackedLinear, prepack_unavailable
+
+    enc = mh.pretrained.minilm()
+    texts = ["a short text", "the attention of every head, computed at once", "x"]
+    fast = enc.encode(texts)
+    copy1 = enc.inference_bert()
+    why = prepack_unavailable(torch.float32)
+    if why is not None:
+        assert copy1 is enc.bert, why  # no oneDNN: the plain model runs
+        return
+    assert copy1 is not enc.bert and any(isinstance(m, PackedLinear) for m in copy1.modules())
+    assert enc.inference_bert() is copy1  # nothing changed: not rebuilt
+    enc.prepack = False
+    assert enc.inference_bert() is enc.bert
+    plain = enc.encode(texts)
+    assert float((fast - plain).abs().max()) < 1e-5  # the same numbers up to the order of the sums
+    enc.prepack = True
+    with torch.no_grad():  # an in-place change (training, surgery): the copy must not serve stale weights
+        enc.bert.encoder.layers[0].ffn.linear1.weight.mul_(0.5)
+    copy2 = enc.inference_bert()
+    assert copy2 is not copy1
+    changed = enc.encode(texts)
+    enc.prepack = False
+    assert float((changed - enc.encode(texts)).abs().max()) < 1e-5
+    assert float((changed - fast).abs().max()) > 1e-3
+    enc.prepack = True
+    enc.bert.train()  # training mode (dropout): the plain model
+    assert enc.inference_bert() is enc.bert

@@ -15,7 +15,6 @@ Shape legend: N sequence length, H heads, D head dim.
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from ..approx.linear import LinearAttention, Performer
 from ..approx.low_rank import Linformer, LowRank, Nystrom
 from ..approx.sparse import SparseMask, Threshold, TopK, local, local_global
 from ..core.functional import attention
+from . import timing
 
 __all__ = ["METHODS", "Method", "cost", "fidelity", "make", "pareto_png", "peak_rss_tracker"]
 
@@ -120,18 +120,22 @@ def peak_rss_tracker() -> Callable[[], int] | None:
 
 # -- cost ---------------------------------------------------------------------------------------------
 def cost(approx: Approximation | None, n: int, *, seed: int = 0) -> dict[str, Any]:
-    """Seconds and extra peak bytes of one attention call (1, 8, n, 64) fp32 under no_grad.
+    """Seconds and extra peak bytes of one attention call (1, 8, n, 64) fp32 under no_grad (the peak of
+    the first call, the median time of the calls after it: :func:`multihead.bench.timing.measure`).
 
     Exact attention runs on the ``tiled`` backend (O(N) memory). The peak is None off Linux.
     """
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, generator=g) for _ in range(3))  # (1, H, N, D)
+    backend = "tiled" if approx is None else approx
     with torch.no_grad():
         extra = peak_rss_tracker()
-        start = time.perf_counter()
-        out = attention(q, k, v, backend="tiled" if approx is None else approx)
-        seconds = time.perf_counter() - start
+        out = attention(q, k, v, backend=backend)
         peak = None if extra is None else extra()
+        t = timing.measure(
+            lambda: attention(q, k, v, backend=backend), warmup=0, min_samples=3, max_seconds=2.0
+        )
+    seconds = t.median if t.median is not None else float("nan")  # nan: too short to measure
     assert isinstance(out, Tensor)
     return {"n": n, "seconds": seconds, "peak_bytes": peak, "finite": bool(torch.isfinite(out).all())}
 

@@ -1,6 +1,6 @@
 """``multihead bench decode``: decode speed per dtype against Hugging Face, and the bandwidth limit.
 
-    multihead bench decode                                   # llama-20m, 256-token prompt, seconds
+    multihead bench decode                                   # llama-20m, 256-token prompt, minutes
     multihead bench decode --preset llama-155m --threads 1 --rounds 3 --new-tokens 32
 
 A LLaMA-shaped model with random weights is built once by transformers (``LlamaForCausalLM`` from the
@@ -15,16 +15,19 @@ fp32 (the fp32 weights in oneDNN's batch-1 layout, equal up to the order of the 
 layers, with the reason printed, where the kernels cannot build); and ``mh.quant.quantize(model,
 weights="int8", kv="int8")`` of the fp32 and of the bf16 model (int8 weights per output channel, int8 KV
 cache). Greedy decoding; decode tokens/s excludes the prefill:
-``(new - 1) / (t(new tokens) - t(1 token))``, each time the fastest of the rounds (load on a shared
-machine only ever adds time; with too few new tokens the prefill's noise swamps the difference).
+``(new - 1) / (t(new tokens) - t(1 token))``, each time the median of interleaved samples
+(:mod:`multihead.bench.timing`: samples long enough for the clock and the scheduler, with their
+spread); where the difference is inside the noise of its two terms (too few new tokens) the row says
+"too short to measure" instead of a rate. A ratio whose spreads overlap reads "same within noise".
 Without transformers the multihead rows run alone (random weights from ``mh.pretrained.random_lm``)
 and the report says why the Hugging Face rows are missing.
 
-The bandwidth limit of a contestant is the measured read bandwidth divided by the bytes of weights every
-decode step reads (all parameters and buffers but the input embedding, which is read one row at a time;
-a tied output head is counted). The read bandwidth (:func:`read_bandwidth`) is the best of several sums
-and fp32 matrix-vector products over 256 MiB (a matrix no cache holds), measured again in every round;
-the maximum is kept. The KV cache is not counted (at a 256-token prompt it is about 1% of the weights).
+The bandwidth limit of a contestant is the read bandwidth over as many bytes as every decode step
+reads (all parameters and buffers but the input embedding, which is read one row at a time; a tied
+output head is counted), measured by :func:`read_bandwidth` over a buffer of that size read again and
+again, as the steps read the weights: from memory for a model larger than the caches, from the caches
+for a small one. The KV cache is not counted (at a 256-token prompt it is about 1% of the weights). A
+rate above its limit is not printed: the table says the probe or the byte count is wrong instead.
 
 "GEMVs alone" (:func:`kernels_alone`) runs every linear layer of the contestant once with one token,
 back to back, with nothing between them: the step's floor for that weight format and kernel, shown as a
@@ -39,9 +42,9 @@ the ratios come from the same run.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +55,8 @@ from .. import native, pretrained
 from ..core.checks import check_int
 from ..models import quant
 from ..models.lm import TransformerLM
+from . import timing
+from .tokens import parting, parting_text
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -114,37 +119,39 @@ def step_bytes(model: nn.Module, embedding: str) -> int:
 
 
 def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Best-of-``reps`` read bandwidth (bytes/s) over ``nbytes`` of fp32: the faster of a sum (a pure
-    streaming read) and a matrix-vector product (what decoding repeats) over the same matrix.
+    """Read bandwidth (bytes/s) over ``nbytes`` of fp32, read again and again: the faster of a sum (a
+    pure streaming read) and a matrix-vector product (what decoding repeats) over the same matrix, each
+    timed by :func:`multihead.bench.timing.measure_all` (the fastest sample counts: the limit is the best
+    the memory system allows).
 
-    The sum sets the figure where torch's fp32 matrix-vector kernel reads slower than memory allows
-    (on an AVX-512 CPU, one thread: ~43 GB/s for the sum and for oneDNN's packed products, ~29 GB/s
-    for ``torch.mv``), so the limit is the memory system's, not one kernel's.
+    A decode step reads its weights once per token, again and again, so the limit of a step that reads
+    ``nbytes`` is this probe over ``nbytes``: from memory for a model larger than the caches, from the
+    caches for a small one (a probe over 256 MiB would put a small model's rate above its limit). The
+    sum sets the figure where torch's fp32 matrix-vector kernel reads slower than memory allows (on an
+    AVX-512 CPU, one thread: ~43 GB/s for the sum and for oneDNN's packed products, ~29 GB/s for
+    ``torch.mv``), so the limit is the memory system's, not one kernel's.
 
     Raises:
-        ValueError: ``nbytes`` under 1 MiB or ``reps`` < 1.
+        ValueError: ``nbytes`` under 64 KiB, ``reps`` < 1, or the reads too short to measure.
     """
-    check_int("nbytes", nbytes, 1 << 20)
+    check_int("nbytes", nbytes, 1 << 16)
     check_int("reps", reps, 1)
     n = int((nbytes // 4) ** 0.5)
     a, x = torch.ones(n, n), torch.ones(n)  # (n, n), (n,): the values do not matter, the bytes do
-    best = 0.0
-    for _ in range(reps):
-        for read in (lambda: torch.mv(a, x), a.sum):
-            start = time.perf_counter()
-            read()
-            best = max(best, a.numel() * 4 / (time.perf_counter() - start))
-    return best
+    times = timing.measure_all({"mv": lambda: torch.mv(a, x), "sum": a.sum}, min_samples=reps)
+    best = [t.best for t in times.values() if t.best is not None]
+    if not best:
+        raise ValueError(f"reading {nbytes} bytes was too short to measure: {times['sum'].why}")
+    return a.numel() * 4 / min(best)
 
 
-def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> float:
-    """Seconds of the fastest of ``reps`` passes through every linear layer of ``model`` with one token,
-    back to back: the matrix-vector products of a decode step with nothing between them.
+def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> timing.Timing:
+    """The time of one pass through every linear layer of ``model`` with one token, back to back: the
+    matrix-vector products of a decode step with nothing between them (at least ``reps`` samples).
 
     The floor of a step for this model's weight format and kernels: what the step would take if the
     rest (norms, rotary, attention over the cache, residuals, sampling, Python) cost nothing. Inputs are
-    ``(1, 1, in_features)`` of dtype ``activations``; each layer's weights leave the caches between
-    passes only if the model is larger than the caches (the decoding models here are).
+    ``(1, 1, in_features)`` of dtype ``activations``.
 
     Raises:
         ValueError: a model without linear layers, or ``reps`` < 1.
@@ -155,21 +162,13 @@ def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> 
     if not layers:
         raise ValueError(f"kernels_alone needs a model with linear layers; {type(model).__name__} has none")
     xs = [torch.randn(1, 1, m.in_features).to(activations) for m in layers]  # (1, 1, I) each
-    best = math.inf
+
+    def one_pass() -> None:
+        for m, x in zip(layers, xs):
+            m(x)
+
     with torch.inference_mode():
-        for _ in range(reps):
-            start = time.perf_counter()
-            for m, x in zip(layers, xs):
-                m(x)
-            best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _timed(gen: Generate, n: int) -> float:
-    """Seconds to generate n tokens (prefill included)."""
-    start = time.perf_counter()
-    gen(n)
-    return time.perf_counter() - start
+        return timing.measure(one_pass, min_samples=reps)
 
 
 def _hf_models(preset: str) -> tuple[nn.Module, TransformerLM, str]:
@@ -236,6 +235,87 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
     return out, info
 
 
+def _measure(
+    contestants: dict[str, tuple[Generate, int]],
+    models: dict[str, nn.Module],
+    new_tokens: int,
+    rounds: int,
+    say: Callable[[str], None],
+) -> tuple[dict[str, timing.Timing], dict[str, timing.Timing], dict[int, float]]:
+    """Per contestant: the decode steps' time (n tokens minus 1 token, interleaved samples), the
+    linear layers' floor, and the read bandwidth over each step size."""
+    calls: dict[str, Callable[[], object]] = {}
+    for name, (gen, _) in contestants.items():
+        calls[f"{name}|1"] = functools.partial(gen, 1)
+        calls[f"{name}|n"] = functools.partial(gen, new_tokens)
+    say(f"timing generate(1) and generate({new_tokens}) of {len(contestants)} contestants, interleaved")
+    t = timing.measure_all(calls, min_samples=rounds, warmup=0, max_seconds=2.0, progress=say)
+    steps = {k: timing.difference(t[f"{k}|n"], t[f"{k}|1"]) for k in contestants}
+    acts = {name: _ACTIVATIONS.get(dtype.split("+")[-1], torch.float32) for name, _, dtype in ROWS}
+    floors = {}
+    for name in contestants:
+        say(f"GEMVs alone: {name}")
+        floors[name] = kernels_alone(models[name], acts[name], reps=rounds)
+    bandwidth: dict[int, float] = {}
+    for group in _size_groups(sorted({b for _, b in contestants.values()})):
+        say(f"read bandwidth over {group[-1] / 1e6:.1f} MB")
+        rate = read_bandwidth(group[-1])  # one probe for sizes within 25%: the same caches hold them
+        bandwidth.update(dict.fromkeys(group, rate))
+    return steps, floors, bandwidth
+
+
+def _size_groups(sizes: list[int]) -> list[list[int]]:
+    """Sorted byte counts in groups whose largest is within 1.25x of its smallest."""
+    groups: list[list[int]] = []
+    for n in sizes:
+        if groups and n <= 1.25 * groups[-1][0]:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+    return groups
+
+
+def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.Timing], new: int,
+         floor: timing.Timing, bandwidth: float) -> dict[str, Any]:  # fmt: skip
+    """One row of the report (see :func:`run`)."""
+    step = steps[name]
+    tok_s = step.rate(new - 1)
+    limit = bandwidth / nbytes
+    kernels = floor.rate(1.0)
+    peer = f"HF {dtype}"
+
+    def vs(other: str) -> timing.Comparison | None:
+        return timing.compare(steps[other], step) if other in steps else None  # their time / ours
+
+    same, fp32 = vs(peer), vs("HF fp32")
+    return {
+        "name": name,
+        "impl": impl,
+        "dtype": dtype,
+        "bytes_per_token": nbytes,
+        "tok_s": tok_s,
+        "tok_s_spread": None
+        if step.high is None or step.low is None
+        else [(new - 1) / step.high, (new - 1) / step.low],
+        "why_no_rate": step.why or None,
+        "limit_tok_s": limit,
+        "fraction_of_limit": _fraction(tok_s, limit),
+        "kernels_tok_s": kernels,
+        "kernels_fraction_of_limit": _fraction(kernels, limit),
+        "fraction_of_kernels": _fraction(tok_s, kernels, "above its GEMVs alone: inside the noise"),
+        "vs_hf_fp32": None if fp32 is None else fp32.ratio,
+        "vs_hf_fp32_within_noise": None if fp32 is None else fp32.same,
+        "vs_hf_same_dtype": None if same is None else same.ratio,
+        "vs_hf_same_dtype_within_noise": None if same is None else same.same,
+    }
+
+
+def _fraction(rate: float | None, limit: float | None, refusal: str = timing.ABOVE) -> float | str | None:
+    """rate / limit, or the refusal text where it would pass 100% (see :func:`timing.limit_text`)."""
+    text = timing.limit_text(rate, limit, refusal)
+    return timing.fraction_of_limit(rate, limit) if text[-1] == "%" else (None if text == "-" else text)
+
+
 def run(
     preset: str = DEFAULT_PRESET,
     *,
@@ -245,26 +325,29 @@ def run(
     prompt: int = 256,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure every row of :data:`ROWS`, interleaved round after round; return the report (a dict).
+    """Measure every row of :data:`ROWS`, samples interleaved; return the report (a dict).
 
     Args:
         preset: a name of ``multihead.pretrained.PRESETS`` (default llama-20m; llama-155m the full one).
         threads: torch threads during the run (restored after); None keeps torch's own.
-        rounds: interleaved rounds; each rate is the fastest round's.
+        rounds: timed samples per call at least (more while they add up to under 0.2 s).
         new_tokens: tokens generated per timed call (>= 2: the rate is of the steps after the first).
         prompt: prompt tokens (random ids, fixed seed).
         progress: called with a short text before each measurement.
 
     Returns:
-        ``{"preset", "threads", "prompt_len", "new_tokens", "rounds", "read_bandwidth_GBps", "transformers",
-        "skipped", "bf16_prepacked" (its kernel, or why plain F.linear runs), "tokens_identical_fp32",
-        "tokens_identical_bf16", "tokens_identical_fp16", "tokens_identical_prepacked" (to multihead bf16),
-        "tokens_identical_fp32_prepacked" (to multihead fp32), "native" (the native rows' kernel, or why
-        they run F.linear), "tokens_identical_native_fp32" / "_bf16" / "_fp16" (to multihead of that dtype),
-        "rows": [{"name", "impl", "dtype", "bytes_per_token", "tok_s", "limit_tok_s", "fraction_of_limit",
-        "kernels_tok_s" (:func:`kernels_alone` as a rate), "kernels_fraction_of_limit",
-        "fraction_of_kernels" (tok_s / kernels_tok_s), "vs_hf_fp32", "vs_hf_same_dtype"}]}``; ratios to
-        absent rows are None.
+        ``{"preset", "threads", "prompt_len", "new_tokens", "rounds", "read_bandwidth_GBps" (over the
+        largest step), "transformers", "skipped", "bf16_prepacked" (its kernel, or why plain F.linear
+        runs), "tokens_identical_fp32" / "_bf16" / "_fp16" (to transformers), "tokens_part_fp32" /
+        "_bf16" / "_fp16" (where they part: :func:`multihead.bench.tokens.parting`),
+        "tokens_identical_prepacked" (to multihead bf16), "tokens_identical_fp32_prepacked" (to
+        multihead fp32), "native" (the native rows' kernel, or why they run F.linear),
+        "tokens_identical_native_fp32" / "_bf16" / "_fp16" (to multihead of that dtype), "rows":
+        [{"name", "impl", "dtype", "bytes_per_token", "tok_s" (None: too short to measure, with
+        "why_no_rate"), "tok_s_spread", "limit_tok_s", "fraction_of_limit" (a refusal text where above
+        100%), "kernels_tok_s" (:func:`kernels_alone` as a rate), "kernels_fraction_of_limit",
+        "fraction_of_kernels", "vs_hf_fp32", "vs_hf_same_dtype" (HF's time / ours) and their
+        "_within_noise" flags}]}``; ratios to absent rows are None.
 
     Raises:
         ValueError: an unknown preset; threads, rounds or prompt < 1; new_tokens < 2; a prompt longer
@@ -290,75 +373,44 @@ def run(
         ids = torch.randint(0, config["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(1))
         contestants, info = _contestants(preset, ids)
         models = info.pop("models")
-        acts = {name: _ACTIVATIONS.get(dtype.split("+")[-1], torch.float32) for name, _, dtype in ROWS}
-        floor: dict[str, float] = {k: math.inf for k in contestants}
-        one: dict[str, list[float]] = {k: [] for k in contestants}
-        many: dict[str, list[float]] = {k: [] for k in contestants}
-        bandwidth = 0.0
         with torch.inference_mode():
             say("greedy tokens against transformers")
             tokens = {name: gen(8) for name, (gen, _) in contestants.items()}  # also a warm-up
-            same = {
-                d: torch.equal(tokens[f"HF {d}"], tokens[f"multihead {d}"]) if f"HF {d}" in tokens else None
-                for d in FLOATS
+            ref = models["multihead fp32"]
+            hf = {d: tokens.get(f"HF {d}") for d in FLOATS}
+            part = {
+                d: None if t is None else parting(tokens[f"multihead {d}"], t, prompt, ref)
+                for d, t in hf.items()
             }
+            same = {d: None if hf[d] is None else part[d] is None for d in FLOATS}
             same_packed = torch.equal(tokens["multihead bf16"], tokens["multihead bf16 prepacked"])
             same_packed32 = torch.equal(tokens["multihead fp32"], tokens["multihead fp32 prepacked"])
             same_native = {
                 d: torch.equal(tokens[f"multihead {d}"], tokens[f"multihead {d} native"]) for d in FLOATS
             }
-            for r in range(rounds):
-                say(f"round {r + 1}/{rounds}: read bandwidth")
-                bandwidth = max(bandwidth, read_bandwidth())
-                for name, (gen, _) in contestants.items():
-                    say(f"round {r + 1}/{rounds}: {name}")
-                    one[name].append(_timed(gen, 1))
-                    many[name].append(_timed(gen, new_tokens))
-                    floor[name] = min(floor[name], kernels_alone(models[name], acts[name]))
+            steps, floors, bandwidth = _measure(contestants, models, new_tokens, rounds, say)
         threads_used = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    # the fastest of the rounds: on a shared machine every disturbance only adds time
-    tok_s = {k: (new_tokens - 1) / max(min(many[k]) - min(one[k]), 1e-9) for k in contestants}
-    rows = []
-    for name, impl, dtype in ROWS:
-        if name not in contestants:
-            continue
-        nbytes = contestants[name][1]
-        limit = bandwidth / nbytes
-        peer = f"HF {dtype}"
-        rows.append(
-            {
-                "name": name,
-                "impl": impl,
-                "dtype": dtype,
-                "bytes_per_token": nbytes,
-                "tok_s": tok_s[name],
-                "limit_tok_s": limit,
-                "fraction_of_limit": tok_s[name] / limit,
-                "kernels_tok_s": 1.0 / floor[name],
-                "kernels_fraction_of_limit": 1.0 / floor[name] / limit,
-                "fraction_of_kernels": tok_s[name] * floor[name],
-                "vs_hf_fp32": tok_s[name] / tok_s["HF fp32"] if "HF fp32" in tok_s else None,
-                "vs_hf_same_dtype": tok_s[name] / tok_s[peer] if peer in tok_s else None,
-            }
-        )
+    rows = [
+        _row(name, impl, dtype, contestants[name][1], steps, new_tokens, floors[name],
+             bandwidth[contestants[name][1]])
+        for name, impl, dtype in ROWS
+        if name in contestants
+    ]  # fmt: skip
     return {
         "preset": preset,
         "threads": threads_used,
         "prompt_len": prompt,
         "new_tokens": new_tokens,
         "rounds": rounds,
-        "read_bandwidth_GBps": bandwidth / 1e9,
+        "read_bandwidth_GBps": bandwidth[max(bandwidth)] / 1e9,
         **info,
-        "tokens_identical_fp32": same["fp32"],
-        "tokens_identical_bf16": same["bf16"],
-        "tokens_identical_fp16": same["fp16"],
+        **{f"tokens_identical_{d}": same[d] for d in FLOATS},
+        **{f"tokens_part_{d}": part[d] for d in FLOATS},
         "tokens_identical_prepacked": same_packed,
         "tokens_identical_fp32_prepacked": same_packed32,
-        "tokens_identical_native_fp32": same_native["fp32"],
-        "tokens_identical_native_bf16": same_native["bf16"],
-        "tokens_identical_native_fp16": same_native["fp16"],
+        **{f"tokens_identical_native_{d}": same_native[d] for d in FLOATS},
         "rows": rows,
     }
 
@@ -368,8 +420,21 @@ def to_json(doc: dict[str, Any]) -> str:
     return json.dumps(doc, indent=2)
 
 
-def _ratio(x: float | None) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:.2f}x"
+def _ratio(x: float | None, same: bool | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return timing.SAME if same else f"{x:.2f}x"
+
+
+def _rate(r: dict[str, Any]) -> str:
+    if r["tok_s"] is None:
+        return timing.TOO_SHORT
+    lo, hi = r["tok_s_spread"]
+    return f"{r['tok_s']:.1f} ({lo:.0f}-{hi:.0f})"
+
+
+def _frac(x: float | str | None) -> str:
+    return "-" if x is None else x if isinstance(x, str) else f"{x:.0%}"
 
 
 def render(doc: dict[str, Any]) -> Any:
@@ -378,46 +443,53 @@ def render(doc: dict[str, Any]) -> Any:
 
     title = (
         f"{doc['preset']} decode: prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, "
-        f"{doc['threads']} torch thread(s), fastest of {doc['rounds']} interleaved round(s); "
-        f"read bandwidth {doc['read_bandwidth_GBps']:.1f} GB/s"
+        f"{doc['threads']} torch thread(s), median of >= {doc['rounds']} interleaved sample(s) "
+        f"(spread: quartiles); read bandwidth {doc['read_bandwidth_GBps']:.1f} GB/s from memory, "
+        "more from the caches for a small step"
     )
     table = Table(title=title)
     cols = ("contestant", "MB/token", "tok/s", "bandwidth limit", "of limit", "GEMVs alone", "of GEMVs")
     for col in (*cols, "vs HF fp32", "vs HF same"):
-        table.add_column(col, justify="left" if col == "contestant" else "right")
+        table.add_column(col, justify="left" if col == "contestant" else "right", no_wrap=col == "contestant")
     for r in doc["rows"]:
+        kern = "-" if r["kernels_tok_s"] is None else f"{r['kernels_tok_s']:.1f}"
+        differs = doc.get(f"tokens_identical_{r['dtype']}") is False
         table.add_row(
-            r["name"],
+            r["name"] + (" (*)" if differs else ""),
             f"{r['bytes_per_token'] / 1e6:.1f}",
-            f"{r['tok_s']:.1f}",
+            _rate(r),
             f"{r['limit_tok_s']:.1f}",
-            f"{r['fraction_of_limit']:.0%}",
-            f"{r['kernels_tok_s']:.1f} ({r['kernels_fraction_of_limit']:.0%})",
-            f"{r['fraction_of_kernels']:.0%}",
-            _ratio(r["vs_hf_fp32"]),
-            _ratio(r["vs_hf_same_dtype"]),
+            _frac(r["fraction_of_limit"]),
+            f"{kern} ({_frac(r['kernels_fraction_of_limit'])})",
+            _frac(r["fraction_of_kernels"]),
+            _ratio(r["vs_hf_fp32"], r["vs_hf_fp32_within_noise"]),
+            _ratio(r["vs_hf_same_dtype"], r["vs_hf_same_dtype_within_noise"]),
         )
     return table
 
 
 def summary_lines(doc: dict[str, Any]) -> list[str]:
-    """The lines printed under the table: the token check, or why transformers' rows are missing; the
-    kernel of the prepacked bf16 row and whether its tokens equal plain bf16's."""
+    """The lines printed under the table: the token check (where the tokens part, and the logit margin
+    there), or why transformers' rows are missing; the kernel of the prepacked and native rows and
+    whether their tokens equal plain multihead's."""
+    yes = {True: "yes", False: "no", None: "-"}
     packed = [
         f"bf16 prepacked: {doc['bf16_prepacked']}; greedy 8 tokens identical to multihead bf16: "
         f"{'yes' if doc['tokens_identical_prepacked'] else 'NO'}; fp32 prepacked's to multihead fp32: "
-        f"{'yes' if doc['tokens_identical_fp32_prepacked'] else 'no'}",
+        f"{yes[doc['tokens_identical_fp32_prepacked']]}",
         f"native: {doc['native']}; greedy 8 tokens identical to multihead fp32: "
-        f"{'yes' if doc['tokens_identical_native_fp32'] else 'no'}, to multihead bf16: "
-        f"{'yes' if doc['tokens_identical_native_bf16'] else 'no'}, to multihead fp16: "
-        f"{'yes' if doc['tokens_identical_native_fp16'] else 'no'}",
+        f"{yes[doc['tokens_identical_native_fp32']]}, to multihead bf16: "
+        f"{yes[doc['tokens_identical_native_bf16']]}, to multihead fp16: "
+        f"{yes[doc['tokens_identical_native_fp16']]}",
     ]
+    short = [f"{r['name']}: {r['why_no_rate']}" for r in doc["rows"] if r["tok_s"] is None]
     if doc["skipped"]:
-        return [doc["skipped"], *packed]
-    same = {d: doc[f"tokens_identical_{d}"] for d in FLOATS}
-    return [
-        f"greedy 8 tokens identical to transformers {doc['transformers']}: fp32 "
-        f"{'yes' if same['fp32'] else 'NO'}; bf16 {'yes' if same['bf16'] else 'no'}; fp16 "
-        f"{'yes' if same['fp16'] else 'no'}",
-        *packed,
-    ]
+        return [doc["skipped"], *packed, *short]
+    lines = [f"greedy 8 tokens identical to transformers {doc['transformers']}:"]
+    lines += [f"  {d}: {parting_text(doc[f'tokens_part_{d}'])}" for d in FLOATS]
+    if any(doc[f"tokens_identical_{d}"] is False for d in FLOATS):
+        lines.append(
+            "(*) transformers does not reproduce these tokens: its rows time the same weights, not the "
+            "same output"
+        )
+    return [*lines, *packed, *short]

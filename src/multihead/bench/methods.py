@@ -20,6 +20,7 @@ from ..core import functional as fn_
 from ..core.biases import alibi
 from ..core.masks import EMPTY, FULL, Mask, causal, document, prefix_lm, sliding_window
 from ..core.problem import make_problem
+from . import timing
 
 EAGER_MAX_BYTES = 3 << 30  # skip the eager peer when its N x N fp32 scores would exceed this
 SDPA_MAX_BYTES = 6 << 30  # skip the dense-mask SDPA peer above this much mask/bias
@@ -263,6 +264,11 @@ def peak_extra_bytes(fn: Callable[[], object]) -> float:
 
 
 def add_bandwidth_ratio(results: list, bandwidth: float) -> None:
+    """Each result's GB/s as a fraction of ``bandwidth``; above 100% none, and a note that the probe or
+    the byte count is wrong (:func:`multihead.bench.timing.fraction_of_limit`)."""
     for r in results:
-        if r.gbps is not None:
-            r.bw_frac = r.gbps / bandwidth
+        if r.gbps is not None and r.bw_frac is None and "above the bandwidth" not in r.note:
+            try:
+                r.bw_frac = timing.fraction_of_limit(r.gbps, bandwidth)
+            except ValueError:
+                r.note = "; ".join(x for x in (r.note, "above the bandwidth: probe or byte count wrong") if x)

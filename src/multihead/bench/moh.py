@@ -14,9 +14,8 @@ Shape legend: B batch, N tokens, d = d_model.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
-import time
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..core.masks import causal
 from ..variants.moh import MixtureOfHeads, pack_rows
+from . import timing
 
 __all__ = ["measure_moh"]
 
@@ -62,7 +62,6 @@ def measure_moh(
         "dtype": str(dtype).replace("torch.", ""),
     }
     results: dict[str, torch.Tensor] = {}
-    times: dict[str, list[float]] = {"eval": [], "never": []}
     flops: dict[str, int] = {}
     with torch.no_grad():
         out["packed_rows"] = pack_rows(m.route(x).chosen)[0].shape[-1]  # m: rows per routed head
@@ -72,27 +71,25 @@ def measure_moh(
             with FlopCounterMode(display=False) as fc:
                 m(x, mask=causal())
             flops[skip] = fc.get_total_flops()
-        for _ in range(repeats):  # interleaved, so that load from other processes hits both alike
-            for skip in ("eval", "never"):
-                m.skip = skip
-                times[skip].append(_time_call(m, x, device))
+        calls = {skip: functools.partial(_call, m, x, device, skip) for skip in ("eval", "never")}
+        times = timing.measure_all(calls, min_samples=repeats)  # interleaved: load hits both alike
     for skip in ("eval", "never"):
-        out[f"{skip}_ms"] = round(statistics.median(times[skip]), 2)
+        t = times[skip]
+        out[f"{skip}_ms"] = None if t.median is None else round(1e3 * t.median, 2)
         out[f"{skip}_gflop"] = round(flops[skip] / 1e9, 3)
     out["max_abs_diff"] = float((results["eval"] - results["never"]).abs().max())
-    out["speedup"] = round(out["never_ms"] / out["eval_ms"], 2)
+    ratio = timing.compare(times["never"], times["eval"])
+    out["speedup"] = None if ratio.ratio is None else round(ratio.ratio, 2)
+    out["speedup_within_noise"] = ratio.same
     return out
 
 
-def _time_call(m: MixtureOfHeads, x: torch.Tensor, device: str) -> float:
-    """Milliseconds of one causal forward."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
+def _call(m: MixtureOfHeads, x: torch.Tensor, device: str, skip: str) -> None:
+    """One causal forward with ``skip`` (synchronised on CUDA, so the time is the kernels')."""
+    m.skip = skip
     m(x, mask=causal())
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,8 +16,6 @@ bandwidth (a sum over 512 MiB) are measured in the same run.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,6 +24,7 @@ import torch
 
 from ..cost import machine
 from . import methods as bm
+from . import timing
 from .methods import Case
 
 __all__ = ["GOALS", "Case", "Result", "cases", "check_goals", "run"]
@@ -45,6 +44,8 @@ class Result:
     bw_frac: float | None = None
     vs: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    ms_spread: list[float] | None = None
+    vs_noise: dict[str, bool] = field(default_factory=dict)
 
 
 def cases(kind: str = "quick") -> list[Case]:
@@ -88,9 +89,6 @@ GOALS = [
 ]
 
 
-FAST_CALL, FAST_REPEATS = 0.05, 15
-
-
 def selected(case: Case, only: str | None) -> bool:
     """Whether ``--only`` picks ``case``: a comma-separated part equal to its family ("causal" is the
     plain causal family only), or a part that names no family and is in its name ("ALiBi")."""
@@ -101,56 +99,50 @@ def selected(case: Case, only: str | None) -> bool:
     return any(s == case.family or (s not in families and s in case.name) for s in parts)
 
 
-def _warm(fn: Callable[[], object], budget: float = 0.2, calls: int = 20) -> None:
-    """Call ``fn`` until ``budget`` seconds or ``calls`` calls have passed (fast methods only)."""
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-        if time.perf_counter() - t0 > budget:
-            return
-
-
-def _time(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def run_case(case: Case, repeats: int, rates: dict[str, float], flex: bool) -> list[Result]:
-    """Time every method of ``case`` (interleaved repeats, median) and derive the ratios."""
+    """Time every method of ``case`` (:func:`multihead.bench.timing.measure_all`: interleaved samples,
+    median and quartiles) and derive the ratios; a ratio whose spreads overlap is marked as noise."""
     torch.manual_seed(0)
     inputs = bm.make_inputs(case)
     flops = bm.useful_flops(case, inputs)
     methods, skipped, chosen = bm.methods(case, inputs, flex=flex)
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    peaks: dict[str, float] = {}
-    for name, fn in methods.items():  # warm-up, and the peak memory of one call
-        peaks[name] = bm.peak_extra_bytes(fn) / 2**20
-    for fn in methods.values():  # the threads and caches settle: whoever runs first is not penalised
-        _warm(fn)
-    for name, fn in methods.items():
-        times[name].append(_time(fn))
-    slow = {name for name in methods if times[name][0] > 5.0}  # one timed run is enough for those
-    # calls under FAST_CALL seconds (decode steps) are noisy: at least FAST_REPEATS interleaved rounds
-    fast = all(times[name][0] < FAST_CALL for name in methods if name not in slow and name != "eager")
-    for _ in range((max(repeats, FAST_REPEATS) if fast else repeats) - 1):
-        for name, fn in methods.items():
-            if name not in slow:
-                times[name].append(_time(fn))
+    peaks = {name: bm.peak_extra_bytes(fn) / 2**20 for name, fn in methods.items()}  # also a warm-up
+    # one more untimed call each: the threads and caches settle, whoever runs first is not penalised
+    times = timing.measure_all(methods, min_samples=repeats, max_seconds=2.0)
     rows = []
     for name in methods:
-        sec = statistics.median(times[name])
-        gf = flops / sec / 1e9
-        r = Result(case.name, case.family, case.n, name, sec * 1e3, gf, gf / rates[str(case.dtype)])
+        t = times[name]
+        r = Result(case.name, case.family, case.n, name, None if t.median is None else t.median * 1e3)
+        r.ms_spread = None if t.low is None or t.high is None else [t.low * 1e3, t.high * 1e3]
         r.peak_mib = peaks[name]
+        r.gflops = t.rate(flops / 1e9)
+        r.matmul_frac, why = _fraction(r.gflops, rates[str(case.dtype)], "matmul rate")
         if case.family == "decode":
-            r.gbps = bm.kv_bytes(inputs) / sec / 1e9
-        r.note = f"auto -> {chosen}" if name == "auto" else ""
+            r.gbps = t.rate(bm.kv_bytes(inputs) / 1e9)
+        r.note = "; ".join(x for x in (f"auto -> {chosen}" if name == "auto" else "", why, t.why) if x)
         rows.append(r)
     for r in rows:
-        r.vs = {o.method: r.ms / o.ms for o in rows if o.method != r.method and o.ms and r.ms}
+        for o in rows:
+            c = timing.compare(times[r.method], times[o.method])
+            if o.method != r.method and c.ratio is not None:
+                r.vs[o.method] = c.ratio
+                r.vs_noise[o.method] = c.same
     rows += [Result(case.name, case.family, case.n, name, None, note=why) for name, why in skipped.items()]
     return rows
+
+
+def _fraction(rate: float | None, limit: float, what: str) -> tuple[float | None, str]:
+    """rate / limit, or None and why where the rate passes its limit (the probe or the count is wrong)."""
+    try:
+        return timing.fraction_of_limit(rate, limit), ""
+    except ValueError:
+        return None, f"above the {what}: probe or FLOP count wrong"
+
+
+def vs_text(r: dict) -> str:
+    """A result's time ratios to its peers: ``"sdpa 0.97x, eager same within noise"``."""
+    noise = r.get("vs_noise", {})
+    return ", ".join(f"{k} {timing.SAME if noise.get(k) else f'{v:.2f}x'}" for k, v in r["vs"].items())
 
 
 def run(kind: str = "quick", *, repeats: int = 3, flex: bool = False, only: str | None = None,
@@ -188,16 +180,24 @@ def check_goals(results: list[dict]) -> list[dict]:
         )
         if row is None or row["ms"] is None:
             continue
-        if peer == "matmul":
-            value, met = row["matmul_frac"], row["matmul_frac"] >= bound
-        elif peer == "bandwidth":
-            value = row.get("bw_frac")
+        noise = False
+        if peer in ("matmul", "bandwidth"):
+            value = row["matmul_frac"] if peer == "matmul" else row.get("bw_frac")
             met = value is not None and value >= bound
-        else:
-            value = row["vs"].get(peer)
-            met = value is not None and value <= bound
+        else:  # a ratio inside the noise counts as 1.0: neither a gain nor a loss
+            value, noise = row["vs"].get(peer), row.get("vs_noise", {}).get(peer, False)
+            met = value is not None and (1.0 if noise else value) <= bound
         goal = f"{ours} {'>=' if peer in ('matmul', 'bandwidth') else '<='} {bound}x {peer}"
-        out.append({"case": row["case"], "n": n, "goal": goal, "value": value, "met": bool(met)})
+        out.append(
+            {
+                "case": row["case"],
+                "n": n,
+                "goal": goal,
+                "value": value,
+                "within_noise": noise,
+                "met": bool(met),
+            }
+        )
     return out
 
 
@@ -208,6 +208,15 @@ def to_json(doc: dict) -> str:
 # -- the command line: `multihead bench` ---------------------------------------------------------------
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _pct(x: float | None) -> str:
+    return _fmt(None if x is None else 100 * x, ".0f")
+
+
+def _ms(r: dict) -> str:
+    spread = r.get("ms_spread")
+    return _fmt(r["ms"], ".1f") if not spread else f"{r['ms']:.1f} ({spread[0]:.1f}-{spread[1]:.1f})"
 
 
 def table(doc: dict):
@@ -233,29 +242,31 @@ def table(doc: dict):
         t.add_column(col, justify="left" if col in ("case", "method", "vs peers (time ratio)") else "right")
     for r in doc["results"]:
         if r["ms"] is None:
-            t.add_row(r["case"], str(r["n"]), r["method"], "skipped", "", "", "", "", r["note"])
+            what = timing.TOO_SHORT if timing.TOO_SHORT in r["note"] else "skipped"
+            t.add_row(r["case"], str(r["n"]), r["method"], what, "", "", "", "", r["note"])
             continue
-        vs = (
-            ", ".join(f"{k} {v:.2f}x" for k, v in r["vs"].items())
-            if r["method"] in ("auto", "tiled", "decode")
-            else ""
-        )
+        vs = vs_text(r) if r["method"] in ("auto", "tiled", "decode") else ""
         note = f" ({r['note']})" if r["note"] else ""
         t.add_row(
-            r["case"], str(r["n"]), r["method"] + note, _fmt(r["ms"], ".1f"), _fmt(r["gflops"], ".1f"),
-            _fmt(100 * r["matmul_frac"], ".0f"), _fmt(r["gbps"], ".2f"), _fmt(r["peak_mib"], ".0f"), vs,
+            r["case"], str(r["n"]), r["method"] + note, _ms(r), _fmt(r["gflops"], ".1f"),
+            _pct(r["matmul_frac"]), _fmt(r["gbps"], ".2f"), _fmt(r["peak_mib"], ".0f"), vs,
         )  # fmt: skip
     return t
 
 
 def goals_table(doc: dict):
+    """The goals whose case ran, as a rich Table; where none ran, one line saying why (no empty table)."""
     from rich.table import Table
 
+    if not doc["goals"]:
+        where = sorted({f"{family} N={n}" for family, n, *_ in GOALS})
+        return f"goals of the CPU kernels: none checked, their cases did not run ({', '.join(where)})"
     t = Table(title="goals of the CPU kernels (ratios measured in this run)")
     for col in ("case", "N", "goal", "measured", "met"):
         t.add_column(col)
     for g in doc["goals"]:
-        t.add_row(g["case"], str(g["n"]), g["goal"], _fmt(g["value"], ".3f"), "yes" if g["met"] else "NO")
+        value = timing.SAME if g.get("within_noise") else _fmt(g["value"], ".3f")
+        t.add_row(g["case"], str(g["n"]), g["goal"], value, "yes" if g["met"] else "NO")
     return t
 
 

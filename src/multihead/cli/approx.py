@@ -14,6 +14,8 @@ import argparse
 import json
 from typing import Any
 
+from .threads import threads_option
+
 __all__ = ["register"]
 
 
@@ -90,3 +92,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--png", metavar="FILE", help="write the Pareto plot (quality vs time) to FILE")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=_cmd_approx)
+    threads_option(p)

@@ -8,6 +8,7 @@ import argparse
 
 from ..bench import suite
 from . import bench_decode, bench_hf
+from .threads import threads_option
 
 __all__ = ["register"]
 
@@ -48,6 +49,7 @@ def register(sub) -> None:
         help="instead: ring attention on 1, 2, 4, ... N local gloo processes (per-rank memory, time, bytes)",
     )
     p.add_argument("--seq", type=int, default=8192, help="with --distributed: global sequence length")
+    threads_option(p)
     # Whole-model benchmarks (``multihead bench NAME``): each cli/bench_NAME.py registers itself here.
     whole = p.add_subparsers(dest="what", metavar="NAME", title="whole-model benchmarks")
     bench_decode.register(whole)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .threads import threads_option
+
 if TYPE_CHECKING:
     from ..pretrained import SentenceEncoder
 
@@ -199,3 +201,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the result (and embeddings) as JSON")
     p.set_defaults(func=_cmd_encode)
+    threads_option(p)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .threads import threads_option
+
 __all__ = ["register"]
 
 
@@ -53,3 +55,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="probe folds and bootstrap seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.set_defaults(func=_cmd_eval)
+    threads_option(p)

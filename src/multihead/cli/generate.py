@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .threads import threads_option
+
 __all__ = ["register"]
 
 
@@ -172,3 +174,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the prompt and sampling")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_generate)
+    threads_option(p)

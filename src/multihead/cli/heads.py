@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .threads import threads_option
+
 __all__ = ["DEFAULT_TEXT", "register", "run"]
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs away."
@@ -121,6 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the role table and the files as JSON")
     p.set_defaults(func=run)
+    threads_option(p)
 
 
 def _fraction(text: str) -> float:
@@ -335,3 +338,4 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=convert)
+    threads_option(p)

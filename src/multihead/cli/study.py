@@ -8,6 +8,7 @@ import json
 
 from ..study import run as study
 from .console import make_console
+from .threads import threads_option
 
 __all__ = ["register"]
 
@@ -67,3 +68,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.set_defaults(func=_cmd_study)
+    threads_option(p)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .threads import threads_option
+
 __all__ = ["register"]
 
 
@@ -129,3 +131,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of data and weights (default {d.seed})")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_train)
+    threads_option(p)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import threads
 from ..core.checks import check_int
 from ..nn.kv_cache import KVCache
 from .padding import check_left_padding
@@ -89,8 +90,29 @@ def _loop(model: CausalLM, ids, max_new_tokens, sampling, eos_token_id, cache, r
         am = torch.ones(B, total, dtype=torch.bool, device=ids.device)  # (B, T)
         am[:, :N] = real
     caches = None if cache is None else model.make_cache(B, total, kind=cache)
-    finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
-    h = model.hidden_states(ids, attention_mask=None if am is None else am[:, :N], cache=caches)  # prefill
+    params, nbytes = _size(model)
+    with threads.limited(threads.threads_for(2.0 * params * B * N, nbytes)):  # the prefill's threads
+        h = model.hidden_states(ids, attention_mask=None if am is None else am[:, :N], cache=caches)
+    # a decode step reads every weight for B tokens (the whole sequence without a cache): small models
+    # step fastest on one thread
+    step_tokens = B if caches is not None else B * total
+    with threads.limited(threads.threads_for(2.0 * params * step_tokens, nbytes)):
+        return _steps(model, out, h, N, sampling, eos_token_id, caches, am)
+
+
+def _size(model: CausalLM) -> tuple[int, int]:
+    """Parameters and bytes of weights (parameters and buffers) of ``model``; (0, 0) if not a Module."""
+    if not isinstance(model, nn.Module):
+        return 0, 0
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _steps(model: CausalLM, out: Tensor, h: Tensor, N: int, sampling, eos_token_id, caches, am) -> Tensor:
+    """The decode loop after the prefill's hidden states ``h``: one new token per step, written into
+    ``out`` (B, T)."""
+    B, total = out.shape
+    finished = torch.zeros(B, dtype=torch.bool, device=out.device)
     for t in range(N, total):
         nxt = pick_next(model.lm_head(h[:, -1]), *sampling)  # (B,) from the last position's logits
         if eos_token_id is not None:

@@ -16,6 +16,7 @@ attends (T, or fewer with a sliding cache), d = d_model, V = vocab size.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,8 @@ from ..nn.kv_cache import KVCache
 from ..nn.layers import TransformerLayer
 from ..nn.norms import make_norm
 from ..nn.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
+from . import native_step
+from .gemv_linear import GemvLinear
 from .generation import generate
 from .padding import TrailingKeyPadding, as_real
 
@@ -122,7 +125,8 @@ class TransformerLM(nn.Module):
         )
         # Pre-LN leaves the residual stream un-normalised (GPT-2 ln_f, LLaMA norm); post-LN ends normed.
         self.final_norm = make_norm(norm, d_model, norm_eps) if norm_first else nn.Identity()
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        # an nn.Linear whose one-row calls (a decode step's logits) run the native GEMV where it builds
+        self.lm_head = GemvLinear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
         if tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -169,6 +173,8 @@ class TransformerLM(nn.Module):
         self.check_ids(ids)
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} entries but the model has {len(self.layers)} layers")
+        if cache is not None and ids.shape == (1, 1) and self._native_step_fits(ids, attention_mask, cache):
+            return native_step.decode_step(self, ids, cache)  # (1, 1, d)
         B, N = ids.shape
         past = 0 if cache is None else int(cache[0].position)
         real = None if attention_mask is None else as_real(attention_mask, B, past + N, "T = cached + new")
@@ -191,6 +197,36 @@ class TransformerLM(nn.Module):
                 x, mask=mask, cache=None if cache is None else cache[i], positions=rope_pos
             )  # (B, N, d)
         return self.final_norm(x)  # (B, N, d)
+
+    #: one-token batch-1 decode steps run as one native call per layer (:mod:`.native_step`) where the
+    #: model and the call allow it (:attr:`why_not_native_steps`); False: always the eager layers
+    native_steps: bool = True
+
+    @property
+    def why_not_native_steps(self) -> str | None:
+        """None when one-token decode steps run natively (the same numbers up to the order of the sums,
+        fewer Python calls per step), else why they run the eager layers."""
+        if not self.native_steps:
+            return "native_steps is off for this model"
+        return native_step.why_not_model(self)
+
+    def _native_step_fits(self, ids: Tensor, attention_mask: Tensor | None, cache: list[KVCache]) -> bool:
+        """Whether this call is a native decode step. The model's structure is checked once per list
+        of caches (once per generation), the call on every step (cheap)."""
+        if not self.native_steps or self.training:
+            return False
+        memo = self.__dict__.get("_native_memo")
+        if memo is None or memo[0]() is not cache[0]:
+            memo = (weakref.ref(cache[0]), native_step.why_not_model(self))
+            self.__dict__["_native_memo"] = memo
+        return memo[1] is None and native_step.why_not_call(self, ids, attention_mask, cache) is None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The pickled state, without the native step's memos (weak references to the last caches)."""
+        state = dict(self.__dict__)
+        for memo in ("_native_memo", "_native_caches"):
+            state.pop(memo, None)
+        return state
 
     def check_ids(self, ids: Any) -> None:
         """Raise ValueError unless ``ids`` is an integer (B, N) tensor, N >= 1, of ids in [0, vocab_size)."""

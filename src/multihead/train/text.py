@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from .. import threads
 from ..core.checks import check_int
 from ..models.generation import generate
 from ..models.lm import TransformerLM
@@ -139,20 +140,11 @@ def _first_token_share(model: TransformerLM, x: Tensor) -> float | None:
     return sum(shares) / len(shares) if shares else None
 
 
-def train_text_lm(cfg: TextConfig) -> TextResult:
-    """Train ``cfg``'s design on the docstrings; held-out bits/byte, decode speed, cache, sink share."""
-    from ..heads.gqa import kv_cache_bytes_per_token
+def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, cfg: TextConfig, train_ids: Tensor,
+                 g: torch.Generator, losses: list[float]) -> None:  # fmt: skip
+    """The training steps of :func:`train_text_lm`; appends each step's loss to ``losses``."""
     from ..variants import aux_loss
 
-    train_ids, held = byte_corpus(cfg.docs)
-    if held.numel() < cfg.seq_len + 2 or train_ids.numel() < cfg.seq_len + 2:
-        raise ValueError(f"TextConfig docs={cfg.docs} gives too little text for seq_len {cfg.seq_len}")
-    model = _model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
-    g = torch.Generator().manual_seed(cfg.seed)
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    model.train()
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
@@ -165,6 +157,24 @@ def train_text_lm(cfg: TextConfig) -> TextResult:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
+
+
+def train_text_lm(cfg: TextConfig) -> TextResult:
+    """Train ``cfg``'s design on the docstrings; held-out bits/byte, decode speed, cache, sink share."""
+    from ..heads.gqa import kv_cache_bytes_per_token
+
+    train_ids, held = byte_corpus(cfg.docs)
+    if held.numel() < cfg.seq_len + 2 or train_ids.numel() < cfg.seq_len + 2:
+        raise ValueError(f"TextConfig docs={cfg.docs} gives too little text for seq_len {cfg.seq_len}")
+    model = _model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
+    g = torch.Generator().manual_seed(cfg.seed)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    with threads.limited(threads.threads_for(6.0 * params * cfg.batch * cfg.seq_len)):  # small: 1 thread
+        _train_steps(model, opt, cfg, train_ids, g, losses)
     seconds = time.perf_counter() - t0
     model.eval()
     n_eval = min(cfg.eval_windows, (held.numel() - 1) // cfg.seq_len)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import threads
 from ..core.masks import Mask, causal
 from ..data import IGNORE_INDEX, mqar
 from ..models.lm import TransformerLM
@@ -243,6 +244,22 @@ def train_mqar(
     losses: list[float] = []
     start = time.perf_counter()
     model.train()
+    params = sum(p.numel() for p in model.parameters())
+    with threads.limited(threads.threads_for(6.0 * params * cfg.batch * cfg.seq_len)):  # small: 1 thread
+        _steps(model, opt, cfg, mask, losses, progress)
+    seconds = time.perf_counter() - start
+    acc = accuracy(model, test_x, test_y, mask=mask)
+    name = ("exact" if cfg.attention == "mha" else cfg.attention) if approx is None else repr(approx)
+    extra = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "flops": forward_flops(model, test_x[:1], mask),
+    }
+    return TrainResult(acc, losses, seconds, asdict(cfg), name, mask is not None, extra)
+
+
+def _steps(model: TransformerLM, opt: torch.optim.Optimizer, cfg: TrainConfig, mask: Mask | None,
+           losses: list[float], progress: Callable[[int, float], None] | None) -> None:  # fmt: skip
+    """The training steps of :func:`train_mqar`; appends each step's loss to ``losses``."""
     for step in range(cfg.steps):
         n, pairs = cfg.size_at(step)
         x, y = mqar(cfg.batch, n, pairs, cfg.vocab, cfg.power_a, (cfg.seed << 32) + step)
@@ -257,14 +274,6 @@ def train_mqar(
         losses.append(loss.item())
         if progress is not None:
             progress(step, losses[-1])
-    seconds = time.perf_counter() - start
-    acc = accuracy(model, test_x, test_y, mask=mask)
-    name = ("exact" if cfg.attention == "mha" else cfg.attention) if approx is None else repr(approx)
-    extra = {
-        "params": sum(p.numel() for p in model.parameters()),
-        "flops": forward_flops(model, test_x[:1], mask),
-    }
-    return TrainResult(acc, losses, seconds, asdict(cfg), name, mask is not None, extra)
 
 
 def forward_flops(model: TransformerLM, ids: Tensor, mask: Mask | None) -> int:

@@ -10,12 +10,12 @@ the test suite checks it on every run).
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from ...bench import timing
 from ...nn.attention import MultiHeadAttention
 from ...pretrained.corpus import stdlib_docstrings
 from ...pretrained.sentence_encoder import SentenceEncoder
@@ -36,10 +36,9 @@ def _gold(encoder: SentenceEncoder) -> SentenceEncoder:
     return gold
 
 
-def _rate(fn: Callable[[], object], n: int) -> float:
-    start = time.perf_counter()
-    fn()
-    return n / (time.perf_counter() - start)
+def _rate(fn: Callable[[], object], n: int) -> float | None:
+    """Texts per second of ``fn`` (:func:`multihead.bench.timing.measure`), None if too short to measure."""
+    return timing.measure(fn, warmup=0, min_samples=3, max_seconds=3.0).rate(n)
 
 
 def _positions(encoder: SentenceEncoder, texts: list[str], batch: int) -> dict[str, int]:
@@ -126,7 +125,7 @@ def minilm(ctx: StudyContext) -> Section:
     speed = Table(
         "encoding throughput (one run each; benchmarks/bench_models.py interleaves rounds)",
         ["implementation", "docs/s"],
-        [[k, f"{v:.1f}"] for k, v in rates.items()],
+        [[k, timing.TOO_SHORT if v is None else f"{v:.1f}"] for k, v in rates.items()],
         align="lr",
     )
     notes = [

@@ -46,7 +46,7 @@ def performance(ctx: StudyContext) -> Section:
     for r in doc["results"]:
         if r["ms"] is None:
             continue
-        peers = ", ".join(f"{k} {v:.2f}x" for k, v in r["vs"].items()) if r["method"] == "auto" else ""
+        peers = bench.vs_text(r) if r["method"] == "auto" else ""
         method = r["method"] + (f" ({r['note']})" if r["note"] else "")
         frac = "-" if r["matmul_frac"] is None else f"{100 * r['matmul_frac']:.0f}"
         rows.append([r["case"], str(r["n"]), method, f"{r['ms']:.1f}", f"{r['gflops']:.1f}", frac, peers])

@@ -1,0 +1,143 @@
+"""The timing helper of every benchmark, driven by fake clocks (no real timing here)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from multihead.bench import timing
+
+
+class FakeClock:
+    """Time advances by ``per_read`` on every read and by ``per_call`` on every timed call; the clock
+    shows it rounded down to ``tick`` (a coarse clock: 12 ms, a scheduler's time slice)."""
+
+    def __init__(self, per_call: float, *, per_read: float = 1e-7, tick: float = 0.0):
+        self.true, self.per_call, self.per_read, self.tick = 0.0, per_call, per_read, tick
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.true += self.per_read
+        return math.floor(self.true / self.tick) * self.tick if self.tick else self.true
+
+    def fn(self) -> None:
+        self.calls += 1
+        self.true += self.per_call
+
+
+def test_a_plain_call_gets_its_own_duration_and_enough_samples():
+    c = FakeClock(0.003)
+    t = timing.measure(c.fn, clock=c)
+    assert t.ok and t.median == pytest.approx(0.003, rel=1e-3)
+    assert t.samples >= 5 and t.samples * t.inner * 0.003 >= timing.MIN_TOTAL
+    assert t.low is not None and t.high is not None and t.low <= t.median <= t.high
+
+
+def test_a_zero_duration_is_too_short_to_measure():
+    c = FakeClock(0.0, per_read=0.0)  # the clock never moves
+    t = timing.measure(c.fn, clock=c)
+    assert not t.ok and t.rate(1.0) is None
+    assert "too short to measure" in t.why and "did not advance" in t.why
+    assert timing.rate_text(t, 1.0) == "too short to measure"
+    assert c.calls == 0
+
+
+def test_a_tiny_duration_below_the_clock_is_too_short_not_a_huge_rate():
+    c = FakeClock(1e-12, per_read=0.0, tick=1e-6)  # 4096 calls never move a microsecond clock
+    t = timing.measure(c.fn, clock=c, resolution=1e-6)
+    assert not t.ok and t.median is None and "too short to measure" in str(t)
+    assert "4096 calls" in t.why
+
+
+def test_a_tiny_duration_is_measured_by_batching_calls():
+    c = FakeClock(2e-6)  # 2 us per call: one call is below the 0.1 ms floor of a sample
+    t = timing.measure(c.fn, clock=c)
+    assert t.ok and t.inner > 1 and t.median == pytest.approx(2e-6, rel=0.05)
+
+
+def test_a_12ms_clock_is_read_as_coarse_and_still_gives_the_right_time():
+    c = FakeClock(0.001, per_read=1e-6, tick=0.012)  # 1 ms calls, a clock that moves in 12 ms steps
+    assert timing.clock_resolution(c) == pytest.approx(0.012)
+    t = timing.measure(c.fn, clock=c)
+    assert t.ok and t.median == pytest.approx(0.001, rel=0.03)  # not 0, 12 or 24 ms
+    assert t.inner * 0.001 >= 50 * 0.012 * 0.99  # each sample spans 50 ticks
+
+
+def test_a_huge_duration_stops_after_a_few_samples():
+    c = FakeClock(1e6)
+    t = timing.measure(c.fn, clock=c)
+    assert t.ok and t.median == pytest.approx(1e6) and t.samples == 3 and t.inner == 1
+
+
+def test_spread_and_interleaving_of_measure_all():
+    order: list[str] = []
+    c = FakeClock(0.0)
+    durations = {"a": iter([0.01, 0.01, 0.01, 0.02, 0.01, 0.01, 0.03] * 40), "b": iter([0.02] * 300)}
+
+    def call(k: str):
+        def fn():
+            order.append(k)
+            c.true += next(durations[k])
+
+        return fn
+
+    out = timing.measure_all({"a": call("a"), "b": call("b")}, clock=c, warmup=0, min_total=0.1)
+    assert out["a"].median == pytest.approx(0.01, abs=1e-6) and out["b"].median == pytest.approx(
+        0.02, abs=1e-6
+    )
+    assert out["a"].high is not None and out["a"].high >= out["a"].median
+    timed = order[2:]  # after each one's calibration call, a and b alternate, rotating the lead
+    assert timed[:6] == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_same_within_noise_is_never_a_gain():
+    slow = timing.Timing(0.0118, 0.0105, 0.0130, 9, 1)
+    fast = timing.Timing(0.0107, 0.0100, 0.0121, 9, 1)
+    c = timing.compare(fast, slow)
+    assert c.same and str(c) == "same within noise"
+    apart = timing.compare(timing.Timing(0.005, 0.0049, 0.0051, 9, 1), slow)
+    assert not apart.same and str(apart) == "0.42x"
+    assert str(timing.compare(timing.Timing(None, None, None, 0, 0, "x"), slow)) == "too short to measure"
+
+
+def test_a_difference_inside_the_noise_is_too_short_to_measure():
+    # generate(4) - generate(1): the 3e9 tok/s of a clamped, negative difference must not come back
+    one = timing.Timing(0.050, 0.045, 0.060, 3, 1)
+    four = timing.Timing(0.049, 0.047, 0.058, 3, 1)
+    d = timing.difference(four, one)
+    assert not d.ok and "inside the noise" in d.why and d.rate(3) is None
+    clear = timing.difference(timing.Timing(0.150, 0.148, 0.152, 3, 1), one)
+    assert clear.ok and clear.median == pytest.approx(0.100) and clear.low == pytest.approx(0.088)
+
+
+def test_a_fraction_above_the_limit_is_refused():
+    assert timing.fraction_of_limit(50.0, 100.0) == pytest.approx(0.5)
+    assert timing.fraction_of_limit(None, 100.0) is None
+    with pytest.raises(ValueError, match="probe of the limit or the bytes/FLOPs counted"):
+        timing.fraction_of_limit(460.0, 100.0)
+    assert timing.limit_text(460.0, 100.0) == "above limit: probe or byte count wrong"
+    assert timing.limit_text(92.0, 100.0) == "92%"
+
+
+def test_bad_options_name_themselves():
+    with pytest.raises(ValueError, match="min_samples must be >= 1, got 0"):
+        timing.measure(lambda: None, min_samples=0)
+    with pytest.raises(ValueError, match="min_total, max_seconds and warmup must be >= 0"):
+        timing.measure(lambda: None, min_total=-1.0)
+
+
+def test_time_text():
+    assert timing.time_text(timing.Timing(0.0123, 0.0119, 0.0128, 5, 1)) == "12.3 ms (11.9-12.8)"
+
+
+def test_the_fastest_sample_is_kept_for_probes_of_a_limit():
+    c = FakeClock(0.0)
+    durations = iter([0.05, 0.04, 0.06, 0.05, 0.05, 0.07] * 10)
+
+    def fn():
+        c.true += next(durations)
+
+    t = timing.measure(fn, clock=c, warmup=0)
+    assert t.best == pytest.approx(0.04, abs=1e-6) and t.median == pytest.approx(0.05, abs=1e-6)
+    assert timing.limit_text(2.0, 1.0, "above its floor") == "above its floor"

@@ -142,7 +142,7 @@ def table(rows: list[dict], ns: tuple[int, ...]) -> Table:
 
 
 def approximations(ctx: StudyContext) -> Section:
-    """(approx) Every approximation: MiniLM fidelity, time and peak memory vs exact tiled attention.
+    """Every approximation: MiniLM fidelity, time and peak memory vs exact tiled attention.
 
     Quick: 8 docstrings, N=1024 (about a minute); full: 128 docstrings, N=1K/4K/16K. MQAR accuracy
     needs training (minutes per method): ``multihead approx --mqar`` or ``benchmarks/bench_approx.py``.

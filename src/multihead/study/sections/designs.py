@@ -306,7 +306,7 @@ def _notes(tasks: list[tuple[TrainConfig, list[dict[str, Any]]]]) -> list[str]:
 
 
 def designs(ctx: StudyContext) -> Section:
-    """(designs) Every head design of multihead.variants trained on MQAR: accuracy, loss, params, FLOPs.
+    """Every head design of multihead.variants trained on MQAR: accuracy, loss, params, FLOPs.
 
     Quick: the :data:`QUICK` task (seconds per design); full: :data:`QUICK`, then :data:`FULL` (a
     harder task, about half a minute per design).

@@ -367,7 +367,7 @@ def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]
 
 
 def heads(ctx: StudyContext) -> Section:
-    """(heads) MiniLM's heads: roles, pruning and MHA -> GQA curves, KV bytes vs human-judged quality.
+    """MiniLM's heads: roles, pruning and MHA -> GQA curves, KV bytes vs human-judged quality.
 
     Quick: :data:`QUICK` and ``surgery.QUICK`` (a couple of minutes, most of it the human-judged scores
     of the surgery part); full: :data:`FULL`, bench_heads' sizes, and ``surgery.FULL`` (tens of minutes).

@@ -28,7 +28,7 @@ def _perf_suite(quick: bool) -> list:
 
 
 def performance(ctx: StudyContext) -> Section:
-    """(d) Speed against peers: ``auto`` vs SDPA (dense mask), SDPA per block and the eager path, as in
+    """Speed against peers: ``auto`` vs SDPA (dense mask), SDPA per block and the eager path, as in
     ``multihead bench`` (time ratios measured in the same run)."""
     from ...bench import suite as bench
     from ..context import Section, Table

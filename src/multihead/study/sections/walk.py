@@ -36,7 +36,7 @@ def _batching_table(dtype: torch.dtype) -> Table:
 
 
 def walk(ctx: StudyContext) -> Section:
-    """(b) The layer of eq. (1)-(13) at the original Transformer's sizes: prefill and batch-1 decode."""
+    """The layer of eq. (1)-(13) at the original Transformer's sizes: prefill and batch-1 decode."""
     prefill = cost.layer_walk(**WALK_CONFIG, phase="prefill")
     decode = cost.layer_walk(**WALK_CONFIG, phase="decode")
     cfg = ", ".join(f"{k}={v}" for k, v in WALK_CONFIG.items())

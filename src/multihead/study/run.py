@@ -25,6 +25,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from .context import Section, StudyContext, Table, human, walk_table
 from .findings import key_findings
+from .references import references
 from .render import render_html
 from .sections.approximations import approximations
 from .sections.designs import designs
@@ -190,6 +191,8 @@ def run_study(
     staging = None if out is None else _staging_folder(out)  # fails before the work, not after
     try:
         sections = run_sections(quick, progress, staging, only)
+        cited = references(sections)
+        sections += [cited] if cited is not None else []
         if out is not None and staging is not None:
             (staging / "report.md").write_text(render_markdown(sections, quick))
             title = f"multihead study ({'quick' if quick else 'full'})"

@@ -115,7 +115,13 @@ def _ring(peaks: list[float]) -> list[dict]:
 
 @pytest.mark.parametrize(
     "peaks, says",
-    [([8.6, 4.7], r"W=2 is 0\.55x that of W=1"), ([3.0, 3.3], r"W=2 is 1\.10x that of W=1")],
+    [
+        (
+            [8.6, 7.8],
+            r"W=2 is 0\.91x that of W=1 \(7\.8 vs 8\.6 MiB.*predicts 0\.80x: the measurement is close",
+        ),
+        ([3.0, 6.0], r"W=2 is 2\.00x that of W=1 .*predicts 0\.80x: the measurement is not"),
+    ],
 )
 def test_ring_memory_note_reads_its_table(peaks, says):
     note = memory_note(_ring(peaks))

@@ -58,10 +58,15 @@ def test_a_finished_study_replaces_the_old_report(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
 
 
-def test_a_new_folder_is_created(tmp_path, monkeypatch):
+def test_a_new_folder_is_created_with_the_usual_mode(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "SECTIONS", [kv_cache])
     run.run_study(out_dir=tmp_path / "a" / "b", progress=False)
     assert (tmp_path / "a" / "b" / "report.md").is_file()
+    (tmp_path / "plain").mkdir()  # what mkdir gives under this umask
+    assert (tmp_path / "a" / "b").stat().st_mode == (tmp_path / "plain").stat().st_mode
+    (tmp_path / "a" / "b").chmod(0o750)
+    run.run_study(out_dir=tmp_path / "a" / "b", progress=False)  # a replaced folder keeps its mode
+    assert (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o750
 
 
 def test_a_folder_of_other_files_is_refused_before_the_work(tmp_path, monkeypatch):

@@ -142,7 +142,14 @@ def _staging_folder(out: Path) -> Path:
             )
     parent = out.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.partial-"))
+    staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.partial-"))
+    if out.is_dir():  # mkdtemp makes it private (0700): give it the folder's own mode, or the usual one
+        shutil.copymode(out, staging)
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)
+    return staging
 
 
 def _swap_in(staging: Path, out: Path) -> None:

@@ -63,6 +63,7 @@ CASES = [
     (["bench", "--tiny", "--plot", READ_ONLY], r"--plot .* cannot be written", None),
     (["bench", "--tiny", "--plot", "FILE/s.png"], r"is a file, not a folder", None),
     (["approx", "--png", READ_ONLY], r"--png .* cannot be written", None),
+    (["explain", "--preset", "gpt2", "--plot", READ_ONLY], r"--plot .* cannot be written", None),
     (["study", "--out", "FILE"], r"--out .* is a file", None),
     (["study", "--out", "/sys/multihead-test/report"], r"--out .* cannot be written", None),
     (["heads", "convert", "--hf", "/nonexistent"], r"--hf '/nonexistent' does not exist", None),

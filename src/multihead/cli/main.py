@@ -49,9 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`multihead <command> --help` lists its options; --json prints machine-readable results.",
     )
     parser.add_argument("--version", action="version", version=f"multihead {__version__}")
-    parser.add_argument(
-        "--debug", action="store_true", help="show the traceback of an error (give it before the command)"
-    )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     study_cli.register(sub)
     explain_cli.register(sub)

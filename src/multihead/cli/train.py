@@ -112,7 +112,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a 2-layer TransformerLM on MQAR (associative recall) with exact or approximate attention",
         description="Train a small TransformerLM on fresh MQAR batches (Zoology's generator) "
-        "and report held-out accuracy. --attention takes 'exact', a head design of multihead.variants "
+        "and report held-out accuracy. With no options it trains a quarter-size task (seq_len 64, 4 pairs, "
+        "2000 steps: about 2 CPU minutes on a quiet machine, 99% held-out accuracy with exact attention); "
+        "--full runs the report's recipe. --attention takes 'exact', a head design of multihead.variants "
         f"or a method of `multihead approx`: {', '.join(choices)}.",
     )
     p.add_argument("--task", choices=["mqar"], default="mqar", help="the task (default mqar)")

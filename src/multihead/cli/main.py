@@ -21,7 +21,6 @@ reader of stdout goes away (``multihead encode --json | head``), quietly.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -67,9 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions a user's input can cause: bad values, files, checkpoints, missing optional packages.
 
-    RuntimeError is here because torch reports bad input (a shape, a dtype, memory) with it.
+    RuntimeError is here because torch reports bad input (a shape, a dtype, memory) with it, MemoryError
+    for an input too large for the machine. (JSON and Unicode decoding errors are ValueErrors.)
     """
-    errors: list[type[BaseException]] = [ValueError, OSError, RuntimeError, ImportError, json.JSONDecodeError]
+    errors: list[type[BaseException]] = [ValueError, OSError, RuntimeError, ImportError, MemoryError]
     try:
         from safetensors import SafetensorError
 
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
-        command = f"multihead {args.command}"
+        command = f"multihead {args.command.replace('-', ' ')}"  # heads-convert is `heads convert`
         code = int(args.func(args))
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at interpreter exit
         return code

@@ -95,8 +95,10 @@ def performance(ctx: StudyContext) -> Section:
         align="lrlrrrl",
     )
     notes = [
-        f"Measured in this run: matmul {m['matmul_gflops']} GFLOP/s, memory bandwidth "
-        f"{m['bandwidth_gbps']} GB/s. Ratios below 1 mean auto is faster. Useful FLOPs count only the "
+        "Measured in this run: matmul "
+        + ", ".join(f"{v:.1f} GFLOP/s ({k.replace('torch.', '')})" for k, v in m["matmul_gflops"].items())
+        + ", memory bandwidth "
+        + f"{m['bandwidth_gbps']} GB/s. Ratios below 1 mean auto is faster. Useful FLOPs count only the "
         "(query, key) pairs the mask allows (FlashAttention's convention). `multihead bench --full` runs "
         "the full suite (16K-32K tokens).",
         slower_note(doc["results"]),

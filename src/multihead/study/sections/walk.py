@@ -74,7 +74,8 @@ def walk(ctx: StudyContext) -> Section:
     mem1 = sum(p["bound"] == "memory" for p in pts["decode B=1"])
     comp64 = [p["name"] for p in pts["decode B=64"] if p["bound"] == "compute"]
     notes.append(
-        f"Roofline: this machine measured {roof_data['peak_gflops']:.0f} GFLOP/s (fp32 matmul) and "
+        f"Roofline: this machine measured {roof_data['peak_gflops']:.1f} GFLOP/s (fp32 matmul, the rate "
+        "the performance section quotes) and "
         f"{roof_data['bandwidth_gbps']:.1f} GB/s, a ridge at {roof_data['ridge']:.1f} FLOP/B: an op below it "
         f"is memory-bound. Decode at batch 1: {mem1} of {len(pts['decode B=1'])} ops memory-bound. At "
         f"batch 64, compute-bound: {', '.join(comp64) or 'none (the ridge is above 64 x 0.5 FLOP/B)'}; the "

@@ -176,6 +176,11 @@ def design_style(i: int) -> tuple[str, str]:
     return MARKERS[i % len(MARKERS)], matplotlib.colors.to_hex(colour)
 
 
+def _place(design: str, i: int) -> int:
+    """A design's index in :data:`DESIGNS` (so it looks the same in every plot), else ``i``."""
+    return DESIGNS.index(design) if design in DESIGNS else i
+
+
 def dodge(xs: list[float], spread: float = 0.07) -> list[float]:
     """Spread points that share an x sideways on a log axis (factor ``2**spread`` apart), centred on
     the shared x, so that no point hides another; a point alone keeps its x."""
@@ -192,7 +197,7 @@ def _text_plot(rows: list[dict[str, Any]], ax: Any) -> None:
     KV bytes are spread sideways (:func:`dodge`)."""
     xs = dodge([r["kv_bytes_per_token"] for r in rows])
     for i, (r, x) in enumerate(zip(rows, xs)):
-        marker, colour = design_style(i)
+        marker, colour = design_style(_place(r["design"], i))
         label = f"{r['design']} ({r['bits_per_byte']:.2f})"
         ax.scatter(x, r["bits_per_byte"], s=40, marker=marker, color=colour, label=label)
     ax.set_xscale("log")
@@ -280,7 +285,7 @@ def _plot(rows: list[dict[str, Any]], cfg: TrainConfig, ax: Any) -> None:
     xs = dodge([r["params"] for r in rows])
     for i, (r, x) in enumerate(zip(rows, xs)):
         err = max(100 * (1 - r["accuracy"]), floor)
-        marker, colour = design_style(i)
+        marker, colour = design_style(_place(r["design"], i))
         label = f"{r['design']} ({100 * r['accuracy']:.1f}%)"
         ax.scatter(x, err, s=40, marker=marker, color=colour, label=label)
     chance = 100 * (1 - 1 / cfg.n_pairs)

@@ -196,3 +196,38 @@ def test_module_rank_advice_fits_the_rank(shape, says, not_says):
         mh.MultiHeadAttention(32, 4)(torch.randn(*shape))
     if not_says is not None:
         assert not_says not in str(info.value)
+
+
+# -- results come before anything that can fail after them ----------------------------------------------
+def test_bench_prints_its_tables_before_the_plot_and_skips_an_empty_goals_table(
+    tmp_path, monkeypatch, capsys
+):
+    from multihead.bench import suite
+
+    def fail(doc, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(suite, "run", lambda *a, **k: {"results": [], "goals": []})
+    monkeypatch.setattr(suite, "table", lambda doc: "THE RESULTS TABLE")
+    monkeypatch.setattr(suite, "plot", fail)
+    assert main(["bench", "--tiny", "--plot", str(tmp_path / "s.png")]) == 2
+    out, err = capsys.readouterr()
+    assert "THE RESULTS TABLE" in out and "goals of the CPU kernels" not in out
+    assert err.strip() == "multihead bench: error: [Errno 28] No space left on device"
+
+
+def test_approx_prints_its_table_before_the_plot(tmp_path, monkeypatch, capsys):
+    from multihead.bench import approx as measure
+    from multihead.study.sections import approximations as report
+
+    def fail(rows, path, n):
+        raise OSError(28, "No space left on device")
+
+    row = {"name": "exact (tiled)", "cost": {1024: {"seconds": 0.5, "peak_bytes": 1 << 20}},
+           "mean_cos": 1.0, "worst_cos": 1.0, "mqar_acc": None}  # fmt: skip
+    monkeypatch.setattr(report, "compare", lambda *a, **k: {"rows": [row], "notes": []})
+    monkeypatch.setattr(measure, "pareto_png", fail)
+    assert main(["approx", "--png", str(tmp_path / "p.png")]) == 2
+    out, err = capsys.readouterr()
+    assert "exact (tiled)" in out and "0.500 s" in out
+    assert err.strip() == "multihead approx: error: [Errno 28] No space left on device"

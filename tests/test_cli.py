@@ -258,7 +258,7 @@ def test_explain_roof_measure_uses_the_bench_probes(monkeypatch, capsys):
         (["explain", "--preset", "gpt2", "--heads", "4"], r"--heads describe a single attention problem"),
         (["explain", "--preset", "gpt2", "--roof", "fast"], r"--roof must be 'measure' or GFLOPS:GBPS"),
         (["explain", "--cached", "3"], r"--cached, --roof and --plot need a model: add --preset"),
-        (["explain", "--hf", "/nonexistent/dir"], r"no config.json in '/nonexistent/dir'"),
+        (["explain", "--hf", "/nonexistent/dir"], r"'/nonexistent/dir' does not exist"),
         (["explain", "--preset", "gpt2", "--hf", "x"], r"argument --hf: not allowed with argument --preset"),
         (["explain", "--preset", "gpt2", "--cached", "-1"], r"cached must be >= 0 tokens, got -1"),
     ],

@@ -344,9 +344,13 @@ def test_the_ring_memory_note_says_what_its_table_shows():
     from multihead.study.sections.distributed import memory_note
 
     def rows(*peaks):
-        return [{"world_size": w, "peak_bytes": p} for w, p in zip((1, 2, 4), peaks)]
+        return [
+            {"world_size": w, "peak_bytes": p, "input_bytes": 30 // w, "tokens_per_rank": 4096 // w}
+            for w, p in zip((1, 2, 4), peaks)
+        ]
 
     grows = memory_note(rows(100, 201))
-    assert "2.01x that of W=1" in grows and "does not fall yet" in grows and "falls as the" not in grows
-    falls = memory_note(rows(100, 60, 35))
-    assert "at W=4 is 0.35x that of W=1: it falls" in falls and "does not fall" not in falls
+    assert "2.01x that of W=1" in grows and "predicts 0.80x: the measurement is not" in grows
+    falls = memory_note(rows(100, 60, 45))
+    assert "at W=4 is 0.45x that of W=1" in falls and "predicts 0.50x: the measurement is close" in falls
+    assert "not measured" in memory_note(rows(None, 60))

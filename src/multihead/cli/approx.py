@@ -21,12 +21,15 @@ __all__ = ["register"]
 
 def _cmd_approx(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress
 
     from ..bench import approx as measure
     from ..study.sections import approximations as report
     from ..train.trainer import TrainConfig
+    from .console import progress_columns
 
+    if args.png:
+        _check_png(args)
     names = None
     if args.only:
         names = [measure.METHODS[0].name]  # exact is the reference of every ratio
@@ -40,17 +43,16 @@ def _cmd_approx(args: argparse.Namespace) -> int:
     # the trainer's recipe, scaled: the first 40% of the steps are its short-sequence curriculum
     mqar = TrainConfig(steps=args.steps, short_steps=2 * args.steps // 5) if args.mqar else None
     ns = tuple(args.n)
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*progress_columns(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("approx", total=1.0)
         res = report.compare(
             names, ns, args.texts, mqar, lambda what, done: bar.update(task, description=what, completed=done)
         )
     rows: list[dict[str, Any]] = res["rows"]
-    png = measure.pareto_png(rows, args.png, max(ns)) if args.png else None
-    if args.png and png is None:
-        res["notes"].append("no plot: matplotlib is not installed (pip install matplotlib)")
     if args.json:
+        png = measure.pareto_png(rows, args.png, max(ns)) if args.png else None
+        if args.png and png is None:
+            res["notes"].append("no plot: no method has a quality score to plot")
         doc = {
             "ns": list(ns),
             "rows": [{**r, "cost": {str(k): v for k, v in r["cost"].items()}} for r in rows],
@@ -60,12 +62,35 @@ def _cmd_approx(args: argparse.Namespace) -> int:
     from .console import make_console
 
     console = make_console()
-    console.print(report.table(rows, ns).rich())
+    console.print(report.table(rows, ns).rich())  # the table first: nothing after it can lose it
     for note in res["notes"]:
         console.print(note, markup=False)
-    if png:
-        console.print(f"wrote {png}", markup=False)
+    if args.png:
+        png = measure.pareto_png(rows, args.png, max(ns))
+        console.print(
+            f"wrote {png}" if png else "no plot: no method has a quality score to plot", markup=False
+        )
     return 0
+
+
+def _check_png(args: argparse.Namespace) -> None:
+    """Fail before the work when --png cannot be drawn or written.
+
+    Raises:
+        ValueError: nothing to plot (--texts 0 without --mqar), matplotlib missing, or an unwritable path.
+    """
+    from .console import check_output_file
+
+    if args.texts == 0 and not args.mqar:
+        raise ValueError(
+            "--png plots quality against time, and --texts 0 without --mqar measures no quality; "
+            "give --texts N (MiniLM fidelity) or --mqar, or drop --png"
+        )
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--png needs matplotlib, which is not installed: pip install matplotlib") from None
+    check_output_file(args.png, "--png")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,7 +109,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--n", type=positive_int, nargs="+", default=[1024], help="sequence lengths (default 1024)"
     )
     p.add_argument(
-        "--texts", type=int, default=32, help="docstrings for MiniLM fidelity; 0 skips (default 32)"
+        "--texts",
+        type=int,
+        default=32,
+        help="docstrings for MiniLM fidelity; 0 skips it (and leaves --png nothing to plot without --mqar) "
+        "(default 32)",
     )
     p.add_argument("--mqar", action="store_true", help="also train each method on MQAR (slow: minutes each)")
     p.add_argument("--steps", type=positive_int, default=5000, help="MQAR training steps (default 5000)")

@@ -8,6 +8,7 @@ import argparse
 
 from ..bench import suite
 from . import bench_decode, bench_hf
+from .console import check_output_file, for_terminal
 from .threads import threads_option
 
 __all__ = ["register"]
@@ -18,7 +19,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="attention speed suite: ours against SDPA, SDPA per block, eager (and flex), as ratios",
-        description=suite.__doc__,
+        description=for_terminal(suite.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     size = p.add_mutually_exclusive_group()
@@ -64,6 +65,8 @@ def _cmd_bench(args) -> int:
     console = Console(highlight=False, stderr=args.json)
     if not console.is_terminal:
         console.width = 180
+    if args.plot:
+        _check_plot(args.plot)
     if args.distributed is not None:
         return _cmd_distributed(args, console)
     n = len([c for c in suite.cases(args.kind) if suite.selected(c, args.only)])
@@ -74,16 +77,29 @@ def _cmd_bench(args) -> int:
             bar.update(task, advance=0 if bar.tasks[0].description == "bench" else 1, description=what)
 
         doc = suite.run(args.kind, repeats=args.repeats, flex=args.flex, only=args.only, progress=step)
-    if args.plot:
-        suite.plot(doc, args.plot)
     if args.json:
         print(suite.to_json(doc))
-        return 0
-    console.print(suite.table(doc))
-    console.print(suite.goals_table(doc))
+    else:  # the tables first: nothing after them can lose them
+        console.print(suite.table(doc))
+        if doc["goals"]:  # the small runs measure no case a goal is set on
+            console.print(suite.goals_table(doc))
     if args.plot:
-        console.print(f"wrote {args.plot}")
+        suite.plot(doc, args.plot)
+        Console(highlight=False, stderr=True).print(f"wrote {args.plot}", markup=False)
     return 0
+
+
+def _check_plot(path: str) -> None:
+    """Fail before the work when --plot cannot be drawn or written.
+
+    Raises:
+        ValueError: matplotlib missing, or a path that cannot be written.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+    check_output_file(path, "--plot")
 
 
 def _cmd_distributed(args, console) -> int:

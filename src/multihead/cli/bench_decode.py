@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench import decode
-from .console import positive_int
+from .console import for_terminal, positive_int
 from .threads import threads_option
 
 __all__ = ["register"]
@@ -19,7 +19,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "decode",
         help="decode tokens/s per dtype against transformers, and the bandwidth limit",
-        description=decode.__doc__,
+        description=for_terminal(decode.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(

@@ -1,12 +1,39 @@
-"""What every command shares: the console it prints to and argument types."""
+"""What every command shares: the console it prints to, argument types, help text for a terminal, and
+the checks of files a command reads or writes (done before any work, so a long run never ends in a
+lost result)."""
 
 from __future__ import annotations
 
 import argparse
+import re
+import stat
+import tempfile
+from pathlib import Path
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
-__all__ = ["make_console", "positive_int"]
+__all__ = [
+    "check_input_dir",
+    "check_input_file",
+    "check_output_dir",
+    "check_output_file",
+    "for_terminal",
+    "make_console",
+    "positive_int",
+    "progress_columns",
+]
+
+# Sphinx roles (:func:`x`, :class:`~a.b`) and inline literals (``x``) read as plain text on a terminal
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
 
 
 def positive_int(text: str) -> int:
@@ -22,3 +49,125 @@ def make_console() -> Console:
     if not console.is_terminal:
         console.width = 160
     return console
+
+
+def for_terminal(doc: str | None) -> str:
+    """A docstring as a parser's description: Sphinx roles and ````literals```` become plain words.
+
+    (A description is printed as it is; only an argument's ``help=`` needs ``%%`` for a percent sign.)
+    """
+    return _LITERAL.sub(r"\1", _ROLE.sub(r"\1", doc or ""))
+
+
+def progress_columns(count: bool = False) -> tuple[ProgressColumn, ...]:
+    """The columns of every progress bar: what runs, the bar, done/total, time spent and time left."""
+    done = (MofNCompleteColumn(),) if count else ()
+    return (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        *done,
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    )
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_input_file(path: str, flag: str, what: str = "a file") -> Path:
+    """``path`` as a Path when it is a non-empty regular file that can be read.
+
+    Raises:
+        ValueError: it does not exist, is a folder, a device or pipe, is empty or cannot be read; the
+            message names ``flag``, the path and what to give instead.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{flag} {path!r} does not exist; give {what}")
+    if p.is_dir():
+        raise ValueError(f"{flag} {path!r} is a folder; give {what}")
+    mode = p.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{flag} {path!r} is {_kind(mode)}; give {what}")
+    if p.stat().st_size == 0:
+        raise ValueError(f"{flag} {path!r} is empty; give {what}")
+    try:
+        with p.open("rb"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be read ({e.strerror}); give {what}") from None
+    return p
+
+
+def check_input_dir(path: str, flag: str, what: str = "a folder") -> Path:
+    """``path`` as a Path when it is an existing folder.
+
+    Raises:
+        ValueError: it does not exist or is not a folder; the message names ``flag`` and the path.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{flag} {path!r} does not exist; give {what}")
+    if not p.is_dir():
+        raise ValueError(f"{flag} {path!r} is a file, not a folder; give {what}")
+    return p
+
+
+def _probe(folder: Path, flag: str, path: str) -> None:
+    """Create and remove a file in ``folder``: the only reliable test (permissions, a read-only file
+    system, root's exemptions, quotas all show here and nowhere else)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"{flag} {path!r} cannot be written: {e.strerror or e} in {str(folder)!r}; choose another path"
+        ) from None
+
+
+def _nearest_existing(p: Path) -> Path:
+    p = p.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_output_file(path: str, flag: str) -> Path:
+    """Check, before any work, that a file can be written at ``path`` (missing parent folders are fine:
+    the writers create them). Returns ``path`` as a Path.
+
+    Raises:
+        ValueError: ``path`` is a folder, a parent is a file, or the nearest existing folder cannot be
+            written (permissions, a read-only file system); the message names ``flag`` and the path.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path!r} is a folder; give a file name")
+    base = _nearest_existing(p.parent)
+    if not base.is_dir():
+        raise ValueError(f"{flag} {path!r} cannot be written: {str(base)!r} is a file, not a folder")
+    _probe(base, flag, path)
+    return p
+
+
+def check_output_dir(path: str, flag: str) -> Path:
+    """Check, before any work, that a folder can be written (or created) at ``path``: the writers build
+    it next to ``path`` and rename it into place, so its parent folder must take new entries.
+
+    Raises:
+        ValueError: ``path`` or a parent is a file, or the nearest existing parent cannot be written.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path!r} is a file; give a folder")
+    base = _nearest_existing(p.absolute().parent)
+    if not base.is_dir():
+        raise ValueError(f"{flag} {path!r} cannot be written: {str(base)!r} is a file, not a folder")
+    _probe(base, flag, path)
+    return p

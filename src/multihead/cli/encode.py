@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .console import check_input_file, check_output_file, progress_columns
 from .threads import threads_option
 
 if TYPE_CHECKING:
@@ -36,9 +39,7 @@ def _texts(args: argparse.Namespace) -> tuple[list[str], str]:
         if args.file == "-":
             lines = sys.stdin.read().splitlines()
         else:
-            path = Path(args.file)
-            if not path.is_file():
-                raise ValueError(f"--file {args.file!r} does not exist; give a text file, one text per line")
+            path = check_input_file(args.file, "--file", "a text file, one text per line")
             try:
                 lines = path.read_text(encoding="utf-8").splitlines()
             except UnicodeDecodeError as e:
@@ -62,9 +63,9 @@ def _embed(
 ) -> tuple[torch.Tensor, float]:
     """(n, 384) unit embeddings and the seconds they took, with a progress bar on long inputs."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress
 
-    columns = (TextColumn("encode"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = progress_columns(count=True)
     show = len(texts) > 2 * args.batch_size
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=not show) as bar:
         task = bar.add_task("encode", total=len(texts))
@@ -80,13 +81,29 @@ def _embed(
     return emb, seconds
 
 
-def _write(path: str, emb: torch.Tensor, texts: list[str]) -> None:
-    if path.endswith(".npy"):
-        np.save(path, emb.numpy())
-    elif path.endswith(".json"):
-        Path(path).write_text(json.dumps({"texts": texts, "embeddings": emb.tolist()}))
-    else:
+def _check_out(path: str) -> None:
+    """Fail before the work: --out must be a writable .npy or .json file."""
+    if not path.endswith((".npy", ".json")):
         raise ValueError(f"--out {path!r} must end in .npy or .json")
+    check_output_file(path, "--out")
+
+
+def _write(path: str, emb: torch.Tensor, texts: list[str]) -> None:
+    """Write the embeddings to a temporary file next to ``path``, then rename it: an interrupted run
+    never leaves a half-written file under the user's name."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if path.endswith(".npy"):
+                np.save(f, emb.numpy())
+            else:
+                f.write(json.dumps({"texts": texts, "embeddings": emb.tolist()}).encode())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _search(
@@ -112,6 +129,8 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         from ..pretrained import SentenceEncoder as Encoder
         from ..pretrained import minilm
 
+        if args.out:
+            _check_out(args.out)
         texts, source = _texts(args)
         # inference only: the same weights in oneDNN's layout, 1.7x faster on CPU; embeddings equal to
         # rounding (min cosine 0.9999999 to the plain model)

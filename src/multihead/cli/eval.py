@@ -18,9 +18,11 @@ __all__ = ["register"]
 def _cmd_eval(args: argparse.Namespace) -> int:
     from ..eval import SETS, human_judged
     from ..pretrained import SentenceEncoder, minilm
-    from .console import make_console
+    from .console import check_input_dir, make_console
 
     try:
+        if args.model:
+            check_input_dir(args.model, "--model", "a SentenceEncoder folder")
         model = SentenceEncoder.from_dir(args.model) if args.model else minilm()
         scores = human_judged(model, bootstrap=args.bootstrap, seed=args.seed)
     except ImportError as e:  # a missing weights or data package: the message names the pip command
@@ -47,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="human-judged scores of a sentence encoder (Lee, WordSim-353, polarity)",
         description="Score a sentence encoder against human judgements: Pearson with the Lee et al. (2005) "
         "document similarities, Spearman with WordSim-353, and 5-fold logistic-probe accuracy on movie-"
-        "review polarity, each with a bootstrap 95%% interval. The data ship inside gensim: "
+        "review polarity, each with a bootstrap 95% interval. The data ship inside gensim: "
         "pip install multihead[eval]. Default model: the bundled all-MiniLM-L6-v2.",
     )
     p.add_argument("--model", metavar="DIR", help="a SentenceEncoder directory (default: all-MiniLM-L6-v2)")

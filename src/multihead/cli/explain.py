@@ -276,6 +276,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         else:
             _print_problem(doc, args)
         return 0
+    if args.plot is not None:
+        from .console import check_output_file
+
+        check_output_file(args.plot, "--plot")  # before the roof is measured
     doc = _model_doc(args)
     if args.json:
         print(json.dumps(_model_json(doc), indent=1))

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .console import check_input_dir
 from .threads import threads_option
 
 __all__ = ["register"]
@@ -32,6 +33,7 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, str]:
 
     if args.model is None:
         return random_lm(args.preset, seed=args.seed), None, f"preset {args.preset} (random weights)"
+    check_input_dir(args.model, "--model", "a save_pretrained() checkpoint folder")
     model = load(args.model)
     if not isinstance(model, TransformerLM):
         raise ValueError(
@@ -71,6 +73,11 @@ def _timed(lm: Any, ids: torch.Tensor, args: argparse.Namespace) -> tuple[torch.
     kw: dict[str, Any] = {"cache": args.cache}
     if not args.sample and (args.temperature != 1.0 or args.top_k is not None or args.top_p is not None):
         raise ValueError("--temperature, --top-k and --top-p apply only with --sample")
+    if args.sample and not args.temperature > 0:
+        raise ValueError(
+            f"--temperature must be > 0, got {args.temperature}; for greedy decoding drop --sample "
+            "(greedy is the default)"
+        )
     if args.sample:
         kw.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     lm.generate(ids, 2, **kw)  # warm-up, not timed: first-call costs (kernel set-up, allocations)

@@ -8,6 +8,9 @@ Writes to ``--out`` (default ``multihead-heads/``): ``maps.png`` (the layer x he
 attention maps), ``roles.png`` and ``roles.md`` (each head's role and Clark et al.'s statistics,
 measured on the text and ``--texts`` standard-library docstrings) and ``head_L_H.png`` per ``--head L.H``
 (one map with its tokens). Prints the role grid (or, with ``--json``, the table and the files).
+
+    multihead heads convert --to gqa|mla|prune ...   shrink a model's KV cache by head surgery
+                                                     (``multihead heads convert --help``)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .console import for_terminal
 from .threads import threads_option
 
 __all__ = ["DEFAULT_TEXT", "register", "run"]
@@ -97,8 +101,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``heads`` subcommand to the ``multihead`` parser."""
     p = sub.add_parser(
         "heads",
-        help="what each head of all-MiniLM-L6-v2 attends to: map grid and role table (PNG, markdown)",
-        description=__doc__,
+        help="what each head of all-MiniLM-L6-v2 attends to (map grid, role table); `heads convert`: "
+        "GQA / MLA / pruning surgery",
+        description=for_terminal(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("text", nargs="?", default=DEFAULT_TEXT, help="the text whose maps are drawn")
@@ -184,8 +189,11 @@ def convert(args: argparse.Namespace) -> int:
     from ..heads.access import pad_batch
     from ..models.lm import TransformerLM
     from ..pretrained import SentenceEncoder, stdlib_docstrings
-    from .console import make_console
+    from .console import check_input_dir, check_output_dir, make_console
 
+    if args.hf is not None:
+        check_input_dir(args.hf, "--hf", "a save_pretrained() checkpoint folder")
+    check_output_dir(args.out, "--out")  # before the surgery, not after it
     model, base, name = _base(args)
     lm = isinstance(model, TransformerLM)
     if lm and args.to == "prune":

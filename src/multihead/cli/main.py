@@ -11,13 +11,17 @@ Commands::
     multihead eval    [--model DIR] [--bootstrap N] [--json]   human-judged scores (cli/eval.py)
 
 Every command has ``--help``, runs with no arguments, and prints a machine-readable result with
-``--json``. :func:`main` returns the exit code: 0 on success, 2 on bad arguments or an error the library
-reports (the message goes to stderr, without a traceback).
+``--json``. :func:`main` returns the exit code: 0 on success; 2 on bad arguments or an error a user can
+cause (a bad value, a missing or unreadable file, a corrupt checkpoint), printed as one line
+``multihead <command>: error: ...`` on stderr; 1 on an unexpected error (one line too; ``multihead
+--debug <command>`` shows the traceback); 130 after Ctrl-C (one line, "interrupted"); 141 when the
+reader of stdout goes away (``multihead encode --json | head``), quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -44,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`multihead <command> --help` lists its options; --json prints machine-readable results.",
     )
     parser.add_argument("--version", action="version", version=f"multihead {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     study_cli.register(sub)
     explain_cli.register(sub)
@@ -58,25 +63,76 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions a user's input can cause: bad values, files, checkpoints, missing optional packages.
+
+    RuntimeError is here because torch reports bad input (a shape, a dtype, memory) with it, MemoryError
+    for an input too large for the machine. (JSON and Unicode decoding errors are ValueErrors.)
+    """
+    errors: list[type[BaseException]] = [ValueError, OSError, RuntimeError, ImportError, MemoryError]
+    try:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:  # pragma: no cover - safetensors comes with the base install
+        pass
+    return tuple(errors)
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so that the flush at exit cannot fail again (the
+    recipe of Python's documentation, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor behind sys.stdout (tests)
+        pass
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, _user_errors()) else f"{type(e).__name__}: {text}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit code (0 ok, 2 bad arguments or a library error).
+    """Run the command line; return the exit code (0 ok, 2 bad arguments or an error a user can cause,
+    1 an unexpected error, 130 interrupted, 141 stdout closed by its reader).
 
     Args:
         argv: the arguments without the program name (default ``sys.argv[1:]``).
     """
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["heads", "convert"]:  # `heads` takes a text; its convert action has a parser of its own
-        argv = ["heads-convert", *argv[2:]]
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]  # accepted after the command too
+    command = "multihead"
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, --version and usage errors: argparse has printed the message
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    try:
-        return int(args.func(args))
-    except (ValueError, OSError) as e:
-        print(f"multihead {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        parser = build_parser()
+        if argv[:2] == ["heads", "convert"]:  # `heads` takes a text; its convert action has its own parser
+            argv = ["heads-convert", *argv[2:]]
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help, --version and usage errors: argparse has printed the message
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        command = f"multihead {args.command.replace('-', ' ')}"  # heads-convert is `heads convert`
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at interpreter exit
+        return code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        lead = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C
+        print(f"{lead}{command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout is gone (`| head`): nothing left to say to anyone
+        _quiet_stdout()
+        return 141
+    except Exception as e:
+        if debug:
+            raise
+        expected = isinstance(e, _user_errors())
+        hint = "" if expected else " (an unexpected error: run `multihead --debug ...` for the traceback)"
+        print(f"{command}: error: {_one_line(e)}{hint}", file=sys.stderr)
+        return 2 if expected else 1

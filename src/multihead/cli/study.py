@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 from ..study import run as study
-from .console import make_console
+from .console import check_output_dir, for_terminal, make_console
 from .threads import threads_option
 
 __all__ = ["register"]
@@ -15,6 +16,8 @@ __all__ = ["register"]
 
 def _cmd_study(args: argparse.Namespace) -> int:
     """Run the study; print its tables (or its JSON) and write ``--out``/report.md."""
+    if args.out is not None:
+        check_output_dir(args.out, "--out")
     console = None if args.json else make_console()
     report = study.run_study(
         quick=args.quick, out_dir=args.out, progress=True, console=console, only=args.only
@@ -26,8 +29,14 @@ def _cmd_study(args: argparse.Namespace) -> int:
     return 0
 
 
-def _first_line(f: object) -> str:
-    return next(iter((f.__doc__ or "").strip().splitlines()), "")
+def _wrap(text: str, indent: int = 0) -> str:
+    return textwrap.fill(text, width=100, subsequent_indent=" " * indent)
+
+
+def _summary(f: object) -> str:
+    """The first paragraph of a section's docstring as one line of plain text (no Sphinx markup)."""
+    para = (f.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(for_terminal(para).split())
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "study",
         help="the whole report on the default workload (exactness, cost, KV cache)",
         description="Run the study's sections in order and print their tables:\n"
-        + "\n".join(f"  {f.__name__:10} {_first_line(f)}" for f in study.SECTIONS),
+        + "\n".join(_wrap(f"  {f.__name__:15} {_summary(f)}", 18) for f in study.SECTIONS)
+        + "\n\n"
+        + _wrap(
+            "The report is written into a new folder next to --out and moved into place at the end: an "
+            "interrupted run leaves --out as it was."
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     size = p.add_mutually_exclusive_group()

@@ -1,6 +1,8 @@
 """``multihead train``: train the small TransformerLM on MQAR with exact or approximate attention.
 
-    multihead train                                    exact attention, the default recipe (CPU minutes)
+    multihead train                                    exact attention on a small task (a few CPU minutes)
+    multihead train --full                             the report's recipe (seq 256, 16 pairs, 5000 steps;
+                                                       20-25 minutes on a quiet CPU)
     multihead train --attention Performer --steps 300  an approximation (names as in `multihead approx`)
     multihead train --attention moh                    a head design of multihead.variants (MoH, DCMHA, ...)
     multihead train --seq-len 64 --pairs 4 --json      a smaller task, machine-readable result
@@ -29,12 +31,14 @@ def _choices() -> list[str]:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress
 
     from ..bench import approx as measure
     from ..train.trainer import TrainConfig, train_mqar
     from ..variants import NAMES
+    from .console import progress_columns
 
+    _resolve_recipe(args)
     valid = _choices()
     if args.attention not in valid and not any(args.attention == m.name for m in measure.METHODS):
         raise ValueError(
@@ -57,8 +61,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     plain = args.attention == "exact" or args.attention in NAMES
     approx = None if plain else measure.make(args.attention, cfg.seq_len)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*progress_columns(count=True), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"train {args.attention}", total=cfg.steps)
 
         def progress(step: int, loss: float) -> None:
@@ -84,6 +87,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the default of `multihead train` with no arguments: a quarter-size MQAR task that a CPU learns in
+#: minutes; ``--full`` takes the trainer's own recipe (:class:`~multihead.train.trainer.TrainConfig`)
+QUICK = {"seq_len": 64, "pairs": 4, "steps": 2000, "short_steps": 0}
+
+
+def _resolve_recipe(args: argparse.Namespace) -> None:
+    """Fill the options left unset from the quick recipe, or from TrainConfig's with ``--full``."""
+    from ..train.trainer import TrainConfig
+
+    d = TrainConfig()
+    full = {"seq_len": d.seq_len, "pairs": d.n_pairs, "steps": d.steps, "short_steps": d.short_steps}
+    for key, value in (full if args.full else QUICK).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``train`` subcommand to the ``multihead`` parser."""
     from ..train.trainer import TrainConfig
@@ -95,7 +114,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a 2-layer TransformerLM on MQAR (associative recall) with exact or approximate attention",
         description="Train a small TransformerLM on fresh MQAR batches (Zoology's generator) "
-        "and report held-out accuracy. --attention takes 'exact', a head design of multihead.variants "
+        "and report held-out accuracy. With no options it trains a quarter-size task (seq_len 64, 4 pairs, "
+        "2000 steps: about 2 CPU minutes on a quiet machine, 99% held-out accuracy with exact attention); "
+        "--full runs the report's recipe. --attention takes 'exact', a head design of multihead.variants "
         f"or a method of `multihead approx`: {', '.join(choices)}.",
     )
     p.add_argument("--task", choices=["mqar"], default="mqar", help="the task (default mqar)")
@@ -105,15 +126,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help=f"exact, a head design or an approximation (default exact): {', '.join(choices)}",
     )
-    p.add_argument("--steps", type=positive_int, default=d.steps, help=f"training steps (default {d.steps})")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the report's recipe: seq_len {d.seq_len}, {d.n_pairs} pairs, {d.steps} steps with a "
+        "curriculum (20-25 minutes on a quiet CPU); default: the quick task below",
+    )
+    q = QUICK
+    p.add_argument(
+        "--steps", type=positive_int, default=None,
+        help=f"training steps (default {q['steps']}; {d.steps} with --full)",
+    )  # fmt: skip
     p.add_argument("--batch", type=positive_int, default=d.batch, help=f"batch size (default {d.batch})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     p.add_argument(
-        "--seq-len", type=positive_int, default=d.seq_len, help=f"tokens per example (default {d.seq_len})"
-    )
+        "--seq-len", type=positive_int, default=None,
+        help=f"tokens per example (default {q['seq_len']}; {d.seq_len} with --full)",
+    )  # fmt: skip
     p.add_argument(
-        "--pairs", type=positive_int, default=d.n_pairs, help=f"key-value pairs (default {d.n_pairs})"
-    )
+        "--pairs", type=positive_int, default=None,
+        help=f"key-value pairs (default {q['pairs']}; {d.n_pairs} with --full)",
+    )  # fmt: skip
     p.add_argument("--vocab", type=positive_int, default=d.vocab, help=f"vocabulary (default {d.vocab})")
     p.add_argument(
         "--d-model", type=positive_int, default=d.d_model, help=f"model width (default {d.d_model})"
@@ -126,7 +159,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="curriculum: train the first N steps on sequences and pair counts a quarter of the size "
-        "(default 40%% of --steps; 0 turns it off)",
+        f"(default {q['short_steps']}: off; 40%% of --steps with --full)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of data and weights (default {d.seed})")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -276,14 +276,25 @@ def load_config(directory: str | Path) -> dict[str, Any]:
     """The config.json of a Hugging Face / sentence-transformers directory (no weights are read).
 
     Raises:
-        ValueError: no config.json in ``directory``.
+        ValueError: ``directory`` is missing or not a folder, has no config.json, or its config.json is
+            not a JSON object; the message names the file.
     """
-    path = Path(directory) / "config.json"
+    folder = Path(directory)
+    if not folder.is_dir():
+        why = "does not exist" if not folder.exists() else "is a file, not a folder"
+        raise ValueError(f"{str(directory)!r} {why}; pass a save_pretrained() directory (--hf DIR)")
+    path = folder / "config.json"
     if not path.is_file():
         raise ValueError(
             f"no config.json in {str(directory)!r}; pass a save_pretrained() directory (--hf DIR)"
         )
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({e}); re-save the model's config") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(path)!r} holds a JSON {type(config).__name__}, not an object (a config)")
+    return config
 
 
 def as_shape(model_or_config: Any) -> ModelShape:

@@ -71,14 +71,25 @@ if TYPE_CHECKING:
 __all__ = ["MultiHeadAttention", "check_model_input"]
 
 
-def check_model_input(x: Any, d_model: int, name: str = "x") -> None:
-    """Raise ValueError unless ``x`` is a float tensor of shape (B, N, d_model)."""
+def check_model_input(x: Any, d_model: int, name: str = "x", dtype: torch.dtype | None = None) -> None:
+    """Raise ValueError unless ``x`` is a float tensor of shape (B, N, d_model) (and of ``dtype``, the
+    module's weights, when given; under autocast any float dtype passes)."""
     if not isinstance(x, Tensor) or not x.is_floating_point():
         raise ValueError(f"{name} must be a float tensor of shape (B, N, d_model), got {type(x).__name__}")
     if x.dim() != 3:
-        raise ValueError(
-            f"{name} must have 3 dims (B, N, d_model), got {x.dim()} dims {tuple(x.shape)}; "
+        fix = (
             f"add a batch dim with {name}.unsqueeze(0)"
+            if x.dim() == 2
+            else f"modules take (B, N, d_model): fold the extra dims into B, e.g. "
+            f"{name}.reshape(-1, {name}.shape[-2], {name}.shape[-1])"
+        )
+        raise ValueError(
+            f"{name} must have 3 dims (B, N, d_model), got {x.dim()} dims {tuple(x.shape)}; {fix}"
+        )
+    if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise ValueError(
+            f"{name} is {x.dtype} but the module's weights are {dtype}; convert one to the other: "
+            f"{name}.to({dtype}) or module.to({x.dtype})"
         )
     if x.shape[-1] != d_model:
         raise ValueError(
@@ -295,6 +306,12 @@ class MultiHeadAttention(nn.Module):
         a = self.mix_heads(a, x, head_mask)  # (B, Hq, N, Dv)
         return self.output(a)  # (B, N, d): eq. (5)
 
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype of the output projection's weight (the input must match it), or None when the
+        module holds no plain float weight there (quantised or replaced projections decide themselves)."""
+        w = getattr(getattr(self, "o_proj", None), "weight", None)
+        return w.dtype if isinstance(w, Tensor) and w.is_floating_point() else None
+
     def check_call(
         self,
         x: Tensor,
@@ -310,9 +327,10 @@ class MultiHeadAttention(nn.Module):
                 with cross-attention, positions without rotary self-attention, a head_mask that is not
                 a float (Hq,) or (B, Hq) tensor.
         """
-        check_model_input(x, self.d_model, "x")
+        dtype = self.weight_dtype()
+        check_model_input(x, self.d_model, "x", dtype)
         if context is not None:
-            check_model_input(context, self.d_model, "context")
+            check_model_input(context, self.d_model, "context", dtype)
             if context.shape[0] != x.shape[0]:
                 raise ValueError(f"context batch {context.shape[0]} differs from x batch {x.shape[0]}")
             if cache is not None:

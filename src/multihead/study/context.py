@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,7 +16,17 @@ from rich.table import Table as RichTable
 from .. import cost
 from .figures import Figure, draw, render_markdown_figures
 
-__all__ = ["Section", "StudyContext", "Table", "dtype_name", "human", "one_thread", "walk_table"]
+__all__ = [
+    "Section",
+    "StudyContext",
+    "Table",
+    "dtype_name",
+    "human",
+    "machine_rates",
+    "machine_roof",
+    "one_thread",
+    "walk_table",
+]
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,24 @@ class StudyContext:
         """``[Figure]`` of ``plot(ax)`` saved as ``out_dir/name.png``; ``[]`` without a report directory."""
         fig = draw(self.out_dir, name, caption, plot, **kw)
         return [] if fig is None else [fig]
+
+
+@functools.lru_cache(maxsize=1)
+def machine_rates() -> dict[str, float]:
+    """This machine's fp32 matmul GFLOP/s (key ``"torch.float32"``) and read GB/s (``"bandwidth"``),
+    measured once per process: every section of a report quotes the same rates."""
+    from ..cost.machine import machine_rates as measure
+
+    return measure({"torch.float32"})
+
+
+def machine_roof() -> cost.Roof:
+    """The roofline's roof from :func:`machine_rates`."""
+    from ..cost.machine import machine
+
+    rates = machine_rates()
+    label = f"{machine(rates)['cpu']}, {torch.get_num_threads()} threads, float32 matmul"
+    return cost.Roof(rates["torch.float32"] * 1e9, rates["bandwidth"] * 1e9, label)
 
 
 # -- rendering ---------------------------------------------------------------------------------------

@@ -12,16 +12,20 @@ Sections today:
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .context import Section, StudyContext, Table, human, walk_table
 from .findings import key_findings
+from .references import references
 from .render import render_html
 from .sections.approximations import approximations
 from .sections.designs import designs
@@ -81,7 +85,9 @@ def run_sections(
     """
     chosen = select_sections(only)
     results = []
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())  # no ETA: sections differ
+    # the time left is a rough guess: it assumes the sections left take as long as those done
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("eta"),
+               TimeRemainingColumn())  # fmt: skip
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=not progress) as bar:
         task = bar.add_task("study", total=len(chosen))
         for i, section in enumerate(chosen):
@@ -113,6 +119,55 @@ def render_markdown(sections: list[Section], quick: bool) -> str:
     return "\n".join([head, *(s.markdown() for s in sections)])
 
 
+#: the files a report folder holds; a folder with anything else is not replaced
+REPORT_SUFFIXES = (".md", ".html", ".png", ".json")
+
+
+def _staging_folder(out: Path) -> Path:
+    """A new empty folder next to ``out`` (same file system, so the final rename is atomic).
+
+    Raises:
+        OSError: the parent of ``out`` cannot be created or written, or ``out`` is a file.
+        ValueError: ``out`` holds a folder or a file that is not a report's (:data:`REPORT_SUFFIXES`).
+    """
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {str(out)!r} is a file; give a folder")
+    if out.is_dir():
+        foreign = [p.name for p in out.iterdir() if p.is_dir() or p.suffix not in REPORT_SUFFIXES]
+        if foreign:  # the new report replaces the whole folder: never a folder of the user's own files
+            raise ValueError(
+                f"--out {str(out)!r} holds files that are not a report's ({', '.join(sorted(foreign)[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}); the report replaces the whole folder, so give a "
+                "new folder, an empty one or a previous report's"
+            )
+    parent = out.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.partial-"))
+    if out.is_dir():  # mkdtemp makes it private (0700): give it the folder's own mode, or the usual one
+        shutil.copymode(out, staging)
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)
+    return staging
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Replace ``out`` by the finished ``staging`` folder: rename the old report aside, rename the new
+    one into place, then delete the old one. A reader sees the old report or the new one, never a mix."""
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    old = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}.old-"))
+    os.rename(out, old / "report")
+    try:
+        os.rename(staging, out)
+    except OSError:
+        os.rename(old / "report", out)  # put the old report back before reporting the error
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def run_study(
     quick: bool = True,
     out_dir: str | Path | None = None,
@@ -124,33 +179,43 @@ def run_study(
 
     Args:
         quick: the default workload only (seconds); False adds the bf16 exactness run.
-        out_dir: when given, write ``out_dir/report.md``, ``out_dir/report.html`` and the figures' PNGs
-            (the directory is created if missing).
+        out_dir: when given, write ``out_dir/report.md``, ``out_dir/report.html`` and the figures' PNGs.
+            They are written into a new folder next to ``out_dir``, which replaces ``out_dir`` (and
+            everything in it) once the report is complete; an error or Ctrl-C leaves ``out_dir`` as it was.
         progress: show a progress bar on stderr.
         console: when given, print each section's tables to it.
         only: run only these sections (names as in :data:`SECTIONS`, comma-separated or a list).
 
     Raises:
-        OSError: if ``out_dir`` cannot be created or written.
-        ValueError: an unknown section name in ``only``.
+        OSError: if ``out_dir`` cannot be created or written, or is a file.
+        ValueError: an unknown section name in ``only``; an ``out_dir`` holding other files than a
+            report's (it would be replaced).
     """
     from .. import __version__
 
     select_sections(only)  # fail on a bad name before any work
     out = None if out_dir is None else Path(out_dir)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)  # fail before the work, not after
-    sections = run_sections(quick, progress, out, only)
+    staging = None if out is None else _staging_folder(out)  # fails before the work, not after
+    try:
+        sections = run_sections(quick, progress, staging, only)
+        cited = references(sections)
+        sections += [cited] if cited is not None else []
+        if out is not None and staging is not None:
+            (staging / "report.md").write_text(render_markdown(sections, quick))
+            title = f"multihead study ({'quick' if quick else 'full'})"
+            sub = f"multihead {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+            (staging / "report.html").write_text(render_html(sections, title, sub, key_findings(sections)))
+            _swap_in(staging, out)
+    except BaseException:  # Ctrl-C included: the user's folder stays as it was
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     report: dict = {
         "quick": quick,
         "versions": {"multihead": __version__, "torch": torch.__version__},
         "sections": {s.key: s.data for s in sections},
     }
     if out is not None:
-        (out / "report.md").write_text(render_markdown(sections, quick))
-        title = f"multihead study ({'quick' if quick else 'full'})"
-        sub = f"multihead {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-        (out / "report.html").write_text(render_html(sections, title, sub, key_findings(sections)))
         report["report"] = str(out / "report.md")
         report["html"] = str(out / "report.html")
         report["figures"] = [str(out / f.file) for s in sections for f in s.figures]

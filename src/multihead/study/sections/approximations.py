@@ -16,7 +16,7 @@ from ...bench import approx as measure
 if TYPE_CHECKING:  # study imports this module to register the section: import it lazily at run time
     from ..context import Section, StudyContext, Table
 
-__all__ = ["approximations", "compare", "table"]
+__all__ = ["approximations", "compare", "empty_column_notes", "table"]
 
 
 def _minilm(n_texts: int) -> tuple[Any, list[str], Any] | str:
@@ -104,6 +104,39 @@ def mqar_notes(rows: list[dict]) -> list[str]:
     ]
 
 
+def empty_column_notes(rows: list[dict], ns: tuple[int, ...]) -> list[str]:
+    """Why a column of the table holds "-" or "n/a": one note per column that has such cells."""
+    notes = []
+    if rows and all(r["mqar_acc"] is None for r in rows):
+        notes.append(
+            'MQAR acc is "-" for every method: the report does not train (about 25 CPU minutes per method '
+            "at MQAR's full size); `multihead approx --mqar` trains each method and fills the column."
+        )
+    for n in ns:
+        costs = [(r["name"], r["cost"][n]) for r in rows if n in r["cost"]]
+        unread = [name for name, c in costs if c["peak_bytes"] == 0]
+        unknown = [name for name, c in costs if c["peak_bytes"] is None]
+        if unknown:
+            notes.append(
+                f"peak MiB at N={n} is n/a for {', '.join(unknown)}: the resident-set peak is read from "
+                "Linux's /proc, which this system does not have."
+            )
+        if unread:
+            notes.append(
+                f"peak MiB at N={n} is n/a for {', '.join(unread)}: the probe reads the growth of the "
+                "process's peak resident set, and these calls took all their memory from pages the process "
+                "already held, so the reading is 0 - not a measurement of zero bytes (less than the "
+                "process's earlier peak)."
+            )
+        skipped = [r["name"] for r in rows if n not in r["cost"]]
+        if skipped:
+            notes.append(
+                f"N={n} is n/a for {', '.join(skipped)}: beyond the longest length the cost benchmark runs "
+                "the method at."
+            )
+    return notes
+
+
 def _mib(b: int | None) -> str:
     """Peak MiB; "n/a" off Linux and for a reading of 0 (the call's memory came from pages the process
     already held, which the resident-set peak cannot see: not a measured zero)."""
@@ -142,7 +175,7 @@ def table(rows: list[dict], ns: tuple[int, ...]) -> Table:
 
 
 def approximations(ctx: StudyContext) -> Section:
-    """(approx) Every approximation: MiniLM fidelity, time and peak memory vs exact tiled attention.
+    """Every approximation: MiniLM fidelity, time and peak memory vs exact tiled attention.
 
     Quick: 8 docstrings, N=1024 (about a minute); full: 128 docstrings, N=1K/4K/16K. MQAR accuracy
     needs training (minutes per method): ``multihead approx --mqar`` or ``benchmarks/bench_approx.py``.
@@ -160,6 +193,7 @@ def approximations(ctx: StudyContext) -> Section:
         "initialisation (the pretrained model never had them), so its low cosine measures an untrained "
         "Linformer, not a trained one; only the MQAR column trains it.",
     ]
+    notes += empty_column_notes(res["rows"], ns)
     data = {
         "ns": list(ns),
         "rows": [{**r, "cost": {str(k): v for k, v in r["cost"].items()}} for r in res["rows"]],

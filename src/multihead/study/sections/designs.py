@@ -35,7 +35,7 @@ from ...variants import NAMES
 if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
     from ..context import Section, StudyContext, Table
 
-__all__ = ["DESIGNS", "FULL", "QUICK", "designs"]
+__all__ = ["DESIGNS", "FULL", "QUICK", "design_style", "designs", "dodge", "error_floor"]
 
 #: The designs trained, in table order.
 DESIGNS: tuple[str, ...] = NAMES
@@ -164,19 +164,42 @@ def _text_table(rows: list[dict[str, Any]], cfg: TextConfig) -> Table:
     )
 
 
+#: one marker and one colour per design (15 x 20 distinct pairs; the index is the design's place in a plot)
+MARKERS = "os^vDPX*<>phH8d"
+
+
+def design_style(i: int) -> tuple[str, str]:
+    """(marker, colour) of the i-th design: no two of the first 15 designs share either."""
+    import matplotlib
+
+    colour = matplotlib.colormaps["tab20"](i % 20)
+    return MARKERS[i % len(MARKERS)], matplotlib.colors.to_hex(colour)
+
+
+def _place(design: str, i: int) -> int:
+    """A design's index in :data:`DESIGNS` (so it looks the same in every plot), else ``i``."""
+    return DESIGNS.index(design) if design in DESIGNS else i
+
+
+def dodge(xs: list[float], spread: float = 0.07) -> list[float]:
+    """Spread points that share an x sideways on a log axis (factor ``2**spread`` apart), centred on
+    the shared x, so that no point hides another; a point alone keeps its x."""
+    out = list(xs)
+    for x in set(xs):
+        same = [i for i, v in enumerate(xs) if v == x]
+        for j, i in enumerate(same):
+            out[i] = x * 2 ** (spread * (j - (len(same) - 1) / 2))
+    return out
+
+
 def _text_plot(rows: list[dict[str, Any]], ax: Any) -> None:
-    """Held-out bits/byte against KV-cache bytes per token, one point per design."""
-    markers = "os^vDPX*<>"
-    for i, r in enumerate(rows):
+    """Held-out bits/byte against KV-cache bytes per token, one point per design; designs with the same
+    KV bytes are spread sideways (:func:`dodge`)."""
+    xs = dodge([r["kv_bytes_per_token"] for r in rows])
+    for i, (r, x) in enumerate(zip(rows, xs)):
+        marker, colour = design_style(_place(r["design"], i))
         label = f"{r['design']} ({r['bits_per_byte']:.2f})"
-        ax.scatter(
-            r["kv_bytes_per_token"],
-            r["bits_per_byte"],
-            s=40,
-            marker=markers[i % len(markers)],
-            color=f"C{i % 10}",
-            label=label,
-        )
+        ax.scatter(x, r["bits_per_byte"], s=40, marker=marker, color=colour, label=label)
     ax.set_xscale("log")
     ax.set_xlabel("KV-cache bytes per token (all layers, log scale)")
     ax.set_ylabel("held-out bits per byte (lower is better)")
@@ -250,17 +273,24 @@ def _table(rows: list[dict[str, Any]], cfg: TrainConfig) -> Table:
     )
 
 
+def error_floor(cfg: TrainConfig) -> float:
+    """Where the log axis draws an error of 0: half of one queried key's share of the eval, in percent."""
+    return 50 / (cfg.eval_examples * cfg.n_pairs)
+
+
 def _plot(rows: list[dict[str, Any]], cfg: TrainConfig, ax: Any) -> None:
     """Held-out error (log scale, lower is better) against parameters: one point and legend entry per
     design; an error of 0 is drawn at half of one example's share, the smallest error the eval could see."""
-    floor = 50 / (cfg.eval_examples * cfg.n_pairs)  # percent
-    markers = "os^vDPX*<>"
-    for i, r in enumerate(rows):
+    floor = error_floor(cfg)
+    xs = dodge([r["params"] for r in rows])
+    for i, (r, x) in enumerate(zip(rows, xs)):
         err = max(100 * (1 - r["accuracy"]), floor)
+        marker, colour = design_style(_place(r["design"], i))
         label = f"{r['design']} ({100 * r['accuracy']:.1f}%)"
-        ax.scatter(r["params"], err, s=40, marker=markers[i % len(markers)], color=f"C{i}", label=label)
+        ax.scatter(x, err, s=40, marker=marker, color=colour, label=label)
     chance = 100 * (1 - 1 / cfg.n_pairs)
     ax.axhline(chance, color="grey", linestyle=":", label=f"a random one of the {cfg.n_pairs} values")
+    ax.axhline(floor, color="grey", linestyle="--", linewidth=0.8, label=f"error 0 drawn here ({floor:.4g}%)")
     ax.set_yscale("log")
     ax.set_xlabel("parameters (whole model)")
     ax.set_ylabel("held-out error (%), log scale")
@@ -306,7 +336,7 @@ def _notes(tasks: list[tuple[TrainConfig, list[dict[str, Any]]]]) -> list[str]:
 
 
 def designs(ctx: StudyContext) -> Section:
-    """(designs) Every head design of multihead.variants trained on MQAR: accuracy, loss, params, FLOPs.
+    """Every head design of multihead.variants trained on MQAR: accuracy, loss, params, FLOPs.
 
     Quick: the :data:`QUICK` task (seconds per design); full: :data:`QUICK`, then :data:`FULL` (a
     harder task, about half a minute per design).
@@ -330,14 +360,18 @@ def designs(ctx: StudyContext) -> Section:
         figures += ctx.figure(
             f"designs-mqar-{cfg.seq_len}",
             f"MQAR (seq_len {cfg.seq_len}, {cfg.n_pairs} pairs, {cfg.steps} steps): held-out error "
-            "against parameters, one point per head design (lower is better; accuracy in the legend).",
+            "against parameters, one point per head design (lower is better; accuracy in the legend). "
+            f"An error of 0 (100% accuracy) cannot sit on a log axis: it is drawn on the dashed line at "
+            f"{error_floor(cfg):.4g}%, half of one queried key's share of the {cfg.eval_examples} held-out "
+            "examples. Designs with equal parameter counts are spread sideways.",
             partial(_plot, rows, cfg),
             size=(7.5, 3.8),
         )
     figures += ctx.figure(
         "designs-text-lm",
         "Byte-level language model on standard-library docstrings: held-out bits per byte against the "
-        "KV-cache bytes one token costs, one point per head design.",
+        "KV-cache bytes one token costs, one point per head design; designs with the same KV bytes are "
+        "spread sideways around it (the legend gives each value) so that none hides another.",
         partial(_text_plot, text_rows),
         size=(7.5, 3.8),
     )

@@ -43,25 +43,36 @@ def distributed(ctx: StudyContext) -> Section:
     return Section("distributed", "Distributed: ring attention", doc, [table], [memory_note(doc["rows"])])
 
 
+def shard_tensors(world: int) -> int:
+    """Shard-sized tensors a rank holds at its peak (BENCHMARKS.md, "Ring attention", measured at
+    N = 64K): q, k, v, the running output, the step's partial output and workspace (5), plus the K/V in
+    flight: none at W=1, the next pair at W=2, the pair computed and the pair arriving from W=3 on."""
+    return 5 if world == 1 else 8 if world == 2 else 10
+
+
 def memory_note(rows: list[dict]) -> str:
-    """What the table's own numbers say about per-rank memory as W grows."""
+    """What the table's own numbers say about per-rank memory as W grows, next to what the count of
+    shard-sized tensors (:func:`shard_tensors`) predicts."""
     first, last = rows[0], rows[-1]
-    ratio = last["peak_bytes"] / (first["peak_bytes"] or 1)
+    w = last["world_size"]
     head = (
         "Each rank holds one shard of the sequence; K/V shards travel around the ring and partial outputs "
         "merge by log-sum-exp. "
     )
-    w = last["world_size"]
-    if ratio < 1.0:
-        trend = (
-            f"Here per-rank peak memory at W={w} is {ratio:.2f}x that of W=1: it falls as the shards shrink "
-            "(two K/V shards are in flight while one is computed). "
-        )
-    else:
-        trend = (
-            f"Here per-rank peak memory at W={w} is {ratio:.2f}x that of W=1: at this small N a rank's "
-            "fixed cost (communication buffers and a second K/V shard in flight) outweighs what the smaller "
-            "shard saves, so memory does not fall yet; it falls as 1/W once the shard dominates (N = 64K in "
-            "BENCHMARKS.md). "
-        )
-    return head + trend + "`multihead bench --distributed N --seq SEQ` measures larger N and W."
+    if not first["peak_bytes"] or not last["peak_bytes"]:
+        return head + "Peak memory was not measured here (the probe reads Linux's /proc)."
+    ratio = last["peak_bytes"] / first["peak_bytes"]
+    mib = [r["peak_bytes"] / 2**20 for r in (first, last)]
+    inputs = [r["input_bytes"] / 2**20 for r in (first, last)]
+    model = shard_tensors(w) / (shard_tensors(1) * w)
+    line = (
+        f"Here per-rank peak memory at W={w} is {ratio:.2f}x that of W=1 ({mib[1]:.1f} vs {mib[0]:.1f} MiB; "
+        f"the rank's own q, k, v: {inputs[1]:.1f} vs {inputs[0]:.1f} MiB). Counted in shard-sized tensors a "
+        f"rank holds {shard_tensors(1)} at W=1 and {shard_tensors(w)} at W={w} (the K/V in flight), which "
+        f"predicts {model:.2f}x: "
+    )
+    line += "the measurement is " + (
+        "close to it. " if abs(ratio - model) <= 0.15 else "not (see the table). "
+    )
+    line += "From W=3 on the count stays at 10, so memory halves with each doubling of W. "
+    return head + line + "`multihead bench --distributed N --seq SEQ` measures other N and W."

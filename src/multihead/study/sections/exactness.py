@@ -135,7 +135,7 @@ def _exactness_table(rows: list[dict]) -> Table:
 
 
 def exactness(ctx: StudyContext) -> Section:
-    """(a) Every backend against the float64 reference, forward and gradient, masks and ALiBi.
+    """Every backend against the float64 reference, forward and gradient, masks and ALiBi.
 
     Workload: B=2, Hq=8, Hkv=2 (GQA), N=256, D=64, fp32; ``quick=False`` adds the same in bf16.
     """

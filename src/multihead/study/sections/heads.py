@@ -26,6 +26,7 @@ import copy
 import random
 import time
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # study.py imports this module to register the section: impor
     from ..context import Section, StudyContext, Table
     from ..figures import Figure
 
-__all__ = ["FULL", "QUICK", "HeadsSizes", "heads"]
+__all__ = ["FULL", "QUICK", "HeadsSizes", "heads", "pruning_orders"]
 
 
 @dataclass(frozen=True)
@@ -328,6 +329,32 @@ def _texts(sizes: HeadsSizes, recover_texts: int) -> tuple[list[str], list[str],
     return docs[:a], docs[a:b], docs[b:c], docs[c:]
 
 
+def _fraction(f: float) -> str:
+    return str(Fraction(f).limit_denominator(24))
+
+
+def pruning_orders(pruning: list[dict]) -> str | None:
+    """Which order keeps the higher mean cosine at each pruned fraction, read off the rows (None when
+    no fraction was measured in both orders)."""
+    by = {(r["fraction"], r["order"]): r["mean_cos"] for r in pruning}
+    both = sorted(f for f, o in by if o == "importance" and (f, "random") in by and f > 0)
+    if not both:
+        return None
+    wins = [f for f in both if by[f, "importance"] > by[f, "random"]]
+    losses = [f for f in both if by[f, "importance"] < by[f, "random"]]
+    ties = [f for f in both if f not in wins and f not in losses]
+
+    def at(fs: list[float]) -> str:
+        return ", ".join(f"{_fraction(f)} ({by[f, 'importance']:.3f} vs {by[f, 'random']:.3f})" for f in fs)
+
+    parts = [f"keeps more at {at(wins)}" if wins else "", f"less at {at(losses)}" if losses else ""]
+    parts += [f"as much at {at(ties)}" if ties else ""]
+    return (
+        "Importance order against random order, fraction of heads removed (mean cosine, importance vs "
+        f"random): {'; '.join(p for p in parts if p)}."
+    )
+
+
 def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]:
     third = [r for r in pruning if abs(r["fraction"] - 1 / 3) < 1e-9]
     mqa = {r["method"]: r for r in gqa if r["n_kv"] == min(sizes.n_kv)}
@@ -343,10 +370,12 @@ def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]
                 " Random order does better here. A likely reason: importance (Michel et al.) scores each "
                 "head alone, by the first-order loss change of removing it with all others kept, so heads "
                 "that are each redundant with another all score low and go together, removing every copy of "
-                "what they do; a random third rarely hits every copy. The estimate holds best for small "
-                "fractions."
+                "what they do; a random third rarely hits every copy."
             )
         found.append(line)
+    order = pruning_orders(pruning)
+    if order is not None:
+        found.append(order)
     if len(mqa) == 2:
         found.append(
             f"At {min(sizes.n_kv)} kv head(s) per layer the aligned merge keeps a mean cosine of "
@@ -367,7 +396,7 @@ def _notes(sizes: HeadsSizes, pruning: list[dict], gqa: list[dict]) -> list[str]
 
 
 def heads(ctx: StudyContext) -> Section:
-    """(heads) MiniLM's heads: roles, pruning and MHA -> GQA curves, KV bytes vs human-judged quality.
+    """MiniLM's heads: roles, pruning and MHA -> GQA curves, KV bytes vs human-judged quality.
 
     Quick: :data:`QUICK` and ``surgery.QUICK`` (a couple of minutes, most of it the human-judged scores
     of the surgery part); full: :data:`FULL`, bench_heads' sizes, and ``surgery.FULL`` (tens of minutes).

@@ -20,7 +20,7 @@ KV_MODELS = {
 
 
 def kv_cache(ctx: StudyContext) -> Section:
-    """(c) KV-cache bytes of MHA vs GQA vs MQA for one sequence (batch 1)."""
+    """KV-cache bytes of MHA vs GQA vs MQA for one sequence (batch 1)."""
     rows, data = [], []
     for model, (layers, n_heads, hd, n, dtype) in KV_MODELS.items():
         for var in cost.compare_kv_heads(layers, 1, n, n_heads, hd, dtype):

@@ -77,7 +77,7 @@ def _st_reference(texts: list[str], ctx: StudyContext) -> tuple[torch.Tensor | N
 
 
 def minilm(ctx: StudyContext) -> Section:
-    """(d) all-MiniLM-L6-v2 through multihead vs its float64 oracle (and sentence-transformers), speed."""
+    """all-MiniLM-L6-v2 through multihead vs its float64 oracle (and sentence-transformers), speed."""
     from ..context import Section, Table
 
     title = "MiniLM: a real model through multihead"

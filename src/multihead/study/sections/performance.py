@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
     from ..context import Section, StudyContext
 
-__all__ = ["performance"]
+__all__ = ["SLOWER", "one_rate", "performance", "slower_note"]
 
 
 # -- section (d): performance against peers ----------------------------------------------------------
@@ -27,8 +27,45 @@ def _perf_suite(quick: bool) -> list:
     ]
 
 
+#: a time ratio above this is called slower (below it: within the noise of a shared machine)
+SLOWER = 1.10
+
+
+def one_rate(doc: dict) -> None:
+    """Quote the report's one measured fp32 matmul rate and bandwidth (:func:`machine_rates`, as the
+    walk section) instead of the suite's own probe, rescaling the "% of matmul" column to it."""
+    from ...bench import suite as bench
+    from ...cost.machine import machine
+    from ..context import machine_rates
+
+    rates = machine_rates()
+    own = doc["machine"]["matmul_gflops"]
+    if set(own) != {"torch.float32"}:  # another dtype ran: keep the suite's own rates
+        return
+    scale = own["torch.float32"] / rates["torch.float32"]
+    for r in doc["results"]:
+        if r.get("matmul_frac") is not None:
+            r["matmul_frac"] *= scale
+    doc["machine"] = {**machine(rates), "threads": doc["machine"]["threads"]}
+    doc["goals"] = bench.check_goals(doc["results"])
+
+
+def slower_note(results: list[dict]) -> str:
+    """Every case where auto took more than :data:`SLOWER` times a peer's time, read off the rows."""
+    slow = [
+        f"{r['case']} N={r['n']}: {ratio:.2f}x the time of {peer}"
+        for r in results
+        if r["method"] == "auto" and r["ms"] is not None
+        for peer, ratio in r.get("vs", {}).items()
+        if ratio > SLOWER
+    ]
+    if not slow:
+        return f"auto is within {SLOWER:.2f}x of every peer's time in every case of this run."
+    return f"auto is slower than a peer (by more than {SLOWER:.2f}x) in: " + "; ".join(slow) + "."
+
+
 def performance(ctx: StudyContext) -> Section:
-    """(d) Speed against peers: ``auto`` vs SDPA (dense mask), SDPA per block and the eager path, as in
+    """Speed against peers: ``auto`` vs SDPA (dense mask), SDPA per block and the eager path, as in
     ``multihead bench`` (time ratios measured in the same run)."""
     from ...bench import suite as bench
     from ..context import Section, Table
@@ -41,6 +78,7 @@ def performance(ctx: StudyContext) -> Section:
         done[0] += 1
 
     doc = bench.run("study", repeats=2 if ctx.quick else 3, progress=progress, suite=suite)
+    one_rate(doc)
     m = doc["machine"]
     rows = []
     for r in doc["results"]:
@@ -57,10 +95,13 @@ def performance(ctx: StudyContext) -> Section:
         align="lrlrrrl",
     )
     notes = [
-        f"Measured in this run: matmul {m['matmul_gflops']} GFLOP/s, memory bandwidth "
-        f"{m['bandwidth_gbps']} GB/s. Ratios below 1 mean auto is faster. Useful FLOPs count only the "
+        "Measured in this run: matmul "
+        + ", ".join(f"{v:.1f} GFLOP/s ({k.replace('torch.', '')})" for k, v in m["matmul_gflops"].items())
+        + ", memory bandwidth "
+        + f"{m['bandwidth_gbps']} GB/s. Ratios below 1 mean auto is faster. Useful FLOPs count only the "
         "(query, key) pairs the mask allows (FlashAttention's convention). `multihead bench --full` runs "
-        "the full suite (16K-32K tokens)."
+        "the full suite (16K-32K tokens).",
+        slower_note(doc["results"]),
     ]
     figures = ctx.figure(
         "performance", "Time vs N per method (log-log), cases with several N.", lambda ax: None

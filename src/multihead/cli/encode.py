@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..pretrained.files import atomic_write
+
 if TYPE_CHECKING:
     from ..pretrained import SentenceEncoder
 
@@ -79,12 +81,13 @@ def _embed(
 
 
 def _write(path: str, emb: torch.Tensor, texts: list[str]) -> None:
-    if path.endswith(".npy"):
-        np.save(path, emb.numpy())
-    elif path.endswith(".json"):
-        Path(path).write_text(json.dumps({"texts": texts, "embeddings": emb.tolist()}))
-    else:
+    if not path.endswith((".npy", ".json")):
         raise ValueError(f"--out {path!r} must end in .npy or .json")
+    with atomic_write(path) as tmp:  # a reader sees the old file or the whole new one
+        if path.endswith(".npy"):
+            np.save(tmp, emb.numpy())
+        else:
+            tmp.write_text(json.dumps({"texts": texts, "embeddings": emb.tolist()}))
 
 
 def _search(

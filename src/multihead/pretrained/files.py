@@ -18,6 +18,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from torch import Tensor
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "atomic_folder",
     "atomic_write",
     "read_json",
     "read_safetensors",
@@ -246,7 +248,10 @@ _PREVIOUS: dict[int, Any] = {}
 
 
 def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):  # a folder in its place, or no permission: nothing of ours
+    if path.is_dir() and not path.is_symlink():  # an atomic_folder's temporary
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    with contextlib.suppress(OSError):  # no permission: nothing of ours to clean up
         path.unlink(missing_ok=True)
 
 
@@ -310,4 +315,35 @@ def atomic_write(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, target)
     finally:
         _remove(tmp)  # after os.replace it no longer exists
+        _untrack(tmp)
+
+
+@contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """Write the folder ``path`` all at once: yields a temporary folder next to it to fill, then moves it
+    into place (an old ``path`` is renamed aside first and removed after), so a reader never sees a mix of
+    old and new files. The temporary is removed on an error, Ctrl-C, SIGTERM or SIGHUP, as in
+    :func:`atomic_write`. For folders the writer owns whole (e.g. a ``save_pretrained`` output).
+
+    Raises:
+        ValueError: the parent folder does not exist, or ``path`` is a file.
+    """
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ValueError(
+            f"cannot write {str(target)!r}: the folder {str(target.parent)!r} does not exist; create it first"
+        )
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"cannot write the folder {str(target)!r}: a file of that name is in the way")
+    tmp, old = temporary_name(target), temporary_name(target, "old")
+    tmp.mkdir()
+    _track(tmp)
+    try:
+        yield tmp
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+    finally:
+        _remove(tmp)
+        _remove(old)
         _untrack(tmp)

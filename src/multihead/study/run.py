@@ -20,6 +20,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from ..pretrained.files import atomic_write
 from .context import Section, StudyContext, Table, human, walk_table
 from .findings import key_findings
 from .render import render_html
@@ -147,10 +148,12 @@ def run_study(
         "sections": {s.key: s.data for s in sections},
     }
     if out is not None:
-        (out / "report.md").write_text(render_markdown(sections, quick))
+        with atomic_write(out / "report.md") as tmp:
+            tmp.write_text(render_markdown(sections, quick))
         title = f"multihead study ({'quick' if quick else 'full'})"
         sub = f"multihead {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-        (out / "report.html").write_text(render_html(sections, title, sub, key_findings(sections)))
+        with atomic_write(out / "report.html") as tmp:
+            tmp.write_text(render_html(sections, title, sub, key_findings(sections)))
         report["report"] = str(out / "report.md")
         report["html"] = str(out / "report.html")
         report["figures"] = [str(out / f.file) for s in sections for f in s.figures]

@@ -279,12 +279,13 @@ def test_nan_in_padded_keys_does_not_leak_at_64_rows(backend):
 
 
 # -- item 6: interrupted writes leave the old files and no temporary --------------------------------
-def test_an_error_inside_atomic_write_keeps_the_old_file(tmp_path):
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_error_or_ctrl_c_inside_atomic_write_keeps_the_old_file(tmp_path, error):
     target = tmp_path / "emb.npy"
     target.write_bytes(b"old")
-    with pytest.raises(RuntimeError, match="disk full"), atomic_write(target) as tmp:
+    with pytest.raises(error, match="disk full"), atomic_write(target) as tmp:
         tmp.write_bytes(b"half of the new")
-        raise RuntimeError("disk full")
+        raise error("disk full")
     assert target.read_bytes() == b"old"
     assert _files_left(tmp_path) == []
 

@@ -256,32 +256,35 @@ def _remove(path: Path) -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    """Remove every live temporary, then let the signal do what it did before (by default: end)."""
+    """A Python handler installed before ours runs (if it raises, the ``finally`` of each write removes
+    its temporary); otherwise remove every live temporary and end the process as the signal's default
+    action would."""
+    previous = _PREVIOUS.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+        return
     for tmp in list(_LIVE):
         _remove(tmp)
     _LIVE.clear()
-    previous = _PREVIOUS.pop(signum, signal.SIG_DFL)
-    signal.signal(signum, previous)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous != signal.SIG_IGN:
-        os.kill(os.getpid(), signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _track(tmp: Path) -> None:
     with _LOCK:
-        if not _LIVE and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGHUP):
-                _PREVIOUS[sig] = signal.signal(sig, _on_signal)
+                if sig not in _PREVIOUS and signal.getsignal(sig) is not signal.SIG_IGN:
+                    _PREVIOUS[sig] = signal.signal(sig, _on_signal)
         _LIVE.add(tmp)
 
 
 def _untrack(tmp: Path) -> None:
     with _LOCK:
         _LIVE.discard(tmp)
-        if not _LIVE:
+        if not _LIVE and threading.current_thread() is threading.main_thread():
             for sig, previous in list(_PREVIOUS.items()):
-                signal.signal(sig, previous)
+                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
                 del _PREVIOUS[sig]
 
 

@@ -98,6 +98,12 @@ def _without_k_proj(tmp: Path):
     mh.pretrained.load(write_tiny(tmp, sd=sd))
 
 
+def _k_proj_of_another_width(tmp: Path):
+    sd = tiny_state_dict()
+    sd["model.layers.0.self_attn.k_proj.weight"] = torch.randn(8, 12)
+    mh.pretrained.load(write_tiny(tmp, sd=sd))
+
+
 def _shard_index(name: str) -> Callable[[Path], None]:
     def run(tmp: Path):
         write_tiny(tmp)
@@ -191,6 +197,10 @@ ROWS: dict[str, tuple[Callable[[Path], None], str]] = {
         _without_k_proj,
         r"config\.json with model\.safetensors\): .*layers\.1\.self_attn\.q_proj\.weight but no "
         r"layers\.1\.self_attn\.k_proj\.weight",
+    ),
+    "a k_proj of another width than q_proj": (
+        _k_proj_of_another_width,
+        r"model\.safetensors\): the weights do not fit together .*Expected 16 in dimension 1 but got 12",
     ),
     "a shard named ../": (
         _shard_index("../x.safetensors"),

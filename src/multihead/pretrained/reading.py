@@ -106,16 +106,25 @@ _INIT_LOCK = threading.Lock()
 @contextmanager
 def shapes_only() -> Iterator[None]:
     """Build modules on the ``meta`` device with ``torch.nn.init``'s initialisers skipped: shapes only, no
-    memory, and fast (initialising a meta tensor runs Python reference code). Weights are loaded after."""
+    memory, and fast (initialising a meta tensor runs Python reference code). Weights are loaded after.
 
-    def skip(t: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return t
+    The initialisers are swapped in ``torch.nn.init`` while the block runs (as transformers does when it
+    loads a model); the stand-ins skip only in the thread that entered, so a module built meanwhile in
+    another thread is initialised as usual.
+    """
+    owner = threading.get_ident()
+
+    def stand_in(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def maybe_skip(t: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            return t if threading.get_ident() == owner else original(t, *args, **kwargs)
+
+        return maybe_skip
 
     with _INIT_LOCK:
         saved = {name: getattr(nn.init, name) for name in _INITS}
         try:
-            for name in _INITS:
-                setattr(nn.init, name, skip)
+            for name, fn in saved.items():
+                setattr(nn.init, name, stand_in(fn))
             with torch.device("meta"):
                 yield
         finally:
@@ -129,13 +138,16 @@ def dry_run(convert: Callable[[Mapping[str, Tensor], Any], Any], shapes: Mapping
     its weights (missing keys, wrong shapes, integer weights) fails here, before any allocation.
 
     Raises:
-        ValueError: what ``convert`` raises, prefixed with ``where``.
+        ValueError: what ``convert`` raises, prefixed with ``where``; a tensor operation that fails on
+            the shapes (weights that do not fit each other, e.g. a k_proj of another width than q_proj).
     """
     try:
         with shapes_only():
             convert(unify_dtypes(shapes, config, where, warn=False), config)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    except (RuntimeError, IndexError, TypeError) as e:
+        raise ValueError(f"{where}: the weights do not fit together or the config ({e})") from None
 
 
 def convert_checked(
@@ -161,7 +173,8 @@ def load_checked(path: str | Path, convert: Callable[[Mapping[str, Tensor], Any]
     (the steps of the module docstring).
 
     Raises:
-        ValueError: what :func:`read_checkpoint` and ``convert`` raise, naming the checkpoint.
+        ValueError: what :func:`read_config`, :func:`checkpoint_files` and ``convert`` raise, naming the
+            checkpoint.
     """
     root = Path(path)
     config = read_config(root)

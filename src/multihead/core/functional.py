@@ -83,7 +83,9 @@ def attention(
             that is neither "auto", a registered name nor a backend object, a backend that cannot serve
             the request (an approximation asked for weights or lse, or given a mask or bias it cannot
             apply, or given sinks), ``dropout_p`` outside [0, 1), ``sinks`` that is not a floating (Hq,)
-            tensor on q's device, sinks forced onto ``backend="sdpa"``.
+            tensor on q's device, sinks forced onto ``backend="sdpa"``, a dense (B, Hq, Nq, Nk) score
+            matrix (``matrix``, ``reference``, ``return_weights``) over ``MULTIHEAD_MAX_SCORE_BYTES``
+            (default 4 GiB) or the free memory.
     """
     chosen = registry.resolve(backend)
     p = make_problem(

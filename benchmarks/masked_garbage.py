@@ -2,7 +2,9 @@
 of ``mh.attention(backend="auto")`` with the clearing on and off, in the same run, interleaved.
 
 Unmasked and causal calls should cost the same (the mask's structure says no key is dead: one function
-call); a padding mask pays one ``torch.where`` over K and V, small next to the attention itself.
+call); a padding mask pays one ``torch.where`` over K and V: small next to a prefill, a large share of a
+decode step, where the attention itself only reads K and V once (generate's own left-padding mask is
+not cleared: the model writes its pad slots itself).
 
     python benchmarks/masked_garbage.py            # prints time(on) / time(off) per case
     python benchmarks/masked_garbage.py --repeats 50 --json
@@ -20,6 +22,7 @@ import torch
 import multihead as mh
 import multihead.core.functional as functional
 from multihead.core.dead_keys import clear_dead_keys
+from multihead.models.padding import TrailingKeyPadding
 
 B, HQ, HKV, D = 1, 8, 2, 64
 
@@ -31,11 +34,15 @@ def _cases() -> dict[str, tuple]:
         return torch.randn(b, HQ, nq, D), torch.randn(b, HKV, nk, D), torch.randn(b, HKV, nk, D)
 
     lengths = [700, 1024, 300, 1024]
+    real = torch.arange(1024)[None] >= 1024 - torch.tensor(lengths)[:, None]  # (4, 1024), left padding
+    left_padded = TrailingKeyPadding(real)  # what generate builds for a left-padded batch
     return {
         "decode 1x1024, no mask": (*qkv(1, 1024), None),
         "prefill 512, causal": (*qkv(512, 512), mh.causal()),
         "prefill 1024, no mask": (*qkv(1024, 1024), None),
         "prefill 1024 x B=4, causal & padding": (*qkv(1024, 1024, 4), mh.causal() & mh.padding(lengths)),
+        "decode 1x1024 x B=4, generate's left padding": (*qkv(1, 1024, 4), mh.causal() & left_padded),
+        "decode 1x1024 x B=4, key_padding": (*qkv(1, 1024, 4), mh.key_padding(real)),
     }
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.models.padding import TrailingKeyPadding
 
 B, HQ, HKV, NK, D = 2, 4, 2, 80, 8
 LENGTHS = [53, 17]  # real keys per batch row; the rest are pad slots
@@ -20,7 +19,7 @@ MASKS = {
     "bool tensor per query head": lambda: REAL[:, None, None, :].expand(B, HQ, 1, NK).clone(),
     "causal & padding": lambda: mh.causal() & mh.padding(LENGTHS),
     "sliding window & key_padding": lambda: mh.sliding_window(24) & mh.key_padding(REAL),
-    "a generation mask (left padding)": lambda: mh.causal() & TrailingKeyPadding(REAL.flip(-1)),
+    "left padding as a bool tensor": lambda: REAL.flip(-1)[:, None, None, :],
 }
 NAN, INF = float("nan"), float("inf")
 #: (what the hidden keys hold, what the hidden values hold)

@@ -9,7 +9,9 @@ and a zero weight times a NaN value is NaN in P @ V (every backend), in the outp
 (so their gradients are exactly zero, as in a clean run). It only reads what a mask's structure says
 cheaply: ``padding``, ``key_padding``, a bool tensor mask (reduced over its query axis), and ``&`` / ``|``
 of those; other masks (causal, windows, documents) leave every key to some query, or are not known to
-hide any, and cost nothing.
+hide any, and cost nothing. The mask ``TransformerLM.generate`` builds for a left-padded batch is not
+read either: the pad slots of its cache are written by the model itself (finite activations of the pad
+tokens), and clearing them would copy the whole cache at every decode step.
 
 Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, Nk keys; "B|1" a dim that may be 1.
 """

@@ -39,10 +39,6 @@ class TrailingKeyPadding(Mask):
     def evaluate(self, b, h, q, k, ctx):
         return self.real.to(k.device)[b, k + (self.real.shape[1] - ctx.Nk)]
 
-    def dead_keys(self, ctx: MaskContext, device: torch.device) -> Tensor:
-        """(B, 1, Nk): the pad keys, hidden from every query (see :mod:`multihead.core.dead_keys`)."""
-        return ~self.real.to(device)[:, self.real.shape[1] - ctx.Nk :, None].transpose(1, 2)  # (B, 1, Nk)
-
     def default_size(self):
         B, T = self.real.shape
         return (B, T, T)

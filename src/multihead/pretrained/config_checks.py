@@ -164,8 +164,8 @@ def unify_dtypes(
 ) -> Mapping[str, Tensor]:
     """``sd`` with every floating tensor in one dtype: a checkpoint of mixed float dtypes (one fp16 tensor
     among fp32 ones) is cast, with a warning, to the dtype the config declares (``torch_dtype``) or else
-    to the dtype that holds most of the numbers (what transformers does with ``dtype="auto"``; it casts
-    silently). A checkpoint of one dtype is returned as it is.
+    to the dtype that holds most of the numbers. transformers likewise casts every weight to the one
+    dtype of the model it builds, silently. A checkpoint of one dtype is returned as it is.
     """
     counts: dict[torch.dtype, int] = {}
     for t in sd.values():

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..core.biases import TensorBias, bias_parts
-from ..core.limits import SCORE_LIMIT_ENV, available_bytes, format_bytes, max_score_bytes
+from ..core.limits import SCORE_LIMIT_ENV, SMALL_BYTES, available_bytes, format_bytes, max_score_bytes
 from ..core.masks import index_grid
 from ..core.problem import Problem
 
@@ -32,7 +32,10 @@ def check_score_size(p: Problem, backend: str, dtype: torch.dtype) -> None:
         ValueError: naming the backend, the shape, the bytes it needs and the ways out.
     """
     need = p.B * p.Hq * p.Nq * p.Nk * torch.empty(0, dtype=dtype).element_size()
-    limit, free = max_score_bytes(), available_bytes(p.q.device)
+    limit = max_score_bytes()
+    if need <= min(limit, SMALL_BYTES):
+        return  # small: no need to ask how much memory is free
+    free = available_bytes(p.q.device)
     if need <= limit and (free is None or need <= free):
         return
     over = (

@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "DEFAULT_MAX_SCORE_BYTES",
     "SCORE_LIMIT_ENV",
+    "SMALL_BYTES",
     "available_bytes",
     "check_fits",
     "format_bytes",
@@ -27,6 +28,8 @@ __all__ = [
 SCORE_LIMIT_ENV = "MULTIHEAD_MAX_SCORE_BYTES"
 #: Its default: 4 GiB.
 DEFAULT_MAX_SCORE_BYTES = 4 << 30
+#: Requests up to this size are not compared with the free memory (asking costs a file read).
+SMALL_BYTES = 64 << 20
 
 
 def format_bytes(n: float) -> str:
@@ -63,6 +66,8 @@ def check_fits(nbytes: int, what: str, fix: str, device: torch.device | str | No
     Raises:
         ValueError: ``"{what} needs {size}, but only {free} is free on {device}; {fix}"``.
     """
+    if nbytes <= SMALL_BYTES:
+        return  # not worth a read of /proc/meminfo on every call
     free = available_bytes(device)
     if free is not None and nbytes > free:
         dev = "the CPU" if device is None or torch.device(device).type == "cpu" else str(device)

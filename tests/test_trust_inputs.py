@@ -169,6 +169,10 @@ ROWS: dict[str, tuple[Callable[[Path], None], str]] = {
         _converted_with(_surgery(lambda m: [m])),
         r"surgery file '.*surgery\.json' holds a JSON list, expected an object",
     ),
+    "load_converted: an unknown base preset": (
+        _converted_with(_surgery(lambda m: {**m, "base": {"preset": "llama-tinx"}})),
+        r"surgery\.json': its base cannot be built: unknown preset 'llama-tinx'",
+    ),
     "load_converted: weights from another save": (
         _converted_with(_surgery(lambda m: {**m, "weights_id": "other"})),
         r"model\.safetensors' and '.*surgery\.json' come from different saves",

@@ -170,7 +170,12 @@ def load_converted(path: str | Path) -> SentenceEncoder | TransformerLM:
             f"{str(weights)!r} and {str(meta_file)!r} come from different saves (weights_id {pair!r} vs "
             f"{meta.get('weights_id')!r}): a save was interrupted or is running; save the model again"
         )
-    model = _base_model(meta.get("base", MINILM), where)
+    try:
+        model = _base_model(meta.get("base", MINILM), where)
+    except ValueError as e:  # an unknown preset, an unreadable base checkpoint: say whose base it is
+        raise ValueError(
+            e.args[0] if where in str(e) else f"{where}: its base cannot be built: {e}"
+        ) from None
     try:
         for step in steps:
             model = apply_surgery(model, step)

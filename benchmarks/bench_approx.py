@@ -109,6 +109,8 @@ def _mqar_from(folder: Path, rows: list[dict]) -> None:
 
 
 def main() -> None:
+    from multihead.pretrained.files import atomic_write
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="*", default=[1024, 4096, 16384])
     ap.add_argument("--texts", type=int, default=256, help="docstrings for MiniLM fidelity (0: skip)")
@@ -132,7 +134,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if a.quant:
         res = _quant()
-        (out / "quant.json").write_text(json.dumps(res, indent=1))
+        with atomic_write(out / "quant.json") as tmp:
+            tmp.write_text(json.dumps(res, indent=1))
         print(json.dumps(res, indent=1))
         return
     from multihead.bench import approx as measure
@@ -157,7 +160,8 @@ def main() -> None:
         quality["notes"] = [n for n in quality["notes"] if n not in extra] + extra
     png = measure.pareto_png(rows, out / "pareto.png", max(a.n))
     doc = {"ns": a.n, "rows": [{**r, "cost": {str(k): v for k, v in r["cost"].items()}} for r in rows]}
-    (out / "approx.json").write_text(json.dumps({**doc, "notes": quality["notes"], "png": png}, indent=1))
+    with atomic_write(out / "approx.json") as tmp:
+        tmp.write_text(json.dumps({**doc, "notes": quality["notes"], "png": png}, indent=1))
     print(report.table(rows, tuple(a.n)).markdown())
     for note in quality["notes"]:
         print(note)

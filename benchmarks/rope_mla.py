@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import multihead as mh
 from multihead import heads
+from multihead.pretrained.files import atomic_write
 from multihead.train.text import byte_corpus
 
 
@@ -157,8 +158,8 @@ def main() -> None:
         cells = f"{100 * r['agree']:.1f}% | {r['kl']:.4f} | {r['rel_err']:.3f} | {r['bits_per_byte']:.3f}"
         print(f"| {r['model']} | {r['kv_bytes']:,} | {cells} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"setup": head, "args": vars(args), "rows": rows}, f, indent=1)
+        with atomic_write(args.json) as tmp:
+            tmp.write_text(json.dumps({"setup": head, "args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 
 import multihead as mh
 from multihead import heads
+from multihead.pretrained.files import atomic_write
 
 SETS = ("lee", "wordsim353", "polarity")
 
@@ -96,8 +97,8 @@ def main() -> None:
         print(f"| {r['model']} | {r['kv_bytes']} | {r['lee']:.3f} | {r['wordsim353']:.3f} | "
               f"{r['polarity']:.3f} | {pct:.2f}% |")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        with atomic_write(args.json) as tmp:
+            tmp.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

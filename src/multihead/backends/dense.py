@@ -16,10 +16,44 @@ import torch
 from torch import Tensor
 
 from ..core.biases import TensorBias, bias_parts
+from ..core.limits import SCORE_LIMIT_ENV, SMALL_BYTES, available_bytes, format_bytes, max_score_bytes
 from ..core.masks import index_grid
 from ..core.problem import Problem
 
-__all__ = ["modify_scores", "safe_softmax"]
+__all__ = ["check_score_size", "modify_scores", "safe_softmax"]
+
+
+def check_score_size(p: Problem, backend: str, dtype: torch.dtype) -> None:
+    """Refuse, before allocating, a (B, Hq, Nq, Nk) score matrix of ``dtype`` larger than the documented
+    limit (:func:`~multihead.core.limits.max_score_bytes`, 4 GiB unless ``MULTIHEAD_MAX_SCORE_BYTES``
+    says otherwise) or than the free memory. The softmax keeps a few such matrices alive at once.
+
+    Raises:
+        ValueError: naming the backend, the shape, the bytes it needs and the ways out.
+    """
+    need = p.B * p.Hq * p.Nq * p.Nk * torch.empty(0, dtype=dtype).element_size()
+    limit = max_score_bytes()
+    if need <= min(limit, SMALL_BYTES):
+        return  # small: no need to ask how much memory is free
+    free = available_bytes(p.q.device)
+    if need <= limit and (free is None or need <= free):
+        return
+    over = (
+        f"over the limit of {format_bytes(limit)} ({SCORE_LIMIT_ENV})"
+        if need > limit
+        else f"more than the {format_bytes(free or 0)} free"
+    )
+    ways = (
+        "drop return_weights (backend 'auto' or 'tiled' then needs O(N) memory), or ask for the weights "
+        "of fewer query rows at a time"
+        if p.return_weights
+        else "use backend='tiled' or 'auto' (O(N) memory)"
+    )
+    raise ValueError(
+        f"backend {backend!r} would materialise the (B, Hq, Nq, Nk) = ({p.B}, {p.Hq}, {p.Nq}, {p.Nk}) "
+        f"score matrix in {str(dtype).replace('torch.', '')}: {format_bytes(need)}, {over}; {ways}, "
+        f"or, to allow it, set {SCORE_LIMIT_ENV} to a larger byte count"
+    )
 
 
 def modify_scores(

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..core.numerics import acc_dtype
 from ..core.problem import AttentionOutput, Problem
-from .dense import modify_scores, safe_softmax
+from .dense import check_score_size, modify_scores, safe_softmax
 
 # Refuse under `auto` when the fp32 score matrix would exceed this many bytes.
 MAX_SCORE_BYTES = 1 << 30
@@ -34,6 +34,7 @@ class MatrixBackend:
     def run(self, p: Problem) -> AttentionOutput:
         B, Hq, Hkv, G, Nq, Nk = p.B, p.Hq, p.Hkv, p.G, p.Nq, p.Nk
         acc = acc_dtype(p.dtype)
+        check_score_size(p, self.name, acc)
         q = p.q.to(acc).reshape(B, Hkv, G * Nq, p.D)  # (B, Hkv, G*Nq, D): groups folded into rows
         s = torch.matmul(q, p.k.to(acc).transpose(-1, -2))  # (B, Hkv, G*Nq, Nk)
         s = s.reshape(B, Hq, Nq, Nk) * p.scale  # (B, Hq, Nq, Nk)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..core.numerics import acc_dtype
 from ..core.problem import AttentionOutput, Problem
-from .dense import modify_scores, safe_softmax
+from .dense import check_score_size, modify_scores, safe_softmax
 
 
 class ReferenceBackend:
@@ -27,6 +27,7 @@ class ReferenceBackend:
         return "the float64 per-head oracle is for tests; ask for it with backend='reference'"
 
     def run(self, p: Problem) -> AttentionOutput:
+        check_score_size(p, self.name, torch.float64)
         q, k, v = (t.to(torch.float64) for t in (p.q, p.k, p.v))
         heads, weights, lses = [], [], []
         for i in range(p.Hq):

@@ -29,6 +29,7 @@ from ..approx.linear import LinearAttention, Performer
 from ..approx.low_rank import Linformer, LowRank, Nystrom
 from ..approx.sparse import SparseMask, Threshold, TopK, local, local_global
 from ..core.functional import attention
+from ..pretrained.files import atomic_write
 from . import timing
 
 __all__ = ["METHODS", "Method", "cost", "fidelity", "make", "pareto_png", "peak_rss_tracker"]
@@ -201,6 +202,7 @@ def pareto_png(rows: list[dict], path: str | Path, n: int) -> str | None:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return str(path)

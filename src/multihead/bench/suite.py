@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..cost import machine
+from ..pretrained.files import atomic_write
 from . import methods as bm
 from . import timing
 from .methods import Case
@@ -278,7 +279,8 @@ def plot(doc: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig = plot_figure(doc, plt)
-    fig.savefig(path, format="png")
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
 
 

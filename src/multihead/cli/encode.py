@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ..pretrained.files import atomic_write
 from .console import check_input_file, check_output_file, progress_columns
 from .threads import threads_option
 
@@ -89,21 +87,13 @@ def _check_out(path: str) -> None:
 
 
 def _write(path: str, emb: torch.Tensor, texts: list[str]) -> None:
-    """Write the embeddings to a temporary file next to ``path``, then rename it: an interrupted run
-    never leaves a half-written file under the user's name."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if path.endswith(".npy"):
-                np.save(f, emb.numpy())
-            else:
-                f.write(json.dumps({"texts": texts, "embeddings": emb.tolist()}).encode())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    if not path.endswith((".npy", ".json")):
+        raise ValueError(f"--out {path!r} must end in .npy or .json")
+    with atomic_write(path) as tmp:  # a reader sees the old file or the whole new one
+        if path.endswith(".npy"):
+            np.save(tmp, emb.numpy())
+        else:
+            tmp.write_text(json.dumps({"texts": texts, "embeddings": emb.tolist()}))
 
 
 def _search(

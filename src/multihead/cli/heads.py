@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..pretrained.files import atomic_folder, atomic_write
 from .console import for_terminal
 from .threads import threads_option
 
@@ -78,10 +79,11 @@ def run(args: argparse.Namespace) -> int:
         bar.update(task, advance=1)
         md = out / "roles.md"
         where = f"the text and {args.texts} docstrings" if args.texts else "the text"
-        md.write_text(
-            f"# Head roles of all-MiniLM-L6-v2 on {where}\n\n{heads.roles_grid(table)}\n\n"
-            f"{heads.roles_table(table)}\n"
-        )
+        with atomic_write(md) as tmp:
+            tmp.write_text(
+                f"# Head roles of all-MiniLM-L6-v2 on {where}\n\n{heads.roles_grid(table)}\n\n"
+                f"{heads.roles_table(table)}\n"
+            )
         files.append(md)
     if args.json:
         doc = {"text": args.text, "texts": len(texts), "roles": [r.as_dict() for r in table]}
@@ -301,7 +303,8 @@ def _export_hf(student: Any, folder: Path) -> dict:
         return {"written": False, "why": str(e)}
     from transformers import AutoModelForCausalLM
 
-    hf_model.save_pretrained(folder)
+    with atomic_folder(folder) as tmp:
+        hf_model.save_pretrained(tmp)
     back = AutoModelForCausalLM.from_pretrained(folder, dtype=hf_model.dtype).eval()
     ids = torch.arange(1, 17).remainder(student.vocab_size)[None]  # (1, 16)
     with torch.no_grad():

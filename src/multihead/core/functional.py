@@ -11,6 +11,7 @@ from ..backends import registry
 from ..backends.auto import explain, first_fit
 from ..backends.registry import Backend
 from .biases import Bias
+from .dead_keys import clear_dead_keys
 from .masks import Mask
 from .problem import AttentionOutput, make_problem
 
@@ -71,16 +72,20 @@ def attention(
 
     Returns:
         out (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, weights, lse)`` when
-        ``return_weights`` or ``return_lse`` is set. A row with no allowed key gives zeros (lse = -inf);
-        with a sink it also gives zeros (the sink takes all the mass) and lse = sink_h. With sinks the
-        weights are the ``p_j`` above, so a row sums to ``1 - p_sink`` < 1.
+        ``return_weights`` or ``return_lse`` is set. Keys that the mask hides from every query of their
+        (batch, head) (padding, key_padding, a bool tensor mask) never influence the output or the
+        gradients, whatever they hold (NaN and Inf included). A row with no allowed key gives zeros
+        (lse = -inf); with a sink it also gives zeros (the sink takes all the mass) and lse = sink_h.
+        With sinks the weights are the ``p_j`` above, so a row sums to ``1 - p_sink`` < 1.
 
     Raises:
         ValueError: bad shapes, dtypes, head counts, masks/biases that do not broadcast, a ``backend``
             that is neither "auto", a registered name nor a backend object, a backend that cannot serve
             the request (an approximation asked for weights or lse, or given a mask or bias it cannot
             apply, or given sinks), ``dropout_p`` outside [0, 1), ``sinks`` that is not a floating (Hq,)
-            tensor on q's device, sinks forced onto ``backend="sdpa"``.
+            tensor on q's device, sinks forced onto ``backend="sdpa"``, a dense (B, Hq, Nq, Nk) score
+            matrix (``matrix``, ``reference``, ``return_weights``) over ``MULTIHEAD_MAX_SCORE_BYTES``
+            (default 4 GiB) or the free memory.
     """
     chosen = registry.resolve(backend)
     p = make_problem(
@@ -95,6 +100,7 @@ def attention(
         return_lse=return_lse,
         sinks=sinks,
     )
+    p = clear_dead_keys(p)  # garbage in keys no query may see must not reach any kernel (NaN * 0)
     res = (registry.get(first_fit(p)) if chosen is None else chosen).run(p)
     if return_weights or return_lse:
         return res

@@ -17,7 +17,6 @@ Presets (:data:`PRESETS`, also :data:`multihead.pretrained.PRESETS`)::
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -276,9 +275,12 @@ def load_config(directory: str | Path) -> dict[str, Any]:
     """The config.json of a Hugging Face / sentence-transformers directory (no weights are read).
 
     Raises:
-        ValueError: ``directory`` is missing or not a folder, has no config.json, or its config.json is
-            not a JSON object; the message names the file.
+        ValueError: ``directory`` is missing or not a folder, has no config.json, its config.json is not a
+            JSON object, or a field has the wrong type or range; the message names the file.
     """
+    from ..pretrained.config_checks import check_config
+    from ..pretrained.files import read_json
+
     folder = Path(directory)
     if not folder.is_dir():
         why = "does not exist" if not folder.exists() else "is a file, not a folder"
@@ -288,12 +290,8 @@ def load_config(directory: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"no config.json in {str(directory)!r}; pass a save_pretrained() directory (--hf DIR)"
         )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{str(path)!r} is not valid JSON ({e}); re-save the model's config") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{str(path)!r} holds a JSON {type(config).__name__}, not an object (a config)")
+    config = read_json(path)
+    check_config(config, f"config file {str(path)!r}")
     return config
 
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..pretrained.files import atomic_write
 from .estimate import Cost
 from .roofline import Roof
 
@@ -82,6 +83,7 @@ def plot_roofline(
     ax.grid(True, which="both", alpha=0.2)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    with atomic_write(out) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return out

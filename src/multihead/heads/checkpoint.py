@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from ..models.lm import TransformerLM
+from ..pretrained.files import atomic_write, read_json, read_safetensors, read_safetensors_metadata
 from ..pretrained.sentence_encoder import SentenceEncoder, minilm
 from .gqa import to_gqa
 from .mla import to_mla
@@ -33,6 +35,8 @@ __all__ = ["MINILM", "SURGERIES", "apply_surgery", "load_converted", "save_conve
 
 #: The base of a converted MiniLM in surgery.json.
 MINILM = "all-MiniLM-L6-v2"
+
+_AGAIN = "convert the model again (`multihead heads convert` or mh.heads.save_converted)"
 
 SURGERIES = ("prune", "gqa", "mla")
 
@@ -64,22 +68,28 @@ def save_converted(
     """Write ``model.safetensors`` and ``surgery.json`` into ``out`` (created); return the folder.
 
     ``base``: what the steps were applied to (see the module docstring); a ``{"hf": DIR}`` is stored
-    as an absolute path."""
+    as an absolute path. Each file is written to a temporary in ``out`` and renamed over the old one
+    once complete (the weights first); both carry the same random ``weights_id``, so
+    :func:`load_converted` refuses a pair from two different saves, and an interrupted save (an error,
+    Ctrl-C, SIGTERM) leaves the previous pair and no temporary.
+    """
     from safetensors.torch import save_file
 
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     # a copy of each tensor: tied weights (embedding = head) would share memory, which safetensors refuses
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"))
     if isinstance(base, dict) and "hf" in base:
         base = {"hf": str(Path(base["hf"]).resolve())}
-    meta = {"base": base, "steps": list(steps)}
-    (folder / "surgery.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    return folder
+    pair = secrets.token_hex(8)
+    meta = {"base": base, "steps": list(steps), "weights_id": pair}
+    with atomic_write(folder / "surgery.json") as tmp_meta, atomic_write(folder / "model.safetensors") as tmp:
+        save_file(state, str(tmp), metadata={"weights_id": pair})
+        tmp_meta.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    return folder  # the weights were renamed into place first (inner block), then surgery.json
 
 
-def _base_model(base: Any) -> nn.Module:
+def _base_model(base: Any, where: str) -> nn.Module:
     """The model a surgery.json's ``base`` names.
 
     Raises:
@@ -89,11 +99,46 @@ def _base_model(base: Any) -> nn.Module:
 
     if base == MINILM:
         return minilm()
-    if isinstance(base, dict) and "hf" in base:
+    if isinstance(base, dict) and isinstance(base.get("hf"), str):
         return load(base["hf"])
-    if isinstance(base, dict) and "preset" in base:
-        return random_lm(str(base["preset"]))
-    raise ValueError(f"surgery.json base {base!r} is not {MINILM!r}, {{'hf': DIR}} or {{'preset': NAME}}")
+    if isinstance(base, dict) and isinstance(base.get("preset"), str):
+        return random_lm(base["preset"])
+    raise ValueError(f"{where}: base {base!r} is not {MINILM!r}, {{'hf': DIR}} or {{'preset': NAME}}")
+
+
+def _check_step(step: Any, i: int, where: str) -> None:
+    """One surgery.json step: an object with a known ``to`` and fields of the right types.
+
+    Raises:
+        ValueError: naming the file, the step and the field.
+    """
+    if not isinstance(step, dict) or step.get("to") not in SURGERIES:
+        raise ValueError(
+            f"{where}: step {i} is {step!r}, expected an object whose 'to' is one of {list(SURGERIES)}"
+        )
+    ints = {"gqa": ("n_kv_heads",), "mla": ("kv_rank",), "prune": ()}[step["to"]]
+    for key in ints:
+        if isinstance(step.get(key), bool) or not isinstance(step.get(key), int) or step[key] < 1:
+            raise ValueError(
+                f"{where}: step {i} ({step['to']}) needs {key!r} as an int >= 1, got {step.get(key)!r}"
+            )
+    rope = step.get("rope_dims")
+    if (
+        step["to"] == "mla"
+        and rope is not None
+        and (isinstance(rope, bool) or not isinstance(rope, int) or rope < 0)
+    ):
+        raise ValueError(f"{where}: step {i} (mla) has rope_dims {rope!r}, expected null or an int >= 0")
+    heads = step.get("heads")
+    if step["to"] == "prune" and not (
+        isinstance(heads, dict)
+        and all(
+            k.isdigit() and isinstance(v, list) and all(type(h) is int for h in v) for k, v in heads.items()
+        )
+    ):
+        raise ValueError(
+            f"{where}: step {i} (prune) needs 'heads' as {{\"layer\": [head, ...]}}, got {heads!r}"
+        )
 
 
 def load_converted(path: str | Path) -> SentenceEncoder | TransformerLM:
@@ -101,11 +146,10 @@ def load_converted(path: str | Path) -> SentenceEncoder | TransformerLM:
     TransformerLM (LLaMA-family base), in eval mode.
 
     Raises:
-        ValueError: a folder without surgery.json / model.safetensors, an unknown base, or weights that do
-            not fit.
+        ValueError: a folder without surgery.json / model.safetensors, a file that is truncated or not
+            what it should be, an unknown base or step, a weights file from another save than the
+            surgery.json, or weights that do not fit (the message names the file and the key).
     """
-    from safetensors.torch import load_file
-
     folder = Path(path)
     meta_file, weights = folder / "surgery.json", folder / "model.safetensors"
     if not meta_file.is_file() or not weights.is_file():
@@ -113,13 +157,34 @@ def load_converted(path: str | Path) -> SentenceEncoder | TransformerLM:
             f"{folder} must hold surgery.json and model.safetensors (written by `multihead heads convert` "
             "or mh.heads.save_converted)"
         )
-    meta = json.loads(meta_file.read_text(encoding="utf-8"))
-    model = _base_model(meta.get("base", MINILM))
-    for step in meta["steps"]:
-        model = apply_surgery(model, step)
+    meta = read_json(meta_file, "surgery", fix=_AGAIN)
+    where = f"surgery file {str(meta_file)!r}"
+    steps = meta.get("steps")
+    if not isinstance(steps, list):
+        raise ValueError(f"{where} has no 'steps' list (got {steps!r}); convert the model again")
+    for i, step in enumerate(steps):
+        _check_step(step, i, where)
+    pair = read_safetensors_metadata(weights, fix=_AGAIN).get("weights_id")
+    if pair != meta.get("weights_id"):
+        raise ValueError(
+            f"{str(weights)!r} and {str(meta_file)!r} come from different saves (weights_id {pair!r} vs "
+            f"{meta.get('weights_id')!r}): a save was interrupted or is running; save the model again"
+        )
     try:
-        model.load_state_dict(load_file(str(weights)), strict=True)
+        model = _base_model(meta.get("base", MINILM), where)
+    except ValueError as e:  # an unknown preset, an unreadable base checkpoint: say whose base it is
+        raise ValueError(
+            e.args[0] if where in str(e) else f"{where}: its base cannot be built: {e}"
+        ) from None
+    try:
+        for step in steps:
+            model = apply_surgery(model, step)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: step {step!r} cannot be applied to its base: {e}") from None
+    sd = read_safetensors(weights, fix=_AGAIN)
+    try:
+        model.load_state_dict(sd, strict=True)
     except RuntimeError as e:
-        raise ValueError(f"{weights} does not fit the structure surgery.json describes: {e}") from None
+        raise ValueError(f"{str(weights)!r} does not fit the structure surgery.json describes: {e}") from None
     assert isinstance(model, (SentenceEncoder, TransformerLM))
     return model.eval()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from ..pretrained.files import atomic_write
 from .labels import ABBREV, HeadRole
 
 __all__ = ["plot_head", "plot_maps", "plot_roles"]
@@ -57,7 +58,8 @@ def plot_maps(
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    with atomic_write(out) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return out
 
@@ -77,7 +79,8 @@ def plot_head(attn: Tensor, tokens: Sequence[str], path: str | Path, title: str 
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    with atomic_write(out) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return out
 
@@ -101,6 +104,7 @@ def plot_roles(roles: Sequence[HeadRole], path: str | Path, title: str = "") -> 
     ax.set_title(title or "head roles (score: the role's weight; broadness for broad / mixed)", fontsize=9)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    with atomic_write(out) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return out

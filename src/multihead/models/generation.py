@@ -61,11 +61,19 @@ def generate(
     :meth:`multihead.TransformerLM.generate` for the options. Runs in eval mode and restores the mode.
 
     Raises:
-        ValueError: bad ids, a negative max_new_tokens, sampling options without ``do_sample`` or out of
-            range, an attention_mask that is not left padding or leaves a row empty.
+        ValueError: bad ids, a negative max_new_tokens or one that takes the sequence past the model's
+            ``max_len``, sampling options without ``do_sample`` or out of range, an attention_mask that
+            is not left padding or leaves a row empty, a KV cache larger than the free memory.
     """
     model.check_ids(ids)
     check_int("max_new_tokens", max_new_tokens, 0)
+    limit = getattr(model, "max_len", None)
+    if isinstance(limit, int) and ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt's {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} = "
+            f"{ids.shape[1] + max_new_tokens} positions exceed the model's max_len={limit} (its "
+            f"max_position_embeddings); ask for at most {max(limit - ids.shape[1], 0)} new tokens"
+        )
     check_sampling(do_sample, temperature, top_k, top_p)
     real = None if attention_mask is None else check_left_padding(attention_mask, *ids.shape)
     was_training = model.training

@@ -24,9 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from ..core.checks import check_int
+from ..core.limits import check_fits
 from ..core.masks import Mask, causal, sliding_window
 from ..nn.attention import MultiHeadAttention
-from ..nn.kv_cache import KVCache
+from ..nn.kv_cache import KINDS, KVCache, cache_bytes
 from ..nn.layers import TransformerLayer
 from ..nn.norms import make_norm
 from ..nn.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
@@ -262,13 +263,24 @@ class TransformerLM(nn.Module):
         :class:`~multihead.variants.LatentAttention`) gets the cache that method builds.
 
         Raises:
-            ValueError: ``kind="sliding"`` on a model without ``sliding_window``, and what KVCache raises.
+            ValueError: ``kind="sliding"`` on a model without ``sliding_window``, caches of all layers
+                larger than the free memory, and what KVCache raises.
         """
         if kind == "sliding" and self.sliding_window is None:
             raise ValueError("a 'sliding' cache needs a model built with sliding_window=...; use 'dense'")
         window = self.sliding_window if kind == "sliding" else None
         p = self.embed.weight
         own = [getattr(layer.self_attn, "make_cache", None) for layer in self.layers]
+        plain = sum(1 for make in own if not callable(make))
+        if plain and kind in KINDS and isinstance(batch_size, int) and isinstance(max_len, int):
+            slots = max(window if window is not None else max_len, 0)
+            per_layer = cache_bytes(
+                batch_size, self.n_kv_heads, self.head_dim, self.head_dim, slots, kind, p.dtype
+            )
+            what = f"a {kind} KV cache of {plain} layers x {batch_size} rows x {slots} positions"
+            check_fits(
+                plain * per_layer, what, "lower max_new_tokens or the batch, or use cache='int8'", p.device
+            )
         return [
             make(batch_size, max_len, kind=kind, window=window, dtype=p.dtype, device=p.device)
             if callable(make)

@@ -172,7 +172,7 @@ class MultiheadAttention(nn.Module):
 
         Raises:
             ValueError: wrong ranks or feature sizes, batch or length mismatches, masks of the wrong
-                dtype or shape, ``is_causal=True`` without ``attn_mask``.
+                dtype or shape, ``is_causal=True`` without ``attn_mask``, nested tensors.
         """
         is_batched = _check_inputs(self, query, key, value)
         if is_batched:
@@ -248,7 +248,7 @@ class MultiheadAttention(nn.Module):
         b_q = b_k = b_v = None
         if self.in_proj_bias is not None:
             b_q, b_k, b_v = self.in_proj_bias.chunk(3)  # (E,) each
-        return F.linear(q, w_q, b_q), F.linear(k, w_k, b_k), F.linear(v, w_v, b_v)
+        return _linear(q, w_q, b_q), _linear(k, w_k, b_k), _linear(v, w_v, b_v)
 
     def _append_keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
         """Append ``bias_k``/``bias_v`` and then a zero key/value, as torch does; return how many."""
@@ -285,6 +285,15 @@ class MultiheadAttention(nn.Module):
         )
         out, weights = (res.out, res.weights) if isinstance(res, AttentionOutput) else (res, None)
         return out.transpose(1, 2).reshape(B, L, E), weights  # (B, L, E), (B, H, L, S') or None
+
+
+def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """``x @ w.T + b``; a bias of another dtype than the weight (a double module with a half
+    ``in_proj_bias``) is added after the matmul with type promotion, as torch's module does for its
+    (L, B, E) inputs, instead of failing in ``addmm``."""
+    if b is None or b.dtype == w.dtype:
+        return F.linear(x, w, b)
+    return F.linear(x, w) + b
 
 
 def _convert_masks(
@@ -335,6 +344,12 @@ def _check_inputs(m: MultiheadAttention, query: Tensor, key: Tensor, value: Tens
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise ValueError(
+                f"{name} is a nested tensor, which mh.compat.MultiheadAttention does not support; pad it "
+                "with torch.nested.to_padded_tensor(x, 0.0) and pass key_padding_mask (True at the pad "
+                "positions), or keep torch.nn.MultiheadAttention for nested inputs"
+            )
     if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
         raise ValueError(
             f"query, key, value must all be 3-D (batched) or all 2-D (unbatched), got {query.dim()}-D, "

@@ -36,7 +36,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["KINDS", "KVCache", "int8_rounded"]
+from ..core.limits import check_fits
+
+__all__ = ["KINDS", "KVCache", "cache_bytes", "int8_rounded"]
 
 #: The cache kinds, in the order the docs present them.
 KINDS = ("dense", "sliding", "int8")
@@ -44,10 +46,31 @@ KINDS = ("dense", "sliding", "int8")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+_SMALLER = "use a smaller batch or max_len, kind='int8' (about 1/4 of fp32), or a sliding window"
+
+
 def _check_size(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"KVCache {name} must be an int >= 1, got {value!r}")
     return value
+
+
+def cache_bytes(
+    batch_size: int,
+    n_kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    slots: int,
+    kind: str,
+    dtype: torch.dtype,
+) -> int:
+    """Bytes of one layer's cache storage: keys, values and (int8) their per-token scales."""
+    per_token = (head_dim + v_head_dim) * (
+        1 if kind == "int8" else torch.empty(0, dtype=dtype).element_size()
+    )
+    if kind == "int8":
+        per_token += 2 * torch.empty(0, dtype=_scale_dtype(dtype)).element_size()
+    return batch_size * n_kv_heads * slots * per_token
 
 
 def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -103,7 +126,7 @@ class KVCache(nn.Module):
 
     Raises:
         ValueError: on sizes that are not ints >= 1, an unknown kind, a missing or bad window, a window for
-            a kind other than ``"sliding"``, or a non-float dtype.
+            a kind other than ``"sliding"``, a non-float dtype, or storage larger than the free memory.
     """
 
     k: Tensor
@@ -154,6 +177,8 @@ class KVCache(nn.Module):
     def _allocate(self, device: torch.device | str | None) -> None:
         B, H, D, Dv = self.batch_size, self.n_kv_heads, self.head_dim, self.v_head_dim
         S = self.window if self.window is not None else self.max_len  # storage slots
+        need = cache_bytes(B, H, D, Dv, S, self.kind, self._dtype)
+        check_fits(need, f"a {self.kind} KVCache of {B} x {H} heads x {S} positions", _SMALLER, device)
         store = torch.int8 if self.kind == "int8" else self._dtype
         self.register_buffer("k", torch.zeros(B, H, S, D, dtype=store, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(B, H, S, Dv, dtype=store, device=device), persistent=False)

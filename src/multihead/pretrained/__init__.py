@@ -26,12 +26,14 @@ from torch import Tensor, nn
 
 from ..models.lm import TransformerLM
 from .bert import Bert, bert_from_state_dict
-from .convert import cfg, read_checkpoint
+from .config_checks import check_config
+from .convert import cfg
 from .corpus import stdlib_docstrings
 from .deepseek import deepseek_from_state_dict
 from .difflama import diffllama_from_state_dict
 from .gpt2 import gpt2_from_state_dict
 from .llama import PRESETS, llama_from_state_dict, llama_kwargs, preset_config
+from .reading import convert_checked, load_checked
 from .sentence_encoder import SentenceEncoder, minilm, minilm_dir, pack
 from .to_hf import to_hf
 
@@ -74,10 +76,20 @@ def from_hf_state_dict(state_dict: Mapping[str, Tensor], config: Any) -> Bert | 
     Returns:
         the model in eval mode, on the checkpoint's device and in its dtype.
 
+    Every config field is type- and range-checked first, and the model is built on the ``meta`` device
+    and matched against the weights' shapes before it is allocated. A state dict of mixed float dtypes
+    is cast to the config's ``torch_dtype`` (else to the dtype of most weights) with a warning.
+
     Raises:
-        ValueError: another model type, config options multihead does not model, keys of task heads,
-            weights that do not fit the config.
+        ValueError: another model type, config options multihead does not model or of the wrong type or
+            range, keys of task heads, weights that do not fit the config.
     """
+    check_config(config)
+    return convert_checked(_convert, state_dict, config, "the state dict")
+
+
+def _convert(state_dict: Mapping[str, Tensor], config: Any) -> Bert | TransformerLM:
+    """The converter that ``model_type`` names, applied (a config already checked)."""
     model_type = cfg(config, "model_type")
     if model_type not in _CONVERTERS:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {list(_CONVERTERS)}")
@@ -106,13 +118,17 @@ def from_hf(model: nn.Module) -> Bert | TransformerLM:
 
 
 def load(path: str | Path) -> Bert | TransformerLM:
-    """The multihead model of a ``save_pretrained`` directory (config.json + model.safetensors).
+    """The multihead model of a ``save_pretrained`` directory (config.json + model.safetensors or shards).
+
+    Nothing larger than the files is allocated before config and weights are known to agree: the config
+    is checked field by field, the weights' headers are read first, and the model is matched against
+    them on the ``meta`` device; a shard index may only name files inside the directory.
 
     Raises:
-        ValueError: missing files, and what :func:`from_hf_state_dict` raises.
+        ValueError: missing or unreadable files, config fields of the wrong type or range, weights that
+            do not fit the config, and what :func:`from_hf_state_dict` raises; the message names the file.
     """
-    sd, config = read_checkpoint(path)
-    return from_hf_state_dict(sd, config)
+    return load_checked(path, _convert)
 
 
 def random_lm(preset: str | Mapping[str, Any] = "llama-tiny", *, seed: int = 0) -> TransformerLM:

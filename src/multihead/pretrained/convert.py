@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-
-from .files import read_json, read_safetensors
 
 __all__ = [
     "Rule",
@@ -23,7 +20,6 @@ __all__ = [
     "cfg",
     "fuse_qkv",
     "load_converted",
-    "read_checkpoint",
     "rename",
 ]
 
@@ -74,12 +70,21 @@ def fuse_qkv(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     """Replace every ``<prefix>.{q,k,v}_proj.{weight,bias}`` triple by ``<prefix>.qkv_proj.*`` (rows q|k|v).
 
     The fused layout of :class:`multihead.MultiHeadAttention` (one matmul for eq. (3)).
+
+    Raises:
+        ValueError: a q_proj without its k_proj or v_proj (naming the keys).
     """
     out = dict(sd)
     for key in sd:
         m = re.fullmatch(r"(.*)\.q_proj\.(weight|bias)", key)
         if m:
             parts = [f"{m[1]}.{p}_proj.{m[2]}" for p in "qkv"]
+            missing = [p for p in parts if p not in out]
+            if missing:
+                raise ValueError(
+                    f"the checkpoint has {key} but no {', '.join(missing)}; every attention layer needs its "
+                    "q_proj, k_proj and v_proj (a truncated or edited checkpoint?)"
+                )
             out[f"{m[1]}.qkv_proj.{m[2]}"] = torch.cat([out.pop(p) for p in parts], dim=0)
     return out
 
@@ -126,39 +131,3 @@ def load_converted(model: nn.Module, sd: dict[str, Tensor], what: str, like: str
         )
     model.to(device=sd[like].device, dtype=sd[like].dtype)
     model.load_state_dict(sd, strict=True)
-
-
-def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict]:
-    """Read a Hugging Face checkpoint directory: ``config.json`` and ``model.safetensors`` (or shards).
-
-    Returns ``(state_dict, config)`` with the config as a plain dict.
-
-    Raises:
-        ValueError: the directory, its config.json or its safetensors weights are missing, or a file
-            is not what it should be (invalid JSON, truncated or corrupted safetensors); the message
-            names the file.
-    """
-    root = Path(path)
-    if not (root / "config.json").is_file():
-        raise ValueError(
-            f"{str(root)!r} is not a Hugging Face checkpoint directory: no config.json in it; "
-            "save one with model.save_pretrained(DIR)"
-        )
-    config = read_json(root / "config.json")
-    index = root / "model.safetensors.index.json"
-    if (root / "model.safetensors").is_file():
-        files = [root / "model.safetensors"]
-    elif index.is_file():
-        weight_map = read_json(index, "sharded index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"sharded index {str(index)!r} has no weight_map object; re-save the checkpoint")
-        files = [root / f for f in sorted(set(weight_map.values()))]
-    else:
-        raise ValueError(
-            f"{str(root)!r} has no model.safetensors (nor a sharded index); save the weights with "
-            "model.save_pretrained(DIR, safe_serialization=True)"
-        )
-    sd: dict[str, Tensor] = {}
-    for f in files:
-        sd.update(read_safetensors(f))
-    return sd, config

@@ -38,8 +38,8 @@ from torch import Tensor, nn
 
 from ..models import quant
 from .bert import Bert, bert_from_state_dict
-from .convert import read_checkpoint
 from .files import read_json, read_tokenizer
+from .reading import load_checked
 
 if TYPE_CHECKING:
     import numpy as np
@@ -137,7 +137,7 @@ class SentenceEncoder(nn.Module):
             ValueError: missing files, or a pooling other than mean.
         """
         root = Path(path)
-        sd, config = read_checkpoint(root)
+        bert = load_checked(root, bert_from_state_dict)
         pooling = root / "1_Pooling" / "config.json"
         mean = not pooling.is_file() or read_json(pooling, "pooling config").get("pooling_mode_mean_tokens")
         if not mean:
@@ -145,7 +145,7 @@ class SentenceEncoder(nn.Module):
         st_config = root / "sentence_bert_config.json"
         st = read_json(st_config, "sentence-transformers config") if st_config.is_file() else {}
         max_length = st.get("max_seq_length", 256)
-        return cls(bert_from_state_dict(sd, config), read_tokenizer(root / "tokenizer.json"), max_length)
+        return cls(bert, read_tokenizer(root / "tokenizer.json"), max_length)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, [CLS] ... [SEP], truncated to ``max_length``.

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..pretrained.files import atomic_write
+
 __all__ = ["Figure", "draw", "render_markdown_figures"]
 
 
@@ -53,7 +55,8 @@ def draw(
     try:
         plot(ax)
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        with atomic_write(path) as tmp:
+            fig.savefig(tmp, dpi=100)
     finally:
         plt.close(fig)
     return Figure(path.name, caption)

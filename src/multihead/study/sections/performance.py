@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ...pretrained.files import atomic_write
+
 if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
     from ..context import Section, StudyContext
 
@@ -113,6 +115,7 @@ def performance(ctx: StudyContext) -> Section:
         import matplotlib.pyplot as plt
 
         fig = bench.plot_figure(doc, plt)
-        fig.savefig(ctx.out_dir / figures[0].file, dpi=100)
+        with atomic_write(ctx.out_dir / figures[0].file) as tmp:
+            fig.savefig(tmp, dpi=100)
         plt.close(fig)
     return Section("performance", "Performance against peers", doc, [table], notes, figures)

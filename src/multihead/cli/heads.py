@@ -206,8 +206,17 @@ def convert(args: argparse.Namespace) -> int:
             "to": "prune",
             "heads": {k: sorted(v) for k, v in sorted(drop.items(), key=lambda kv: int(kv[0]))},
         }
+    _check_changes(model, step, args.allow_unchanged)
     t0 = time.perf_counter()
     student = heads.apply_surgery(model, step, calibration=None if args.to == "prune" else calibration)
+    before = heads.kv_cache_bytes_per_token(model, torch.float32)
+    after = heads.kv_cache_bytes_per_token(student, torch.float32)
+    if after >= before and not args.allow_unchanged:
+        raise ValueError(
+            f"{args.to} with {step} does not shrink the KV cache ({before} -> {after} bytes per token, "
+            f"float32); nothing saved to {args.out}. Choose a smaller --kv-rank / --kv-heads, or pass "
+            "--allow-unchanged to save it anyway"
+        )
     if args.recover_minutes or args.recover_steps:
         recovery = texts if lm else heads.mixed_lengths(texts)  # sentences and word spans too (encoders)
         heads.recover(
@@ -215,12 +224,13 @@ def convert(args: argparse.Namespace) -> int:
             progress=not args.json,
         )  # fmt: skip
     folder = heads.save_converted(student, [step], args.out, base=base)
+    if args.hf is not None:  # text in, text out: the converted folder keeps the tokenizer
+        _copy_tokenizer(Path(args.hf), folder)
     loaded = heads.load_converted(folder)
     probe = texts[-8:]
     result = {
         "model": name, "to": args.to, "step": step, "out": str(folder),
-        "kv_bytes_per_token": {"before": heads.kv_cache_bytes_per_token(model, torch.float32),
-                               "after": heads.kv_cache_bytes_per_token(student, torch.float32)},
+        "kv_bytes_per_token": {"before": before, "after": after}, "changed": after < before,
         "seconds": time.perf_counter() - t0,
     }  # fmt: skip
     if lm:
@@ -244,6 +254,8 @@ def convert(args: argparse.Namespace) -> int:
         }
         what = f"mean cosine to the original {fidelity:.3f} on 8 docstrings"
     result["hf"] = _export_hf(student, folder / "hf") if lm else _no_hf(args.to)
+    if result["hf"]["written"] and args.hf is not None:
+        _copy_tokenizer(Path(args.hf), folder / "hf")
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -265,6 +277,40 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_changes(model: Any, step: dict, allow: bool) -> None:
+    """Refuse a step that changes nothing (GQA to the kv heads every layer already has, a prune of no
+    heads) unless ``allow``.
+
+    Raises:
+        ValueError: such a step without ``allow``.
+    """
+    from ..heads import layers_of
+
+    if allow:
+        return
+    if step["to"] == "gqa":
+        have = sorted({layer.self_attn.n_kv_heads for layer in layers_of(model)})
+        if have == [step["n_kv_heads"]]:
+            raise ValueError(
+                f"--to gqa --kv-heads {step['n_kv_heads']}: every layer already has {have[0]} kv heads, so "
+                "nothing would change; pass fewer --kv-heads, or --allow-unchanged to save the model as it is"
+            )
+    if step["to"] == "prune" and not any(step["heads"].values()):
+        raise ValueError(
+            "--fraction prunes no head of this model (it rounds to 0 heads); pass a larger --fraction, or "
+            "--allow-unchanged to save the model as it is"
+        )
+
+
+def _copy_tokenizer(source: Path, folder: Path) -> None:
+    """Copy the tokenizer files of a checkpoint directory into ``folder`` (those it has)."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
+
+
 def _no_hf(to: str) -> dict:
     """Why a converted MiniLM has no transformers checkpoint."""
     why = (
@@ -278,8 +324,8 @@ def _no_hf(to: str) -> dict:
 
 def _export_hf(student: Any, folder: Path) -> dict:
     """Write ``student`` as a transformers checkpoint in ``folder`` with ``mh.pretrained.to_hf`` where its
-    family allows (LLaMA / Mistral / Qwen2 after GQA), load it back with plain transformers and compare
-    logits; else say why not (a latent-attention model, or transformers missing)."""
+    family allows (LLaMA / Mistral / Qwen2 after GQA, DeepSeek-V3 after MLA), load it back with plain
+    transformers and compare logits; else say why not (what to_hf refuses, or transformers missing)."""
     import torch
 
     from ..pretrained import to_hf
@@ -323,8 +369,9 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
         help="rotary models: rotary dims kept per head, even (default head dim / 4)",
     )  # fmt: skip
     p.add_argument(
-        "--rope-select", choices=ROPE_SELECT, default="norm",
-        help="rotary models: which frequency pairs each kv head keeps (default norm)",
+        "--rope-select", choices=ROPE_SELECT, default="disjoint",
+        help="rotary models: which frequency pairs each kv head keeps (default disjoint: the strongest "
+        "by norm, each pair in one kv head, so that OUT/hf/ holds it as a DeepSeek-V3 checkpoint)",
     )  # fmt: skip
     p.add_argument("--fraction", type=_fraction, default=1 / 3, help="heads pruned (default 1/3)")
     p.add_argument("--recover-minutes", type=float, default=0.0, help="distillation wall time (default 0)")
@@ -333,5 +380,9 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", default="multihead-converted", help="output folder (default multihead-converted/)"
     )
+    p.add_argument(
+        "--allow-unchanged", action="store_true",
+        help="save even when the surgery changes nothing or does not shrink the KV cache (else exit 2)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=convert)

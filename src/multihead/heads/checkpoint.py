@@ -85,12 +85,12 @@ def _base_model(base: Any) -> nn.Module:
     Raises:
         ValueError: a base that is none of the three kinds.
     """
-    from ..pretrained import load, random_lm
+    from ..pretrained.loading import load_hf_dir, random_lm
 
     if base == MINILM:
         return minilm()
     if isinstance(base, dict) and "hf" in base:
-        return load(base["hf"])
+        return load_hf_dir(base["hf"])
     if isinstance(base, dict) and "preset" in base:
         return random_lm(str(base["preset"]))
     raise ValueError(f"surgery.json base {base!r} is not {MINILM!r}, {{'hf': DIR}} or {{'preset': NAME}}")

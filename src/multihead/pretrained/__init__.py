@@ -17,21 +17,15 @@ is tokenised with ``tokenizers``; the converters only need the config's fields.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..models.lm import TransformerLM
-from .bert import Bert, bert_from_state_dict
-from .convert import cfg, read_checkpoint
+from .bert import Bert
 from .corpus import stdlib_docstrings
-from .deepseek import deepseek_from_state_dict
-from .difflama import diffllama_from_state_dict
-from .gpt2 import gpt2_from_state_dict
-from .llama import PRESETS, llama_from_state_dict, llama_kwargs, preset_config
+from .llama import PRESETS
+from .loading import from_hf_state_dict, load_hf_dir, random_lm
 from .sentence_encoder import SentenceEncoder, minilm, minilm_dir, pack
 from .to_hf import to_hf
 
@@ -49,39 +43,6 @@ __all__ = [
     "stdlib_docstrings",
     "to_hf",
 ]
-
-_CONVERTERS: dict[str, Callable[[Mapping[str, Tensor], Any], Bert | TransformerLM]] = {
-    "bert": bert_from_state_dict,
-    "gpt2": gpt2_from_state_dict,
-    "llama": llama_from_state_dict,
-    "mistral": llama_from_state_dict,
-    "qwen2": llama_from_state_dict,
-    "diffllama": diffllama_from_state_dict,
-    "deepseek_v3": deepseek_from_state_dict,
-}
-
-
-def from_hf_state_dict(state_dict: Mapping[str, Tensor], config: Any) -> Bert | TransformerLM:
-    """Build the multihead model of a Hugging Face checkpoint from its weights and config.
-
-    Args:
-        state_dict: the checkpoint's tensors (``model.state_dict()`` or a safetensors file's contents).
-        config: a transformers config object or the dict of its config.json; ``model_type`` picks the
-            converter: "bert" -> :class:`Bert`; "gpt2", "llama", "mistral", "qwen2" -> TransformerLM;
-            "diffllama" -> TransformerLM with :class:`~multihead.variants.DifferentialAttention` layers.
-            "deepseek_v3" (all layers dense) -> TransformerLM of LatentAttention layers.
-
-    Returns:
-        the model in eval mode, on the checkpoint's device and in its dtype.
-
-    Raises:
-        ValueError: another model type, config options multihead does not model, keys of task heads,
-            weights that do not fit the config.
-    """
-    model_type = cfg(config, "model_type")
-    if model_type not in _CONVERTERS:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {list(_CONVERTERS)}")
-    return _CONVERTERS[model_type](state_dict, config)
 
 
 def from_hf(model: nn.Module) -> Bert | TransformerLM:
@@ -105,22 +66,24 @@ def from_hf(model: nn.Module) -> Bert | TransformerLM:
     return from_hf_state_dict(model.state_dict(), config)
 
 
-def load(path: str | Path) -> Bert | TransformerLM:
-    """The multihead model of a ``save_pretrained`` directory (config.json + model.safetensors).
+def load(path: str | Path) -> Bert | SentenceEncoder | TransformerLM:
+    """The multihead model saved in a directory: a ``save_pretrained`` checkpoint (config.json +
+    model.safetensors) or a folder written by ``multihead heads convert`` / ``mh.heads.save_converted``
+    (surgery.json + model.safetensors: a SentenceEncoder for a MiniLM conversion, else a TransformerLM).
 
     Raises:
-        ValueError: missing files, and what :func:`from_hf_state_dict` raises.
+        ValueError: a folder with neither config.json nor surgery.json (the message names it and what it
+            holds), and what :func:`from_hf_state_dict` and ``mh.heads.load_converted`` raise.
     """
-    sd, config = read_checkpoint(path)
-    return from_hf_state_dict(sd, config)
+    folder = Path(path)
+    if (folder / "surgery.json").is_file():
+        from ..heads.checkpoint import load_converted  # head surgery builds on this package
 
-
-def random_lm(preset: str | Mapping[str, Any] = "llama-tiny", *, seed: int = 0) -> TransformerLM:
-    """A TransformerLM with random weights (N(0, 0.02)) of a preset shape or a LLaMA-style config dict.
-
-    Raises:
-        ValueError: an unknown preset name or an unsupported config.
-    """
-    config = preset_config(preset) if isinstance(preset, str) else dict(preset)
-    torch.manual_seed(seed)
-    return TransformerLM(**llama_kwargs(config)).eval()
+        return load_converted(folder)
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        held = sorted(p.name for p in folder.iterdir())[:8]
+        raise ValueError(
+            f"{str(folder)!r} holds neither config.json (a save_pretrained checkpoint) nor surgery.json (a "
+            f"folder written by `multihead heads convert` or mh.heads.save_converted); it holds {held}"
+        )
+    return load_hf_dir(folder)

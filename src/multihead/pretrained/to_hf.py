@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..models.lm import TransformerLM
 from ..nn.attention import MultiHeadAttention
+from .to_hf_mla import block_state_dict, deepseek_state
 
 __all__ = ["to_hf"]
 
@@ -115,22 +116,6 @@ def _llama(model: Any, family: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
         if attn.o_proj.bias is not None:
             raise ValueError(f"layer {i} has an o_proj bias, which {family} checkpoints do not hold")
     return config, sd
-
-
-def block_state_dict(model: Any) -> dict[str, Tensor]:
-    """Everything of a LLaMA-style TransformerLM but its attention, under transformers' names:
-    embeddings, SwiGLU MLPs, pre-norms, final norm and head (shared by LLaMA and DeepSeek-V3 layers)."""
-    sd: dict[str, Tensor] = {"model.embed_tokens.weight": model.embed.weight.detach().clone()}
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        sd[p + "mlp.gate_proj.weight"] = layer.ffn.w1.weight.detach().clone()
-        sd[p + "mlp.up_proj.weight"] = layer.ffn.w3.weight.detach().clone()
-        sd[p + "mlp.down_proj.weight"] = layer.ffn.w2.weight.detach().clone()
-        sd[p + "input_layernorm.weight"] = layer.attn_norm.weight.detach().clone()
-        sd[p + "post_attention_layernorm.weight"] = layer.ffn_norm.weight.detach().clone()
-    sd["model.norm.weight"] = model.final_norm.weight.detach().clone()
-    sd["lm_head.weight"] = model.lm_head.weight.detach().clone()
-    return sd
 
 
 _GPT2_ACT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -299,8 +284,6 @@ def to_hf(model: nn.Module) -> nn.Module:
             f"{type(model).__name__}"
         )
     if any(type(layer.self_attn).__name__ == "LatentAttention" for layer in model.layers):
-        from .to_hf_mla import deepseek_state  # it builds on this module's block_state_dict
-
         family = "deepseek_v3"
         config, sd = deepseek_state(model)
     else:

@@ -43,13 +43,28 @@ from torch import Tensor
 
 from ..nn.positions import PartialRotary, RotaryEmbedding
 from ..variants.latent import LatentAttention
-from .to_hf import block_state_dict
 
-__all__ = ["NORM_CONSTANT", "deepseek_state"]
+__all__ = ["NORM_CONSTANT", "block_state_dict", "deepseek_state"]
 
 #: The constant latent channel that turns DeepSeek's latent RMSNorm into a fixed scale (a power of two:
 #: exact in every float format that holds it).
 NORM_CONSTANT = 2.0**40
+
+
+def block_state_dict(model: Any) -> dict[str, Tensor]:
+    """Everything of a LLaMA-style TransformerLM but its attention, under transformers' names:
+    embeddings, SwiGLU MLPs, pre-norms, final norm and head (shared by LLaMA and DeepSeek-V3 layers)."""
+    sd: dict[str, Tensor] = {"model.embed_tokens.weight": model.embed.weight.detach().clone()}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        sd[p + "mlp.gate_proj.weight"] = layer.ffn.w1.weight.detach().clone()
+        sd[p + "mlp.up_proj.weight"] = layer.ffn.w3.weight.detach().clone()
+        sd[p + "mlp.down_proj.weight"] = layer.ffn.w2.weight.detach().clone()
+        sd[p + "input_layernorm.weight"] = layer.attn_norm.weight.detach().clone()
+        sd[p + "post_attention_layernorm.weight"] = layer.ffn_norm.weight.detach().clone()
+    sd["model.norm.weight"] = model.final_norm.weight.detach().clone()
+    sd["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    return sd
 
 
 def _layers(model: Any) -> list[LatentAttention]:

@@ -170,14 +170,15 @@ def convert(args: argparse.Namespace) -> int:
     --preset), optionally recover, save, load back; return 0.
 
     Raises:
-        ValueError: --hf with --preset, --to prune on an LM, and what the surgery, recover and the
-            checkpoint functions raise.
+        ValueError: --hf with --preset, a surgery that changes nothing or does not shrink the KV cache
+            (without --allow-unchanged), and what the surgery, recover and checkpoint functions raise.
     """
     import time
 
     import torch
 
     from .. import heads
+    from ..heads import mla
     from ..heads.access import pad_batch
     from ..models.lm import TransformerLM
     from ..pretrained import SentenceEncoder, stdlib_docstrings
@@ -185,11 +186,9 @@ def convert(args: argparse.Namespace) -> int:
 
     model, base, name = _base(args)
     lm = isinstance(model, TransformerLM)
-    if lm and args.to == "prune":
-        raise ValueError("--to prune converts MiniLM only; for an LM (--hf / --preset) use --to gqa or mla")
     docs = stdlib_docstrings(args.texts, max_chars=600)
     texts: Any = _lm_tokens(model, docs, None if args.hf is None else Path(args.hf)) if lm else docs
-    calibration = texts[:64]
+    calibration = texts[: mla.ENCODER_CALIBRATION_DOCS]  # the recipe's 256 (fewer when --texts is smaller)
     if args.to == "gqa":
         step: dict = {"to": "gqa", "n_kv_heads": args.kv_heads}
     elif args.to == "mla":
@@ -197,7 +196,10 @@ def convert(args: argparse.Namespace) -> int:
         if lm:
             step |= {"rope_dims": args.rope_dims, "rope_select": args.rope_select}
     else:
-        scores = heads.importance(model, docs[64:128])  # (L, H)
+        scored: Any = docs[64:128]
+        if lm:  # next-token loss on equal-length id rows: the first 32 tokens of each docstring
+            scored = torch.tensor([t[:32] for t in texts[64:128] if len(t) >= 32])  # (n, 32)
+        scores = heads.importance(model, scored)  # (L, H)
         H = scores.shape[1]
         drop: dict[str, list[int]] = {}
         for i in scores.flatten().argsort()[: round(args.fraction * scores.numel())].tolist():
@@ -211,16 +213,15 @@ def convert(args: argparse.Namespace) -> int:
     student = heads.apply_surgery(model, step, calibration=None if args.to == "prune" else calibration)
     before = heads.kv_cache_bytes_per_token(model, torch.float32)
     after = heads.kv_cache_bytes_per_token(student, torch.float32)
-    if after >= before and not args.allow_unchanged:
+    if args.to != "prune" and after >= before and not args.allow_unchanged:  # pruning saves compute
         raise ValueError(
             f"{args.to} with {step} does not shrink the KV cache ({before} -> {after} bytes per token, "
             f"float32); nothing saved to {args.out}. Choose a smaller --kv-rank / --kv-heads, or pass "
             "--allow-unchanged to save it anyway"
         )
     if args.recover_minutes or args.recover_steps:
-        recovery = texts if lm else heads.mixed_lengths(texts)  # sentences and word spans too (encoders)
-        heads.recover(
-            student, model, recovery, minutes=args.recover_minutes or None, steps=args.recover_steps,
+        heads.recover(  # the recipe's defaults: mixed lengths (texts), lr, schedule, held-out stop
+            student, model, texts, minutes=args.recover_minutes or None, steps=args.recover_steps,
             progress=not args.json,
         )  # fmt: skip
     folder = heads.save_converted(student, [step], args.out, base=base)
@@ -353,10 +354,13 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
         "heads-convert",
         prog="multihead heads convert",
         description="Shrink a model's KV cache by head surgery - GQA (aligned merge), MLA (activation-aware "
-        "joint SVD of keys and values; partial RoPE on rotary models) or importance pruning (MiniLM) - "
+        "joint SVD of keys and values; partial RoPE on rotary models) or importance pruning - "
         "optionally recover by distillation (mh.heads.recover) on standard-library docstrings, and save a "
-        "safetensors checkpoint that mh.heads.load_converted(DIR) loads back. The model is the bundled "
-        "all-MiniLM-L6-v2, or a LLaMA / Mistral / Qwen2 save_pretrained directory (--hf DIR; its "
+        "safetensors checkpoint (model.safetensors + surgery.json) that mh.pretrained.load(DIR) and the "
+        "--model DIR of eval, encode and generate load back; an LM also as a transformers checkpoint in "
+        "OUT/hf/ where its family holds it (LLaMA family after GQA or even pruning, DeepSeek-V3 after MLA). "
+        "A surgery that changes nothing exits with status 2 unless --allow-unchanged. The model is the "
+        "bundled all-MiniLM-L6-v2, or a LLaMA / Mistral / Qwen2 save_pretrained directory (--hf DIR; its "
         "tokenizer.json when present, else the texts' bytes) or a random-weight preset (--preset NAME).",
     )
     p.add_argument("--to", choices=("gqa", "mla", "prune"), default="mla", help="the surgery (default mla)")

@@ -233,12 +233,14 @@ class TransformerLM(nn.Module):
         window = self.sliding_window if kind == "sliding" else None
         p = self.embed.weight
         own = [getattr(layer.self_attn, "make_cache", None) for layer in self.layers]
+        # each layer's own kv heads: head pruning can leave layers with different counts
+        kv = [getattr(layer.self_attn, "n_kv_heads", 0) or self.n_kv_heads for layer in self.layers]
         return [
             make(batch_size, max_len, kind=kind, window=window, dtype=p.dtype, device=p.device)
             if callable(make)
             else KVCache(
                 batch_size,
-                self.n_kv_heads,
+                n_kv,
                 self.head_dim,
                 max_len,
                 kind=kind,
@@ -246,7 +248,7 @@ class TransformerLM(nn.Module):
                 dtype=p.dtype,
                 device=p.device,
             )
-            for make in own
+            for make, n_kv in zip(own, kv)
         ]
 
     def generate(

@@ -125,14 +125,14 @@ def test_a_folder_with_neither_file_is_named_with_what_it_holds(tmp_path, capsys
 
 def test_convert_refuses_a_surgery_that_changes_nothing(tmp_path, capsys):
     out = tmp_path / "same"
-    argv = ["heads", "convert", "--preset", "llama-tiny", "--to", "gqa", "--kv-heads", "2", "--texts", "70"]
+    argv = ["heads", "convert", "--preset", "llama-tiny", "--to", "gqa", "--kv-heads", "2", "--texts", "16"]
     assert main([*argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "every layer already has 2 kv heads, so nothing would change" in err and "--allow-unchanged" in err
     assert not out.exists()
-    big = ["heads", "convert", "--preset", "llama-tiny", "--to", "mla", "--kv-rank", "128", "--texts", "70"]
-    assert main([*big, "--out", str(out)]) == 2  # 128 + 2 x 8 rotary numbers per layer > 2 x 2 x 32
-    assert "does not shrink the KV cache (1024 -> 1152 bytes per token" in capsys.readouterr().err
+    big = ["heads", "convert", "--preset", "llama-tiny", "--to", "mla", "--kv-rank", "112", "--texts", "16"]
+    assert main([*big, "--out", str(out)]) == 2  # 112 + 2 kv heads x 8 rotary numbers = 2 x 2 x 32 per layer
+    assert "does not shrink the KV cache (1024 -> 1024 bytes per token" in capsys.readouterr().err
     assert main([*argv, "--out", str(out), "--allow-unchanged", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["changed"] is False and result["kv_bytes_per_token"] == {"before": 1024, "after": 1024}

@@ -81,7 +81,9 @@ def test_minilm_texts_after_to_gqa_train_on_mixed_lengths_by_default(monkeypatch
     texts = mh.pretrained.stdlib_docstrings(8, max_chars=120)
     student = heads.to_gqa(copy.deepcopy(model), 3)
     report: dict = {}
-    heads.recover(student, model, texts, steps=2, batch_size=4, max_tokens=24, progress=False, report=report)
+    heads.recover(
+        student, model, texts, steps=2, batch_size=4, max_tokens=24, holdout=4, progress=False, report=report
+    )
     assert cut == [texts] and report["lr"] == sys.modules["multihead.heads.recover"].ENCODER_LR == 2e-5
     assert student.encode(texts[:2]).shape == (2, 384)
     heads.recover(

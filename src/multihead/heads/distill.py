@@ -7,7 +7,7 @@ Shape legend: B batch, N tokens, d width, V vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,12 +101,13 @@ class HeldOut:
 
     def __init__(self, seqs: list[list[int]], batch_size: int, device: Any, lm: bool):
         self.batches = [pad_batch(seqs[i : i + batch_size], device) for i in range(0, len(seqs), batch_size)]
-        self.lm, self.best, self.best_step, self.best_state = lm, math.inf, 0, None
+        self.lm, self.best, self.best_step = lm, math.inf, 0
+        self.best_state: dict[str, Tensor] | None = None
         self.history: list[tuple[int, float]] = []
 
     @torch.no_grad()
     def check(self, student: nn.Module, teacher: nn.Module, hooks: tuple[Layers, Layers],
-              trained: dict[str, Tensor], step: int) -> bool:  # fmt: skip
+              trained: Mapping[str, Tensor], step: int) -> bool:  # fmt: skip
         """Score the student; keep its trained parameters when best. Returns whether it improved."""
         total = 0.0
         for ids, real in self.batches:  # (B, N) each
@@ -123,7 +124,7 @@ class HeldOut:
         return False
 
     @torch.no_grad()
-    def restore(self, trained: dict[str, Tensor]) -> None:
+    def restore(self, trained: Mapping[str, Tensor]) -> None:
         if self.best_state is not None:
             for n, p in trained.items():
                 p.copy_(self.best_state[n])

@@ -185,7 +185,7 @@ def _step(student: nn.Module, teacher: nn.Module, hooks: tuple[Layers, Layers], 
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def recover(

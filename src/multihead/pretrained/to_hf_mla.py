@@ -208,9 +208,11 @@ def _attention(
     ``attention_bias`` is one switch for every layer); return its config values."""
     layout, width, base = rope_layout(attn)
     Dn, r, G, R, d = attn.nope_dims, attn.kv_rank, attn.rope_heads, attn.rope_dims, attn.d_model
-    q_rank = _query(attn, p, sd, identity, attn.score_scale * math.sqrt(Dn + width))
-    w, b = attn.kv_down.weight.detach(), attn.kv_down.bias
-    b = w.new_zeros(w.shape[0]) if b is None else b.detach()
+    scale = attn.score_scale
+    assert scale is not None  # LatentAttention always sets it
+    q_rank = _query(attn, p, sd, identity, scale * math.sqrt(Dn + width))
+    w, bias_ = attn.kv_down.weight.detach(), attn.kv_down.bias
+    b = w.new_zeros(w.shape[0]) if bias_ is None else bias_.detach()
     up = attn.kv_up.weight.detach()  # (H (Dn + Dv), r)
     if attn.kv_norm is None:
         w_lat, b_lat, norm = _constant_channel(w[:r], b[:r])  # (r + 1, d), (r + 1,), (r + 1,)

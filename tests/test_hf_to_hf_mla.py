@@ -109,3 +109,24 @@ def test_sliding_window_and_absolute_positions_are_refused():
     )
     with pytest.raises(ValueError, match="rotary positions only"):
         mh.pretrained.to_hf(mh.heads.to_mla(gpt2, 16))
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_a_deepseek_v3_model_round_trips(q_lora_rank):
+    T = transformers
+    config = T.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, first_k_dense_replace=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, max_position_embeddings=64,
+        initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = T.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # non-trivial latent norms
+        for layer in hf.model.layers:
+            layer.self_attn.kv_a_layernorm.weight.uniform_(0.5, 1.5)
+    back = mh.pretrained.to_hf(mh.pretrained.from_hf(hf))  # the latent norm and the rotary map as they are
+    assert back.config.kv_lora_rank == 16 and back.config.q_lora_rank == q_lora_rank
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)

@@ -115,12 +115,12 @@ def test_converted_lm_loads_in_load_and_generate(folders, to, capsys):
 def test_a_folder_with_neither_file_is_named_with_what_it_holds(tmp_path, capsys):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(
-        ValueError, match=r"holds neither config\.json .* nor surgery\.json .*\['weights\.bin'\]"
+        ValueError, match=r"no config\.json in it .* and no surgery\.json .*it holds \['weights\.bin'\]"
     ):
         mh.pretrained.load(tmp_path)
     for cmd in (["eval"], ["encode", "text"], ["generate"]):
         assert main([*cmd[:1], "--model", str(tmp_path), *cmd[1:]]) == 2
-        assert f"{str(tmp_path)!r} holds neither config.json" in capsys.readouterr().err
+        assert f"{str(tmp_path)!r} is not a model directory: no config.json in it" in capsys.readouterr().err
 
 
 def test_convert_refuses_a_surgery_that_changes_nothing(tmp_path, capsys):

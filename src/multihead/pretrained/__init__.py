@@ -83,7 +83,8 @@ def load(path: str | Path) -> Bert | SentenceEncoder | TransformerLM:
     if folder.is_dir() and not (folder / "config.json").is_file():
         held = sorted(p.name for p in folder.iterdir())[:8]
         raise ValueError(
-            f"{str(folder)!r} holds neither config.json (a save_pretrained checkpoint) nor surgery.json (a "
-            f"folder written by `multihead heads convert` or mh.heads.save_converted); it holds {held}"
+            f"{str(folder)!r} is not a model directory: no config.json in it (a save_pretrained checkpoint) "
+            "and no surgery.json (a folder written by `multihead heads convert` or mh.heads.save_converted); "
+            f"it holds {held}"
         )
     return load_hf_dir(folder)

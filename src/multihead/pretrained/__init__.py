@@ -24,7 +24,7 @@ from torch import nn
 from ..models.lm import TransformerLM
 from .bert import Bert
 from .corpus import stdlib_docstrings
-from .llama import PRESETS
+from .llama import PRESETS, preset_config
 from .loading import from_hf_state_dict, load_hf_dir, random_lm
 from .sentence_encoder import SentenceEncoder, minilm, minilm_dir, pack
 from .to_hf import to_hf
@@ -39,6 +39,7 @@ __all__ = [
     "minilm",
     "minilm_dir",
     "pack",
+    "preset_config",
     "random_lm",
     "stdlib_docstrings",
     "to_hf",

@@ -44,7 +44,7 @@ from torch import Tensor
 from ..nn.positions import PartialRotary, RotaryEmbedding
 from ..variants.latent import LatentAttention
 
-__all__ = ["NORM_CONSTANT", "block_state_dict", "deepseek_state"]
+__all__ = ["NORM_CONSTANT", "block_state_dict", "deepseek_state", "rope_layout"]
 
 #: The constant latent channel that turns DeepSeek's latent RMSNorm into a fixed scale (a power of two:
 #: exact in every float format that holds it).

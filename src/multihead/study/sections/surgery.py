@@ -6,7 +6,7 @@ all-MiniLM-L6-v2 changed three ways, each at two sizes, and scored by :func:`mul
 
     GQA       ``to_gqa(model, K, "aligned")``: every layer's 12 kv heads merged into K (Procrustes-aligned)
     MLA       ``to_mla(model, r)``: keys and values rebuilt from one latent of r numbers (calibrated on
-              to_mla's default 256 docstrings)
+              to_mla's default 256 docstrings in :data:`FULL`, on the study's calibration texts in QUICK)
     pruning   a fraction of the 72 heads removed least important first (``prune``; Michel et al.'s scores)
 
 The sizes fix the work: :data:`QUICK` (the study's default run: a few recovery steps of short batches, for
@@ -75,8 +75,11 @@ class SurgerySizes:
 
 
 # recover as a user calls it (mixed lengths, its lr and schedule, the held-out stop); the quick run holds
-# out fewer inputs so that its few steps are not spent on checks
-QUICK = SurgerySizes((6, 2), (256, 128), (1 / 6, 1 / 3), 6, True, 96, 8, 64, None, holdout=16)
+# out fewer inputs so that its few steps are not spent on checks, and calibrates MLA on the study's own
+# calibration texts instead of to_mla's 256 docstrings (seconds of the default run); FULL uses the defaults
+QUICK = SurgerySizes(
+    (6, 2), (256, 128), (1 / 6, 1 / 3), 6, True, 96, 8, 64, None, holdout=16, mla_calibration="given"
+)
 FULL = SurgerySizes((6, 2), (256, 128), (1 / 6, 1 / 3), 30, False, 600, 16, 128, None)
 
 

@@ -82,7 +82,10 @@ def test_minilm_full_rank_is_exact():
     model = mh.pretrained.minilm()
     docs = mh.pretrained.stdlib_docstrings(12, max_chars=200)
     ref = model.encode(docs[8:])
-    assert max_err(heads.to_mla(model, 384).encode(docs[8:]), ref) <= 1e-4
+    assert max_err(heads.to_mla(model, 384, calibration=None).encode(docs[8:]), ref) <= 1e-4
+    cal = mla.default_calibration(model)  # what calibration="auto" (the default) takes
+    assert cal == mh.pretrained.stdlib_docstrings(256, max_chars=600) and len(cal) == 256
+    assert mla.default_calibration(mh.TransformerLM(50, 32, 1, 4, 64)) is None  # no tokenizer
 
 
 @pytest.mark.parametrize(

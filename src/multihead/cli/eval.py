@@ -2,6 +2,7 @@
 
 multihead eval                       the bundled all-MiniLM-L6-v2
 multihead eval --model DIR           a SentenceEncoder saved in DIR (model.safetensors, tokenizer.json, ...)
+                                     or a MiniLM converted by `multihead heads convert --out DIR`
 multihead eval --json                the scores and their bootstrap 95% intervals as JSON
 """
 
@@ -17,13 +18,14 @@ __all__ = ["register"]
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from ..eval import SETS, human_judged
-    from ..pretrained import SentenceEncoder, minilm
+    from ..pretrained import minilm
     from .console import check_input_dir, make_console
+    from .models import load_encoder
 
     try:
         if args.model:
-            check_input_dir(args.model, "--model", "a SentenceEncoder folder")
-        model = SentenceEncoder.from_dir(args.model) if args.model else minilm()
+            check_input_dir(args.model, "--model", "a SentenceEncoder folder or a `heads convert` folder")
+        model = load_encoder(args.model) if args.model else minilm()
         scores = human_judged(model, bootstrap=args.bootstrap, seed=args.seed)
     except ImportError as e:  # a missing weights or data package: the message names the pip command
         raise ValueError(str(e)) from None
@@ -52,7 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "review polarity, each with a bootstrap 95% interval. The data ship inside gensim: "
         "pip install multihead[eval]. Default model: the bundled all-MiniLM-L6-v2.",
     )
-    p.add_argument("--model", metavar="DIR", help="a SentenceEncoder directory (default: all-MiniLM-L6-v2)")
+    p.add_argument(
+        "--model", metavar="DIR",
+        help="a SentenceEncoder directory or a `heads convert` folder of MiniLM (default: all-MiniLM-L6-v2)",
+    )  # fmt: skip
     p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples (default 200; 0: none)")
     p.add_argument("--seed", type=int, default=0, help="probe folds and bootstrap seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")

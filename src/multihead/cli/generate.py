@@ -3,7 +3,8 @@
     multihead generate                                    llama-tiny preset, 16 random prompt tokens
     multihead generate --preset llama-155m --prompt-len 256 --max-new-tokens 64     decode speed
     multihead generate --model DIR --prompt "Once upon"   a save_pretrained() directory (GPT-2, LLaMA,
-                                                          Mistral, Qwen2); text needs DIR/tokenizer.json
+                                                          Mistral, Qwen2, DeepSeek-V3) or a `heads
+                                                          convert` folder; text needs DIR/tokenizer.json
     multihead generate --preset llama-155m --weights bf16 an inference copy in bf16 with native decode
                                                           steps where the model allows them
 
@@ -33,11 +34,14 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, str]:
 
     if args.model is None:
         return random_lm(args.preset, seed=args.seed), None, f"preset {args.preset} (random weights)"
-    check_input_dir(args.model, "--model", "a save_pretrained() checkpoint folder")
-    model = load(args.model)
+    check_input_dir(args.model, "--model", "a save_pretrained() folder or a `heads convert` folder")
+        args.model, "--model", "a save_pretrained() checkpoint folder or a `heads convert` folder"
+    )
+    model = load(args.model)  # a save_pretrained directory or a `heads convert` folder
     if not isinstance(model, TransformerLM):
         raise ValueError(
-            f"{args.model!r} holds an encoder (BERT), not a language model; use multihead encode"
+            f"{args.model!r} holds an encoder ({type(model).__name__}), not a language model; use "
+            "multihead encode"
         )
     tokenizer = None
     if (Path(args.model) / "tokenizer.json").is_file():
@@ -158,7 +162,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "LLaMA, Mistral or Qwen2; without it a preset with random weights runs.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR", help="a Hugging Face checkpoint directory")
+    src.add_argument(
+        "--model", metavar="DIR", help="a Hugging Face checkpoint directory or a `heads convert` folder"
+    )
     src.add_argument("--preset", choices=list(PRESETS), default="llama-tiny", help="(default llama-tiny)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs DIR/tokenizer.json)")

@@ -180,14 +180,15 @@ def convert(args: argparse.Namespace) -> int:
     --preset), optionally recover, save, load back; return 0.
 
     Raises:
-        ValueError: --hf with --preset, --to prune on an LM, and what the surgery, recover and the
-            checkpoint functions raise.
+        ValueError: --hf with --preset, a surgery that changes nothing or does not shrink the KV cache
+            (without --allow-unchanged), and what the surgery, recover and checkpoint functions raise.
     """
     import time
 
     import torch
 
     from .. import heads
+    from ..heads import mla
     from ..heads.access import pad_batch
     from ..models.lm import TransformerLM
     from ..pretrained import SentenceEncoder, stdlib_docstrings
@@ -198,11 +199,9 @@ def convert(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out")  # before the surgery, not after it
     model, base, name = _base(args)
     lm = isinstance(model, TransformerLM)
-    if lm and args.to == "prune":
-        raise ValueError("--to prune converts MiniLM only; for an LM (--hf / --preset) use --to gqa or mla")
     docs = stdlib_docstrings(args.texts, max_chars=600)
     texts: Any = _lm_tokens(model, docs, None if args.hf is None else Path(args.hf)) if lm else docs
-    calibration = texts[:64]
+    calibration = texts[: mla.ENCODER_CALIBRATION_DOCS]  # the recipe's 256 (fewer when --texts is smaller)
     if args.to == "gqa":
         step: dict = {"to": "gqa", "n_kv_heads": args.kv_heads}
     elif args.to == "mla":
@@ -210,7 +209,10 @@ def convert(args: argparse.Namespace) -> int:
         if lm:
             step |= {"rope_dims": args.rope_dims, "rope_select": args.rope_select}
     else:
-        scores = heads.importance(model, docs[64:128])  # (L, H)
+        scored: Any = docs[64:128]
+        if lm:  # next-token loss on equal-length id rows: the first 32 tokens of each docstring
+            scored = torch.tensor([t[:32] for t in texts[64:128] if len(t) >= 32])  # (n, 32)
+        scores = heads.importance(model, scored)  # (L, H)
         H = scores.shape[1]
         drop: dict[str, list[int]] = {}
         for i in scores.flatten().argsort()[: round(args.fraction * scores.numel())].tolist():
@@ -219,21 +221,30 @@ def convert(args: argparse.Namespace) -> int:
             "to": "prune",
             "heads": {k: sorted(v) for k, v in sorted(drop.items(), key=lambda kv: int(kv[0]))},
         }
+    _check_changes(model, step, args.allow_unchanged)
     t0 = time.perf_counter()
     student = heads.apply_surgery(model, step, calibration=None if args.to == "prune" else calibration)
+    before = heads.kv_cache_bytes_per_token(model, torch.float32)
+    after = heads.kv_cache_bytes_per_token(student, torch.float32)
+    if args.to != "prune" and after >= before and not args.allow_unchanged:  # pruning saves compute
+        raise ValueError(
+            f"{args.to} with {step} does not shrink the KV cache ({before} -> {after} bytes per token, "
+            f"float32); nothing saved to {args.out}. Choose a smaller --kv-rank / --kv-heads, or pass "
+            "--allow-unchanged to save it anyway"
+        )
     if args.recover_minutes or args.recover_steps:
-        recovery = texts if lm else heads.mixed_lengths(texts)  # sentences and word spans too (encoders)
-        heads.recover(
-            student, model, recovery, minutes=args.recover_minutes or None, steps=args.recover_steps,
+        heads.recover(  # the recipe's defaults: mixed lengths (texts), lr, schedule, held-out stop
+            student, model, texts, minutes=args.recover_minutes or None, steps=args.recover_steps,
             progress=not args.json,
         )  # fmt: skip
     folder = heads.save_converted(student, [step], args.out, base=base)
+    if args.hf is not None:  # text in, text out: the converted folder keeps the tokenizer
+        _copy_tokenizer(Path(args.hf), folder)
     loaded = heads.load_converted(folder)
     probe = texts[-8:]
     result = {
         "model": name, "to": args.to, "step": step, "out": str(folder),
-        "kv_bytes_per_token": {"before": heads.kv_cache_bytes_per_token(model, torch.float32),
-                               "after": heads.kv_cache_bytes_per_token(student, torch.float32)},
+        "kv_bytes_per_token": {"before": before, "after": after}, "changed": after < before,
         "seconds": time.perf_counter() - t0,
     }  # fmt: skip
     if lm:
@@ -257,6 +268,8 @@ def convert(args: argparse.Namespace) -> int:
         }
         what = f"mean cosine to the original {fidelity:.3f} on 8 docstrings"
     result["hf"] = _export_hf(student, folder / "hf") if lm else _no_hf(args.to)
+    if result["hf"]["written"] and args.hf is not None:
+        _copy_tokenizer(Path(args.hf), folder / "hf")
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -278,6 +291,40 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_changes(model: Any, step: dict, allow: bool) -> None:
+    """Refuse a step that changes nothing (GQA to the kv heads every layer already has, a prune of no
+    heads) unless ``allow``.
+
+    Raises:
+        ValueError: such a step without ``allow``.
+    """
+    from ..heads import layers_of
+
+    if allow:
+        return
+    if step["to"] == "gqa":
+        have = sorted({layer.self_attn.n_kv_heads for layer in layers_of(model)})
+        if have == [step["n_kv_heads"]]:
+            raise ValueError(
+                f"--to gqa --kv-heads {step['n_kv_heads']}: every layer already has {have[0]} kv heads, so "
+                "nothing would change; pass fewer --kv-heads, or --allow-unchanged to save the model as it is"
+            )
+    if step["to"] == "prune" and not any(step["heads"].values()):
+        raise ValueError(
+            "--fraction prunes no head of this model (it rounds to 0 heads); pass a larger --fraction, or "
+            "--allow-unchanged to save the model as it is"
+        )
+
+
+def _copy_tokenizer(source: Path, folder: Path) -> None:
+    """Copy the tokenizer files of a checkpoint directory into ``folder`` (those it has)."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
+
+
 def _no_hf(to: str) -> dict:
     """Why a converted MiniLM has no transformers checkpoint."""
     why = (
@@ -291,8 +338,8 @@ def _no_hf(to: str) -> dict:
 
 def _export_hf(student: Any, folder: Path) -> dict:
     """Write ``student`` as a transformers checkpoint in ``folder`` with ``mh.pretrained.to_hf`` where its
-    family allows (LLaMA / Mistral / Qwen2 after GQA), load it back with plain transformers and compare
-    logits; else say why not (a latent-attention model, or transformers missing)."""
+    family allows (LLaMA / Mistral / Qwen2 after GQA, DeepSeek-V3 after MLA), load it back with plain
+    transformers and compare logits; else say why not (what to_hf refuses, or transformers missing)."""
     import torch
 
     from ..pretrained import to_hf
@@ -321,10 +368,13 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
         "heads-convert",
         prog="multihead heads convert",
         description="Shrink a model's KV cache by head surgery - GQA (aligned merge), MLA (activation-aware "
-        "joint SVD of keys and values; partial RoPE on rotary models) or importance pruning (MiniLM) - "
+        "joint SVD of keys and values; partial RoPE on rotary models) or importance pruning - "
         "optionally recover by distillation (mh.heads.recover) on standard-library docstrings, and save a "
-        "safetensors checkpoint that mh.heads.load_converted(DIR) loads back. The model is the bundled "
-        "all-MiniLM-L6-v2, or a LLaMA / Mistral / Qwen2 save_pretrained directory (--hf DIR; its "
+        "safetensors checkpoint (model.safetensors + surgery.json) that mh.pretrained.load(DIR) and the "
+        "--model DIR of eval, encode and generate load back; an LM also as a transformers checkpoint in "
+        "OUT/hf/ where its family holds it (LLaMA family after GQA or even pruning, DeepSeek-V3 after MLA). "
+        "A surgery that changes nothing exits with status 2 unless --allow-unchanged. The model is the "
+        "bundled all-MiniLM-L6-v2, or a LLaMA / Mistral / Qwen2 save_pretrained directory (--hf DIR; its "
         "tokenizer.json when present, else the texts' bytes) or a random-weight preset (--preset NAME).",
     )
     p.add_argument("--to", choices=("gqa", "mla", "prune"), default="mla", help="the surgery (default mla)")
@@ -337,8 +387,9 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
         help="rotary models: rotary dims kept per head, even (default head dim / 4)",
     )  # fmt: skip
     p.add_argument(
-        "--rope-select", choices=ROPE_SELECT, default="norm",
-        help="rotary models: which frequency pairs each kv head keeps (default norm)",
+        "--rope-select", choices=ROPE_SELECT, default="disjoint",
+        help="rotary models: which frequency pairs each kv head keeps (default disjoint: the strongest "
+        "by norm, each pair in one kv head, so that OUT/hf/ holds it as a DeepSeek-V3 checkpoint)",
     )  # fmt: skip
     p.add_argument("--fraction", type=_fraction, default=1 / 3, help="heads pruned (default 1/3)")
     p.add_argument("--recover-minutes", type=float, default=0.0, help="distillation wall time (default 0)")
@@ -347,6 +398,10 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", default="multihead-converted", help="output folder (default multihead-converted/)"
     )
+    p.add_argument(
+        "--allow-unchanged", action="store_true",
+        help="save even when the surgery changes nothing or does not shrink the KV cache (else exit 2)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=convert)
     threads_option(p)

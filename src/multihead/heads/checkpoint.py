@@ -95,12 +95,12 @@ def _base_model(base: Any, where: str) -> nn.Module:
     Raises:
         ValueError: a base that is none of the three kinds.
     """
-    from ..pretrained import load, random_lm
+    from ..pretrained.loading import load_hf_dir, random_lm
 
     if base == MINILM:
         return minilm()
     if isinstance(base, dict) and isinstance(base.get("hf"), str):
-        return load(base["hf"])
+        return load_hf_dir(base["hf"])
     if isinstance(base, dict) and isinstance(base.get("preset"), str):
         return random_lm(base["preset"])
     raise ValueError(f"{where}: base {base!r} is not {MINILM!r}, {{'hf': DIR}} or {{'preset': NAME}}")

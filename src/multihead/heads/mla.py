@@ -48,7 +48,12 @@ token and layer. Removing rotary from the dropped pairs is the one change that i
 - "high": the R / 2 highest frequencies (pairs 0 .. R/2 - 1), the same for every head;
 - "low": the R / 2 lowest frequencies;
 - "uniform": R / 2 pairs evenly spaced over the D / 2 (pair ``floor(j D / R)`` for j < R / 2), starting
-  with the highest frequency.
+  with the highest frequency;
+- "disjoint": the "norm" scores, but each pair kept by at most one kv head (greedily, strongest
+  (head, pair) first), so Hkv R <= D. Then every kv head's rotary key fits in one shared rotary key of
+  width D at the original frequencies: the layout of DeepSeek-V3, which ``mh.pretrained.to_hf`` writes
+  exactly (a frequency kept by two heads would need two rotary features of that frequency, which a
+  single rotary key of geometric frequencies does not have).
 
 Shape legend: d width, Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, r kv_rank, R rope_dims kept
 per head, P = R / 2 kept pairs, T calibration tokens.
@@ -66,12 +71,16 @@ from torch import Tensor, nn
 from ..core.checks import check_int
 from ..nn.attention import MultiHeadAttention
 from ..nn.positions import PartialRotary, RotaryEmbedding
+from ..pretrained.corpus import stdlib_docstrings
+from ..pretrained.sentence_encoder import SentenceEncoder
 from ..variants.latent import LatentAttention
 from .access import layers_of, plain_attention
 from .gqa import calibration_inputs
 
 __all__ = [
+    "ENCODER_CALIBRATION_DOCS",
     "ROPE_SELECT",
+    "default_calibration",
     "default_rope_dims",
     "latent_from_attention",
     "max_kv_rank",
@@ -80,7 +89,7 @@ __all__ = [
 ]
 
 #: How :func:`to_mla` chooses the rotary pairs each kv head keeps (see the module docstring).
-ROPE_SELECT = ("norm", "high", "low", "uniform")
+ROPE_SELECT = ("norm", "high", "low", "uniform", "disjoint")
 
 
 def max_kv_rank(attn: MultiHeadAttention, rope_dims: int = 0) -> int:
@@ -115,7 +124,7 @@ def select_rope_pairs(
     Raises:
         ValueError: an attention without such a rotary, a bad rope_dims or select.
     """
-    Hq, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    Hkv, D = attn.n_kv_heads, attn.head_dim
     rotary = attn.rotary
     if not isinstance(rotary, RotaryEmbedding) or rotary.head_dim != D:
         raise ValueError(
@@ -132,7 +141,18 @@ def select_rope_pairs(
         return torch.arange(half - P, half).expand(Hkv, P).clone()  # (Hkv, P)
     if select == "uniform":
         return (torch.arange(P) * half // P).expand(Hkv, P).clone()  # (Hkv, P)
-    first, second = _pair_features(rotary, D)
+    score = _pair_scores(attn, x)  # (Hkv, D/2)
+    if select == "norm":
+        return score.topk(P, dim=1).indices.sort(dim=1).values  # (Hkv, P)
+    return _disjoint_pairs(score, P, D)
+
+
+def _pair_scores(attn: MultiHeadAttention, x: Tensor | None) -> Tensor:
+    """Each kv head's contribution score per rotary pair (Hkv, D/2); see the module docstring ("norm")."""
+    Hq, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    assert isinstance(attn.rotary, RotaryEmbedding)
+    half = D // 2
+    first, second = _pair_features(attn.rotary, D)
     w, b = attn.qkv_proj.weight.double(), attn.qkv_proj.bias
     w_q, w_k = w[: Hq * D], w[Hq * D : (Hq + Hkv) * D]  # (Hq D, d), (Hkv D, d)
     b_q = None if b is None else b[: Hq * D].double()
@@ -142,15 +162,35 @@ def select_rope_pairs(
         k2 = w_k.square().sum(1) + (0 if b_k is None else b_k.square())  # (Hkv D,)
         qn = _pair_norms(q2.sqrt().reshape(Hq, D), first, second)  # (Hq, D/2)
         kn = _pair_norms(k2.sqrt().reshape(Hkv, D), first, second)  # (Hkv, D/2)
-        score = qn.reshape(Hkv, Hq // Hkv, half).sum(1) * kn  # (Hkv, D/2)
-    else:
-        xd = x.double()
-        q = xd @ w_q.T + (0 if b_q is None else b_q)  # (T, Hq D)
-        k = xd @ w_k.T + (0 if b_k is None else b_k)  # (T, Hkv D)
-        qn = _pair_norms(q.reshape(-1, Hkv, Hq // Hkv, D), first, second).sum(2)  # (T, Hkv, D/2)
-        kn = _pair_norms(k.reshape(-1, Hkv, D), first, second)  # (T, Hkv, D/2)
-        score = (qn * kn).sum(0)  # (Hkv, D/2)
-    return score.topk(P, dim=1).indices.sort(dim=1).values  # (Hkv, P)
+        return qn.reshape(Hkv, Hq // Hkv, half).sum(1) * kn  # (Hkv, D/2)
+    xd = x.double()
+    q = xd @ w_q.T + (0 if b_q is None else b_q)  # (T, Hq D)
+    k = xd @ w_k.T + (0 if b_k is None else b_k)  # (T, Hkv D)
+    qn = _pair_norms(q.reshape(-1, Hkv, Hq // Hkv, D), first, second).sum(2)  # (T, Hkv, D/2)
+    kn = _pair_norms(k.reshape(-1, Hkv, D), first, second)  # (T, Hkv, D/2)
+    return (qn * kn).sum(0)  # (Hkv, D/2)
+
+
+def _disjoint_pairs(score: Tensor, P: int, D: int) -> Tensor:
+    """P pairs per kv head, no pair in two heads: greedy over (head, pair) by descending score.
+
+    Raises:
+        ValueError: Hkv P > D / 2 (not enough pairs to go round).
+    """
+    Hkv, half = score.shape
+    if Hkv * P > half:
+        raise ValueError(
+            f"rope_select='disjoint' keeps each rotary pair in at most one kv head, so kv heads x rope_dims "
+            f"= {Hkv} x {2 * P} must be <= the head dim {D}; pass rope_dims <= {max(2, D // Hkv // 2 * 2)}"
+        )
+    taken = torch.zeros(half, dtype=torch.bool)
+    chosen: list[list[int]] = [[] for _ in range(Hkv)]
+    for flat in score.flatten().argsort(descending=True).tolist():
+        g, p = divmod(flat, half)
+        if len(chosen[g]) < P and not taken[p]:
+            chosen[g].append(p)
+            taken[p] = True
+    return torch.tensor(chosen).sort(dim=1).values  # (Hkv, P)
 
 
 def _check_rope_dims(rope_dims: Any, D: int) -> int:
@@ -293,17 +333,38 @@ def latent_from_attention(
     return new.train(attn.training)
 
 
-def default_rope_dims(attn: MultiHeadAttention) -> int:
+def default_rope_dims(attn: MultiHeadAttention, rope_select: str = "norm") -> int:
     """The rope_dims :func:`to_mla` keeps when given None: 0 without rotary, else a quarter of the head
-    dim rounded down to an even number (at least 2)."""
-    return 0 if attn.rotary is None else max(2, attn.head_dim // 4 // 2 * 2)
+    dim rounded down to an even number (at least 2); for ``rope_select="disjoint"`` at most D / Hkv (the
+    kv heads share the D / 2 pairs)."""
+    if attn.rotary is None:
+        return 0
+    quarter = attn.head_dim // 4
+    if rope_select == "disjoint":
+        quarter = min(quarter, attn.head_dim // attn.n_kv_heads)
+    return max(2, quarter // 2 * 2)
+
+
+#: Docstrings that calibrate a sentence encoder by default: on MiniLM, calibrating MLA r=128 on 256
+#: instead of 64 raised the lowest human-judged score from 94.6% to 97.3% of the original before any
+#: recovery (BENCHMARKS.md, "Head surgery that keeps quality").
+ENCODER_CALIBRATION_DOCS = 256
+
+
+def default_calibration(model: nn.Module) -> list[str] | None:
+    """What ``to_mla(..., calibration="auto")`` calibrates on: for a SentenceEncoder the first
+    :data:`ENCODER_CALIBRATION_DOCS` standard-library docstrings (at most 600 characters each); None for
+    a model that carries no tokenizer (Bert, TransformerLM: pass token ids of your own text)."""
+    if isinstance(model, SentenceEncoder):
+        return stdlib_docstrings(ENCODER_CALIBRATION_DOCS, max_chars=600)
+    return None
 
 
 def to_mla(
     model: nn.Module,
     kv_rank: int,
     rope_dims: int | None = None,
-    calibration: Any = None,
+    calibration: Any = "auto",
     *,
     rope_select: str = "norm",
 ) -> nn.Module:
@@ -324,13 +385,16 @@ def to_mla(
         kv_rank: r, the latent width, 1 <= r <= :func:`max_kv_rank` in every layer: min(2 Hkv D, d), or
             with rotary min(Hkv (2D - rope_dims), d).
         rope_dims: rotary models: R, the rotary dims each head keeps (even, 2 <= R <= D; R / 2 frequency
-            pairs); None: D / 4 rounded down to even (at least 2). Absolute positions: None or 0.
-        calibration: None (factorise the weights) or inputs - texts for a SentenceEncoder, token ids
-            ((n, N) int tensor or id lists) for any model - for the activation-aware factorisation and
-            the "norm" pair scores.
+            pairs); None: D / 4 rounded down to even (at least 2; with "disjoint" at most D / Hkv).
+            Absolute positions: None or 0.
+        calibration: inputs - texts for a SentenceEncoder, token ids ((n, N) int tensor or id lists)
+            for any model - for the activation-aware factorisation and the "norm" pair scores; "auto"
+            (default): :func:`default_calibration` (256 docstrings for a SentenceEncoder, the weights
+            alone for a model without a tokenizer); None: factorise the weights.
         rope_select: which pairs each kv head keeps: "norm" (largest 2-norm contribution, on the
             calibration inputs when given), "high" / "low" (highest / lowest frequencies), "uniform"
-            (evenly spaced); see the module docstring.
+            (evenly spaced), "disjoint" ("norm" with no pair kept by two kv heads: the choice that
+            ``mh.pretrained.to_hf`` writes as a DeepSeek-V3 checkpoint); see the module docstring.
 
     Returns:
         the converted copy, in the model's training mode.
@@ -354,15 +418,19 @@ def to_mla(
                 f"to_mla converts rotary attention with a RotaryEmbedding over the whole head dim "
                 f"{attn.head_dim}; this layer has {attn.rotary!r}"
             )
-        R = default_rope_dims(attn) if rope_dims is None else rope_dims
+        R = default_rope_dims(attn, rope_select) if rope_dims is None else rope_dims
         dims.append(R)
         if attn.sinks is not None or (attn.rotary is None and R != 0):
             latent_from_attention(attn, kv_rank, rope_dims=R)  # raises the reason
         if attn.rotary is not None:
             _check_rope_dims(R, attn.head_dim)
+            if rope_select == "disjoint":
+                select_rope_pairs(attn, R, "disjoint")  # raises when Hkv R > D, before any work
         top = max_kv_rank(attn, R)
         if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= top:
             latent_from_attention(attn, kv_rank, rope_dims=R)  # raises the reason
+    if isinstance(calibration, str) and calibration == "auto":
+        calibration = default_calibration(model)
     xs: list[Tensor | None] = [None] * len(layers)
     if calibration is not None:
         xs = list(calibration_inputs(model, calibration, what="to_mla(calibration=...)"))

@@ -271,22 +271,22 @@ class TransformerLM(nn.Module):
         window = self.sliding_window if kind == "sliding" else None
         p = self.embed.weight
         own = [getattr(layer.self_attn, "make_cache", None) for layer in self.layers]
-        plain = sum(1 for make in own if not callable(make))
+        # each layer's own kv heads: head pruning can leave layers with different counts
+        kv = [getattr(layer.self_attn, "n_kv_heads", 0) or self.n_kv_heads for layer in self.layers]
+        plain = [n for make, n in zip(own, kv) if not callable(make)]
         if plain and kind in KINDS and isinstance(batch_size, int) and isinstance(max_len, int):
             slots = max(window if window is not None else max_len, 0)
-            per_layer = cache_bytes(
-                batch_size, self.n_kv_heads, self.head_dim, self.head_dim, slots, kind, p.dtype
+            total = sum(
+                cache_bytes(batch_size, n, self.head_dim, self.head_dim, slots, kind, p.dtype) for n in plain
             )
-            what = f"a {kind} KV cache of {plain} layers x {batch_size} rows x {slots} positions"
-            check_fits(
-                plain * per_layer, what, "lower max_new_tokens or the batch, or use cache='int8'", p.device
-            )
+            what = f"a {kind} KV cache of {len(plain)} layers x {batch_size} rows x {slots} positions"
+            check_fits(total, what, "lower max_new_tokens or the batch, or use cache='int8'", p.device)
         return [
             make(batch_size, max_len, kind=kind, window=window, dtype=p.dtype, device=p.device)
             if callable(make)
             else KVCache(
                 batch_size,
-                self.n_kv_heads,
+                n_kv,
                 self.head_dim,
                 max_len,
                 kind=kind,
@@ -294,7 +294,7 @@ class TransformerLM(nn.Module):
                 dtype=p.dtype,
                 device=p.device,
             )
-            for make in own
+            for make, n_kv in zip(own, kv)
         ]
 
     def generate(

@@ -17,23 +17,15 @@ is tokenised with ``tokenizers``; the converters only need the config's fields.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..models.lm import TransformerLM
-from .bert import Bert, bert_from_state_dict
-from .config_checks import check_config
-from .convert import cfg
+from .bert import Bert
 from .corpus import stdlib_docstrings
-from .deepseek import deepseek_from_state_dict
-from .difflama import diffllama_from_state_dict
-from .gpt2 import gpt2_from_state_dict
-from .llama import PRESETS, llama_from_state_dict, llama_kwargs, preset_config
-from .reading import convert_checked, load_checked
+from .llama import PRESETS, preset_config
+from .loading import from_hf_state_dict, load_hf_dir, random_lm
 from .sentence_encoder import SentenceEncoder, minilm, minilm_dir, pack
 from .to_hf import to_hf
 
@@ -47,53 +39,11 @@ __all__ = [
     "minilm",
     "minilm_dir",
     "pack",
+    "preset_config",
     "random_lm",
     "stdlib_docstrings",
     "to_hf",
 ]
-
-_CONVERTERS: dict[str, Callable[[Mapping[str, Tensor], Any], Bert | TransformerLM]] = {
-    "bert": bert_from_state_dict,
-    "gpt2": gpt2_from_state_dict,
-    "llama": llama_from_state_dict,
-    "mistral": llama_from_state_dict,
-    "qwen2": llama_from_state_dict,
-    "diffllama": diffllama_from_state_dict,
-    "deepseek_v3": deepseek_from_state_dict,
-}
-
-
-def from_hf_state_dict(state_dict: Mapping[str, Tensor], config: Any) -> Bert | TransformerLM:
-    """Build the multihead model of a Hugging Face checkpoint from its weights and config.
-
-    Args:
-        state_dict: the checkpoint's tensors (``model.state_dict()`` or a safetensors file's contents).
-        config: a transformers config object or the dict of its config.json; ``model_type`` picks the
-            converter: "bert" -> :class:`Bert`; "gpt2", "llama", "mistral", "qwen2" -> TransformerLM;
-            "diffllama" -> TransformerLM with :class:`~multihead.variants.DifferentialAttention` layers.
-            "deepseek_v3" (all layers dense) -> TransformerLM of LatentAttention layers.
-
-    Returns:
-        the model in eval mode, on the checkpoint's device and in its dtype.
-
-    Every config field is type- and range-checked first, and the model is built on the ``meta`` device
-    and matched against the weights' shapes before it is allocated. A state dict of mixed float dtypes
-    is cast to the config's ``torch_dtype`` (else to the dtype of most weights) with a warning.
-
-    Raises:
-        ValueError: another model type, config options multihead does not model or of the wrong type or
-            range, keys of task heads, weights that do not fit the config.
-    """
-    check_config(config)
-    return convert_checked(_convert, state_dict, config, "the state dict")
-
-
-def _convert(state_dict: Mapping[str, Tensor], config: Any) -> Bert | TransformerLM:
-    """The converter that ``model_type`` names, applied (a config already checked)."""
-    model_type = cfg(config, "model_type")
-    if model_type not in _CONVERTERS:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {list(_CONVERTERS)}")
-    return _CONVERTERS[model_type](state_dict, config)
 
 
 def from_hf(model: nn.Module) -> Bert | TransformerLM:
@@ -117,26 +67,31 @@ def from_hf(model: nn.Module) -> Bert | TransformerLM:
     return from_hf_state_dict(model.state_dict(), config)
 
 
-def load(path: str | Path) -> Bert | TransformerLM:
-    """The multihead model of a ``save_pretrained`` directory (config.json + model.safetensors or shards).
+def load(path: str | Path) -> Bert | SentenceEncoder | TransformerLM:
+    """The multihead model saved in a directory: a ``save_pretrained`` checkpoint (config.json +
+    model.safetensors) or a folder written by ``multihead heads convert`` / ``mh.heads.save_converted``
+    (surgery.json + model.safetensors: a SentenceEncoder for a MiniLM conversion, else a TransformerLM).
 
     Nothing larger than the files is allocated before config and weights are known to agree: the config
     is checked field by field, the weights' headers are read first, and the model is matched against
     them on the ``meta`` device; a shard index may only name files inside the directory.
 
     Raises:
-        ValueError: missing or unreadable files, config fields of the wrong type or range, weights that
-            do not fit the config, and what :func:`from_hf_state_dict` raises; the message names the file.
+        ValueError: a folder with neither config.json nor surgery.json (the message names it and what it
+            holds), missing or unreadable files, config fields of the wrong type or range, weights that
+            do not fit the config, and what :func:`from_hf_state_dict` and ``mh.heads.load_converted``
+            raise; the message names the file.
     """
-    return load_checked(path, _convert)
+    folder = Path(path)
+    if (folder / "surgery.json").is_file():
+        from ..heads.checkpoint import load_converted  # head surgery builds on this package
 
-
-def random_lm(preset: str | Mapping[str, Any] = "llama-tiny", *, seed: int = 0) -> TransformerLM:
-    """A TransformerLM with random weights (N(0, 0.02)) of a preset shape or a LLaMA-style config dict.
-
-    Raises:
-        ValueError: an unknown preset name or an unsupported config.
-    """
-    config = preset_config(preset) if isinstance(preset, str) else dict(preset)
-    torch.manual_seed(seed)
-    return TransformerLM(**llama_kwargs(config)).eval()
+        return load_converted(folder)
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        held = sorted(p.name for p in folder.iterdir())[:8]
+        raise ValueError(
+            f"{str(folder)!r} is not a model directory: no config.json in it (a save_pretrained checkpoint) "
+            "and no surgery.json (a folder written by `multihead heads convert` or mh.heads.save_converted); "
+            f"it holds {held}"
+        )
+    return load_hf_dir(folder)

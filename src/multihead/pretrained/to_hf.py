@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..models.lm import TransformerLM
 from ..nn.attention import MultiHeadAttention
+from .to_hf_mla import block_state_dict, deepseek_state
 
 __all__ = ["to_hf"]
 
@@ -62,8 +63,8 @@ def _family(model: Any) -> str:
     designs = {type(lyr.self_attn).__name__ for lyr in model.layers} - {"MultiHeadAttention"}
     if designs:
         raise ValueError(
-            f"to_hf writes the textbook attention of these families; this model's layers use "
-            f"{sorted(designs)} (e.g. after mh.heads.to_mla), which their transformers classes cannot hold; "
+            f"to_hf writes the textbook attention of these families (and latent attention as DeepSeek-V3); "
+            f"this model's layers use {sorted(designs)}, which their transformers classes cannot hold; "
             "save it with mh.heads.save_converted instead"
         )
     if model.positions == "rotary" and hasattr(ffn, "w1") and hasattr(ffn, "w3"):
@@ -107,20 +108,13 @@ def _llama(model: Any, family: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
         config["sliding_window"] = model.sliding_window
     if family == "llama":
         config["attention_bias"] = False
-    sd: dict[str, Tensor] = {"model.embed_tokens.weight": model.embed.weight.detach().clone()}
-    for i, (layer, attn) in enumerate(zip(model.layers, attns)):
+    sd = block_state_dict(model)
+    for i, attn in enumerate(attns):
         p = f"model.layers.{i}."
         _split_qkv(attn, p + "self_attn.", sd)
         sd[p + "self_attn.o_proj.weight"] = attn.o_proj.weight.detach().clone()
         if attn.o_proj.bias is not None:
             raise ValueError(f"layer {i} has an o_proj bias, which {family} checkpoints do not hold")
-        sd[p + "mlp.gate_proj.weight"] = layer.ffn.w1.weight.detach().clone()
-        sd[p + "mlp.up_proj.weight"] = layer.ffn.w3.weight.detach().clone()
-        sd[p + "mlp.down_proj.weight"] = layer.ffn.w2.weight.detach().clone()
-        sd[p + "input_layernorm.weight"] = layer.attn_norm.weight.detach().clone()
-        sd[p + "post_attention_layernorm.weight"] = layer.ffn_norm.weight.detach().clone()
-    sd["model.norm.weight"] = model.final_norm.weight.detach().clone()
-    sd["lm_head.weight"] = model.lm_head.weight.detach().clone()
     return config, sd
 
 
@@ -266,14 +260,18 @@ def to_hf(model: nn.Module) -> nn.Module:
     Args:
         model: a :class:`TransformerLM` of the LLaMA family (from ``from_hf`` of a LLaMA / Mistral / Qwen2
             checkpoint, or ``random_lm``) or of GPT-2, possibly changed by ``mh.heads.to_gqa`` or
-            ``mh.heads.prune`` (every layer left with the same heads); or a :class:`Bert` (unchanged heads).
+            ``mh.heads.prune`` (every layer left with the same heads); a LLaMA-family model converted by
+            ``mh.heads.to_mla`` (``rope_select="disjoint"`` - see :mod:`multihead.pretrained.to_hf_mla`)
+            or loaded from DeepSeek-V3; or a :class:`Bert` (unchanged heads).
 
     Returns:
         A ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``GPT2LMHeadModel`` /
-        ``BertModel`` in eval mode, in the model's dtype, whose config carries the edited head counts.
+        ``DeepseekV3ForCausalLM`` (latent attention, all layers dense) / ``BertModel`` in eval mode, in
+        the model's dtype, whose config carries the edited head counts.
 
     Raises:
-        ValueError: another kind of model, weights the family cannot hold, or layers of different shapes
+        ValueError: another kind of model, weights the family cannot hold (e.g. latent attention whose
+            rotary keys share a frequency, or with a sliding window), or layers of different shapes
             (uneven per-layer pruning: these families' configs hold one head count for every layer, and
             their modeling code does not read transformers' ``per_layer_config`` overrides of it).
         ImportError: transformers is not installed.
@@ -285,8 +283,12 @@ def to_hf(model: nn.Module) -> nn.Module:
             f"to_hf expects a multihead TransformerLM or Bert (from mh.pretrained.from_hf), got "
             f"{type(model).__name__}"
         )
-    family = _family(model)
-    config, sd = _gpt2(model) if family == "gpt2" else _llama(model, family)
+    if any(type(layer.self_attn).__name__ == "LatentAttention" for layer in model.layers):
+        family = "deepseek_v3"
+        config, sd = deepseek_state(model)
+    else:
+        family = _family(model)
+        config, sd = _gpt2(model) if family == "gpt2" else _llama(model, family)
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment

@@ -5,7 +5,8 @@ all-MiniLM-L6-v2 changed three ways, each at two sizes, and scored by :func:`mul
 :func:`multihead.heads.recover` (distillation of the original into the changed copy):
 
     GQA       ``to_gqa(model, K, "aligned")``: every layer's 12 kv heads merged into K (Procrustes-aligned)
-    MLA       ``to_mla(model, r, calibration=...)``: keys and values rebuilt from one latent of r numbers
+    MLA       ``to_mla(model, r)``: keys and values rebuilt from one latent of r numbers (calibrated on
+              to_mla's default 256 docstrings in :data:`FULL`, on the study's calibration texts in QUICK)
     pruning   a fraction of the 72 heads removed least important first (``prune``; Michel et al.'s scores)
 
 The sizes fix the work: :data:`QUICK` (the study's default run: a few recovery steps of short batches, for
@@ -66,12 +67,20 @@ class SurgerySizes:
     recover_texts: int  # docstrings recover draws its batches from
     batch_size: int
     max_tokens: int
-    lr: float
-    seed: int = 0  # recover's batch order
+    lr: float | None  # None: recover's default (2e-5 for an encoder)
+    seed: int = 0  # recover's split and batch order
+    holdout: int = 64  # recover's held-out inputs (its default)
+    mla_calibration: str = "auto"  # "auto": to_mla's default (256 docstrings); "given": the calibration texts
+    bootstrap: int = 200  # resamples of each score's 95% interval
 
 
-QUICK = SurgerySizes((6, 2), (256, 128), (1 / 6, 1 / 3), 6, True, 96, 8, 64, 1e-4)
-FULL = SurgerySizes((6, 2), (256, 128), (1 / 6, 1 / 3), 30, False, 600, 16, 128, 1e-4)
+# recover as a user calls it (mixed lengths, its lr and schedule, the held-out stop); the quick run holds
+# out fewer inputs so that its few steps are not spent on checks, and calibrates MLA on the study's own
+# calibration texts instead of to_mla's 256 docstrings (seconds of the default run); FULL uses the defaults
+QUICK = SurgerySizes(
+    (6, 2), (256, 128), (1 / 6, 1 / 3), 6, True, 96, 8, 64, None, holdout=16, mla_calibration="given"
+)
+FULL = SurgerySizes((6, 2), (256, 128), (1 / 6, 1 / 3), 30, False, 600, 16, 128, None)
 
 
 def eval_unavailable() -> str | None:
@@ -110,7 +119,7 @@ def _variants(
     for r in sizes.ranks:
 
         def latent(r: int = r) -> torch.nn.Module:
-            return to_mla(model, r, calibration=calibration)
+            return to_mla(model, r, calibration="auto" if sizes.mla_calibration == "auto" else calibration)
 
         yield f"MLA r={r} calibrated", "MLA", f"r={r}", latent, recovered(r == min(sizes.ranks))
     L, H = scores.shape
@@ -128,11 +137,16 @@ def _variants(
 
 
 def _row(
-    name: str, method: str, size: str, stage: str, model: Any, base: dict[str, float] | None, **extra: Any
-) -> dict[str, Any]:
-    """One row: the model's human-judged scores, their lowest ratio to ``base`` (%) and its KV bytes."""
-    got = human_judged(model, bootstrap=0)
+    name: str, method: str, size: str, stage: str, model: Any, base: dict[str, float] | None, bootstrap: int,
+    **extra: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """One row: the model's human-judged scores with their bootstrap 95% intervals (``<set>_ci``, None
+    without resamples), their lowest ratio to ``base`` (%) and its KV bytes."""
+    got = human_judged(model, bootstrap=bootstrap)
     scores = {m: float(got[m]["score"]) for m in METRICS}
+    intervals = {
+        f"{m}_ci": None if got[m]["low"] is None else (got[m]["low"], got[m]["high"]) for m in METRICS
+    }
     ref = scores if base is None else base
     lowest = min(100.0 * scores[m] / ref[m] for m in METRICS)
     return {
@@ -142,6 +156,7 @@ def _row(
         "stage": stage,
         "kv_bytes": kv_cache_bytes_per_token(model, torch.float32),
         **scores,
+        **intervals,
         "lowest_pct": lowest,
         "recover_steps": 0,
         **extra,
@@ -161,7 +176,8 @@ def surgery_rows(
     Args:
         model: all-MiniLM-L6-v2 (not changed).
         scores: (L, H) head importance; pruning removes the lowest first.
-        calibration: texts for the aligned GQA merge and the activation-aware MLA factorisation.
+        calibration: texts for the aligned GQA merge (and for MLA with ``mla_calibration="given"``; by
+            default MLA takes to_mla's own calibration).
         texts: recover's training texts (disjoint from ``calibration``).
         sizes: the variants and the recovery budget (see :class:`SurgerySizes`).
         step: ``step(what, done)``, done the fraction of this part finished.
@@ -176,24 +192,24 @@ def surgery_rows(
     """
     step("human-judged scores of the original", 0.0)
     kv_heads = getattr(layers_of(model)[0].self_attn, "n_kv_heads", 0)
-    rows = [_row("original MiniLM", "original", f"{kv_heads} kv", "original", model, None)]
+    rows = [_row("original MiniLM", "original", f"{kv_heads} kv", "original", model, None, sizes.bootstrap)]
     base = {m: rows[0][m] for m in METRICS}
     variants = list(_variants(model, scores, calibration, sizes))
     for i, (name, method, size, build, recovered) in enumerate(variants):
         step(f"{name}: convert and score", i / len(variants))
         student = build()
-        rows.append(_row(name, method, size, "before", student, base))
+        rows.append(_row(name, method, size, "before", student, base, sizes.bootstrap))
         if recovered:
             step(f"{name}: recover {sizes.recover_steps} steps", (i + 0.4) / len(variants))
             start = time.perf_counter()
-            recover(
+            recover(  # the library's recipe: mixed lengths, its lr and schedule, the held-out stop
                 student, model, texts, steps=sizes.recover_steps, lr=sizes.lr, batch_size=sizes.batch_size,
-                max_tokens=sizes.max_tokens, seed=sizes.seed, progress=False,
+                max_tokens=sizes.max_tokens, seed=sizes.seed, holdout=sizes.holdout, progress=False,
             )  # fmt: skip
             secs = time.perf_counter() - start
             after = f"{name} + recover"
             extra = {"recover_steps": sizes.recover_steps, "recover_s": secs}
-            rows.append(_row(after, method, size, "after", student, base, **extra))
+            rows.append(_row(after, method, size, "after", student, base, sizes.bootstrap, **extra))
         del student
     step("done", 1.0)
     return rows
@@ -209,6 +225,12 @@ def equal_bytes_pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], 
 
 
 # -- the table, the figure, the notes --------------------------------------------------------------------
+def _with_interval(row: dict[str, Any], metric: str) -> str:
+    """'0.656 [0.612, 0.695]': a score and its bootstrap 95% interval (the score alone without one)."""
+    ci = row.get(f"{metric}_ci")
+    return f"{row[metric]:.3f}" if ci is None else f"{row[metric]:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
 def surgery_table(rows: list[dict[str, Any]]) -> Table:
     from ..context import Table
 
@@ -216,9 +238,7 @@ def surgery_table(rows: list[dict[str, Any]]) -> Table:
         [
             r["model"],
             f"{r['kv_bytes']:,}",
-            f"{r['lee']:.3f}",
-            f"{r['wordsim353']:.3f}",
-            f"{r['polarity']:.3f}",
+            *(_with_interval(r, m) for m in METRICS),
             f"{r['lowest_pct']:.1f}%",
             r["stage"] if r["stage"] != "original" else "-",
             str(r["recover_steps"]),
@@ -226,8 +246,8 @@ def surgery_table(rows: list[dict[str, Any]]) -> Table:
         for r in rows
     ]
     return Table(
-        "head surgery vs human-judged quality: KV bytes per token (fp32, all layers) and scores, before and "
-        "after recovery (distillation from the original)",
+        "head surgery vs human-judged quality: KV bytes per token (fp32, all layers) and scores [bootstrap "
+        "95% interval], before and after recovery (distillation from the original)",
         [
             "model",
             "KV bytes/token",
@@ -286,13 +306,16 @@ def surgery_notes(rows: list[dict[str, Any]], sizes: SurgerySizes, seconds: floa
     """What the table measured, and the MLA-GQA comparison at equal KV bytes when the run has one."""
     which = "each method's smallest cache" if sizes.recover_smallest else "every variant"
     notes = [
-        "Human-judged scores (`mh.eval.human_judged`, no bootstrap): Lee et al. (2005) Pearson over 1225 "
+        f"Human-judged scores (`mh.eval.human_judged`, [percentile bootstrap 95% interval] over "
+        f"{sizes.bootstrap} resamples): Lee et al. (2005) Pearson over 1225 "
         "document pairs, WordSim-353 Spearman, 5-fold logistic probe accuracy on 200 Pang-Lee polarity "
-        "sentences; lowest % of original = the lowest of the three ratios to the original's score. "
-        f"Recovery ({which}): "
-        f"`mh.heads.recover`, {sizes.recover_steps} AdamW steps (lr {sizes.lr:g}) of "
-        f"{sizes.batch_size} docstrings of at most {sizes.max_tokens} tokens, training what the surgery "
-        f"changed; this part took {seconds:.0f} s. Longer runs: `python benchmarks/surgery_quality.py`.",
+        "sentences; lowest % of original = the lowest of the three ratios to the original's score. Two "
+        "rows whose intervals overlap are not told apart by these sets. "
+        f"Recovery ({which}): `mh.heads.recover` with the library's recipe (docstrings cut into mixed "
+        f"lengths, lr {'2e-5' if sizes.lr is None else f'{sizes.lr:g}'} warmed up then cosine-decayed, "
+        f"the best of its held-out checks on {sizes.holdout} inputs), {sizes.recover_steps} AdamW steps of "
+        f"{sizes.batch_size} texts of at most {sizes.max_tokens} tokens, training what the surgery "
+        f"changed; this part took {seconds:.0f} s. Longer runs: `python benchmarks/surgery_recipe.py`.",
     ]
     pairs = equal_bytes_pairs(rows)
     if pairs:

@@ -35,8 +35,6 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, str]:
     if args.model is None:
         return random_lm(args.preset, seed=args.seed), None, f"preset {args.preset} (random weights)"
     check_input_dir(args.model, "--model", "a save_pretrained() folder or a `heads convert` folder")
-        args.model, "--model", "a save_pretrained() checkpoint folder or a `heads convert` folder"
-    )
     model = load(args.model)  # a save_pretrained directory or a `heads convert` folder
     if not isinstance(model, TransformerLM):
         raise ValueError(

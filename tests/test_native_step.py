@@ -217,5 +217,7 @@ def test_kv_cache_advance_counts_positions_written_in_place():
         c.advance(2)
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         c.advance(0)
-    with pytest.raises(ValueError, match="for 'dense' caches written in place, this one is 'int8'"):
-        mh.KVCache(1, 2, 8, 4, kind="int8").advance(1)
+    with pytest.raises(
+        ValueError, match="for 'dense' and 'int8' caches written in place, this one is 'sliding'"
+    ):
+        mh.KVCache(1, 2, 8, 4, kind="sliding", window=2).advance(1)

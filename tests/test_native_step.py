@@ -173,7 +173,7 @@ def test_what_stops_a_native_model_and_the_eager_fallback():
     lm2 = _lm()
     lm2.layers[0].register_forward_hook(lambda *a: None)
     assert "forward hooks" in native_step.why_not_model(lm2)
-    int8 = quant.quantize(_lm(), weights="int8", kv="int8")
+    int8 = quant.quantize(_lm(), weights="int8", kv="int8", kernel="fbgemm")
     assert int8.why_not_native_steps == "the model was not quantized with kernel='native'"
     # a model the native step cannot serve generates exactly as the eager one
     windowed = _lm(sliding_window=8)

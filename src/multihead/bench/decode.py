@@ -216,8 +216,14 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
         "multihead bf16 native": (quant.quantize(ours16, weights="bf16", kv=None, kernel="native"), "embed"),
         "multihead fp16": (copy.deepcopy(ours32).to(torch.float16), "embed"),
         "multihead fp16 native": (quant.quantize(ours32, weights="fp16", kv=None, kernel="native"), "embed"),
-        "multihead int8 (fp32 activations)": (quant.quantize(ours32, weights="int8", kv="int8"), "embed"),
-        "multihead int8 (bf16 activations)": (quant.quantize(ours16, weights="int8", kv="int8"), "embed"),
+        "multihead int8 (fp32 activations)": (
+            quant.quantize(ours32, weights="int8", kv="int8", kernel="fbgemm"),
+            "embed",
+        ),
+        "multihead int8 (bf16 activations)": (
+            quant.quantize(ours16, weights="int8", kv="int8", kernel="fbgemm"),
+            "embed",
+        ),
     }
     if hf32 is not None:
         models["HF fp32"] = (hf32, "model.embed_tokens")

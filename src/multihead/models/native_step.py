@@ -56,7 +56,8 @@ def _linear_weight(m: nn.Module, name: str, group: Any) -> tuple[Tensor | None, 
     ``group_size == group[0]``; or why not."""
     want = nn.Linear if group is None else Int8GemvLinear
     if not isinstance(m, want):
-        return None, f"{name} is a {type(m).__name__}, not {'a plain nn.Linear' if group is None else 'int8'}"
+        kind = "a plain nn.Linear" if group is None else "an Int8GemvLinear"
+        return None, f"{name} is a {type(m).__name__}, not {kind}"
     if m.bias is not None:
         return None, f"{name} has a bias (the native layer has none)"
     if isinstance(m, Int8GemvLinear):

@@ -10,7 +10,7 @@ bf16 and fp32 weights with faster batch-1 kernels (native, or prepacked for oneD
   the core's KV cache) while scores, softmax and weights stay in fp16/fp32: mixed precision.
   A :class:`~multihead.TransformerLM` also generates with the ``"int8"`` KV cache by default.
 
-Kernels, all library ones (nothing hand-written but the per-channel rounding and the embedding gather):
+Kernels (the first three library ones):
 
 - ``"fbgemm"``: torch's dynamic quantized linear (``torch.ops.quantized.linear_dynamic``; fbgemm / x86
   engine): activations quantized to int8 per tensor on the fly, int8 x int8 -> int32 products. The fast
@@ -25,7 +25,16 @@ Kernels, all library ones (nothing hand-written but the per-channel rounding and
   dtype").
 - ``"dequant"``: ``F.linear`` on the weight dequantized per call: any device and dtype, no speed gain.
 
-``"auto"`` takes fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine (speed first: the
+- ``"native"``: every linear an :class:`Int8GemvLinear` (``group_size`` 32, 64, ... weights per scale
+  along the input, or None for one per output channel): one-row calls run the native int8 GEMV
+  (:mod:`multihead.native.int8`: activations rounded to int8 per block of 32 as llama.cpp's q8_0,
+  VNNI dot products), and a TransformerLM of the LLaMA shape takes every one-token decode step as one
+  native call per layer, the int8 KV cache included (:mod:`.native_step`). Other calls (a prefill)
+  are ``F.linear`` on the dequantized weight. On the 155M LLaMA shape, one thread, about 2.4x the
+  fbgemm kernel's decode rate (BENCHMARKS.md, "int8 native decoding").
+
+``"auto"`` takes native for a TransformerLM where the native kernels build (and whenever ``group_size`` is
+given); else fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine (speed first: the
 activations are rounded too; ``kernel="int8pack"`` keeps bf16 weight-only), int8pack for bf16/fp16
 elsewhere, else dequant.
 Quantized models are for inference: the int8 weights are buffers and take no gradient.

@@ -46,7 +46,7 @@ __all__ = ["decode_step", "why_not_call", "why_not_model"]
 _PROJECTIONS = ("qkv_proj", "o_proj", "w1", "w3", "w2")  # the order of the native layer's weights
 
 
-def _projections(layer: Any) -> list[nn.Module]:
+def _projections(layer: Any) -> list[Any]:
     attn, ffn = layer.self_attn, layer.ffn
     return [attn.qkv_proj, attn.o_proj, ffn.w1, ffn.w3, ffn.w2]
 
@@ -150,7 +150,7 @@ def why_not_model(model: Any, kv_approx: type | None = None) -> str | None:
         )
     if group is not None and dtype != torch.float32:
         return f"int8 weights take native steps with fp32 activations, the model's are {dtype}"
-    if group is None and emb.weight.dtype != dtype:
+    if group is None and emb is not None and emb.weight.dtype != dtype:
         return f"the embedding is {emb.weight.dtype}, the final norm {dtype}"
     for i, layer in enumerate(layers):
         reason = _layer_reason(i, layer, dtype, final.eps, group, kv_approx)

@@ -205,3 +205,37 @@ def test_gemv_q8_rejects_bad_inputs_with_the_fix():
         native_int8.gemv_q8(w8, scale, x, torch.randn(3), 32)
     with pytest.raises(ValueError, match="group_size must be 32, 64"):
         quant.Int8GemvLinear(torch.nn.Linear(8, 8), group_size=16)
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("march", "flag", "isa"),
+    [("x86-64", "sse2", "portable C"), ("x86-64-v3", "avx2", "AVX2")],
+)
+def test_the_portable_and_avx2_int8_paths_pass_the_self_check(march, flag, isa, tmp_path, monkeypatch):
+    import platform
+
+    if platform.machine() != "x86_64" or not _cpu_has(flag):
+        pytest.skip(f"-march={march} needs an x86-64 CPU with {flag}")
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(
+        native, "FLAGS", tuple(f"-march={march}" if f == "-march=native" else f for f in native.FLAGS)
+    )
+    native._load.cache_clear()
+    try:
+        assert native.unavailable() is None  # the build for that target passed the int8 self-check too
+        assert native_int8.isa() == isa
+        w8, scale = quantize_groups(torch.randn(9, 200), 64)
+        x = torch.randn(200)
+        ref, size = _reference(w8, scale, 64, *native_int8.quantize_activations(x))
+        assert float(((native_int8.gemv_q8(w8, scale, x, None, 64).double() - ref).abs() / size).max()) < 1e-6
+    finally:
+        native._load.cache_clear()

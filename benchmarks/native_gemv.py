@@ -9,7 +9,9 @@ them one after the other by one vector with each kernel, and reports GB/s of wei
 ``--rounds`` passes, next to a ``sum`` over a 256 MiB fp32 tensor (a pure streaming read, measured in
 the same rounds), in fp32, bf16 and fp16. Kernels: ``F.linear`` (torch's own), oneDNN's prepacked weight
 (``mh.quant.PackedLinear``, fp32 and bf16), and ``multihead.native.gemv``. Every kernel's result is checked
-against ``F.linear`` first.
+against ``F.linear`` first. The int8 rows: ``multihead.native.int8.gemv_q8`` with one scale per output
+channel and per group of 64 and 32 inputs (the bytes read count the fp32 scales; the activation's
+rounding to int8 is inside the timed call), checked against ``F.linear`` on the dequantized weight.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 
 from multihead import native
 from multihead.models import quant
+from multihead.models.int8_gemv_linear import dequantize_groups, quantize_groups
+from multihead.native import int8 as native_int8
 
 
 def _best_rate(fn, nbytes: int, rounds: int) -> float:
@@ -65,6 +69,32 @@ def _rows_of(dtype: torch.dtype, count: int, rows: int, cols: int, rounds: int, 
     return out
 
 
+def _int8_rows(count: int, rows: int, cols: int, rounds: int, probe) -> list[dict]:
+    """One row per group size of the native int8 kernel: its GB/s (int8 weights and fp32 scales) and
+    the sum's."""
+    if native.unavailable() is not None:
+        return []
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(cols, generator=g)  # (I,)
+    out = []
+    for group in (None, 64, 32):
+        ws = [quantize_groups(torch.randn(rows, cols, generator=g), group) for _ in range(count)]
+        nbytes = sum(w.numel() + s.numel() * 4 for w, s in ws)
+        want = F.linear(x, dequantize_groups(*ws[0], group, torch.float32))  # (O,)
+        got = native_int8.gemv_q8(*ws[0], x, None, group)  # (O,): x rounded to int8 per 32-block
+        assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max()), group
+        with torch.inference_mode():
+            rate = _best_rate(
+                lambda ws=ws, group=group: [native_int8.gemv_q8(w, s, x, None, group) for w, s in ws],
+                nbytes,
+                rounds,
+            )
+        sum_rate = _best_rate(probe.sum, probe.numel() * 4, rounds)
+        kernel = "native per-row" if group is None else f"native g{group}"
+        out.append({"dtype": "int8", "kernel": kernel, "GBps": rate, "sum_GBps": sum_rate})
+    return out
+
+
 def run(threads: int, count: int, rows: int, cols: int, rounds: int) -> dict:
     """GB/s of each kernel and of the sum; see the module docstring."""
     torch.set_num_threads(threads)
@@ -74,6 +104,7 @@ def run(threads: int, count: int, rows: int, cols: int, rounds: int) -> dict:
         for dtype in (torch.float32, torch.bfloat16, torch.float16)
         for r in _rows_of(dtype, count, rows, cols, rounds, probe)
     ]
+    found += _int8_rows(count, rows, cols, rounds, probe)
     return {"threads": threads, "count": count, "shape": [rows, cols], "rounds": rounds, "rows": found}
 
 

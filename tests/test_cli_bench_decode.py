@@ -55,6 +55,12 @@ def test_every_row_with_finite_figures(capsys):
         assert r["vs_hf_fp32"] is None or _finite_positive(r["vs_hf_fp32"]), r
         if r["dtype"] not in ("fp32", "bf16", "fp16"):
             assert r["vs_hf_same_dtype"] is None  # transformers has no int8 row to compare with
+    # the native int8 rows: within the stated logit tolerance of fp32 along its greedy tokens; the group
+    # scales cost bytes (4 per group: 1/16 of a byte a weight at 64, 1/8 at 32)
+    assert set(doc["int8_native"]) == set(decode.INT8_NATIVE)
+    assert all(0 < v["logit_error"] <= 0.05 for v in doc["int8_native"].values()), doc["int8_native"]
+    per_row, g64, g32 = (rows[k]["bytes_per_token"] for k in decode.INT8_NATIVE)
+    assert per_row < g64 < g32 < rows["multihead fp32"]["bytes_per_token"] / 3.5
     # bytes per token: the same weights on both sides (buffers such as rotary tables differ a little);
     # bf16 halves them, int8 weights quarter them (plus fp32 scales and norms)
     for d in ("fp32", "bf16", "fp16"):
@@ -100,7 +106,7 @@ def test_without_transformers_the_hf_rows_are_skipped_with_a_reason(monkeypatch,
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     assert main([*TINY, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 10
+    assert [r["impl"] for r in doc["rows"]] == ["multihead"] * 13
     assert "transformers is not installed" in doc["skipped"]
     for r in doc["rows"]:
         _check_row(r)

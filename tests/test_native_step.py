@@ -173,7 +173,7 @@ def test_what_stops_a_native_model_and_the_eager_fallback():
     lm2 = _lm()
     lm2.layers[0].register_forward_hook(lambda *a: None)
     assert "forward hooks" in native_step.why_not_model(lm2)
-    int8 = quant.quantize(_lm(), weights="int8", kv="int8")
+    int8 = quant.quantize(_lm(), weights="int8", kv="int8", kernel="fbgemm")
     assert int8.why_not_native_steps == "the model was not quantized with kernel='native'"
     # a model the native step cannot serve generates exactly as the eager one
     windowed = _lm(sliding_window=8)
@@ -217,8 +217,10 @@ def test_kv_cache_advance_counts_positions_written_in_place():
         c.advance(2)
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         c.advance(0)
-    with pytest.raises(ValueError, match="for 'dense' caches written in place, this one is 'int8'"):
-        mh.KVCache(1, 2, 8, 4, kind="int8").advance(1)
+    with pytest.raises(
+        ValueError, match="for 'dense' and 'int8' caches written in place, this one is 'sliding'"
+    ):
+        mh.KVCache(1, 2, 8, 4, kind="sliding", window=2).advance(1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

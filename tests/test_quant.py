@@ -55,7 +55,8 @@ def test_int8_linear_rounding_bound():
 
 def test_quantize_shrinks_the_model_and_ties_share_storage(lm):
     q = quant.quantize(lm)
-    assert sum(isinstance(m, quant.Int8Linear) for m in q.modules()) == 2 * 5 + 1  # qkv, o, w1, w2, w3; head
+    kinds = (quant.Int8Linear, quant.Int8GemvLinear)  # auto: the native one for a decoder where it builds
+    assert sum(isinstance(m, kinds) for m in q.modules()) == 2 * 5 + 1  # qkv, o, w1, w2, w3; head
     assert q.embed.weight_int8 is q.lm_head.weight_int8  # the tied head reads the embedding's int8 rows
     ratio = quant.model_bytes(lm) / quant.model_bytes(q)
     assert 3.5 < ratio < 4.0  # int8 instead of fp32, plus fp32 scales and norms
@@ -100,7 +101,13 @@ def test_encoder_quantizes_too():
             r"weights='fp16' has no oneDNN-prepacked kernel; use kernel='native'",
         ),
         ({"kv": "fp8"}, r"quantize kv must be 'int8' or None, got 'fp8'"),
-        ({"kernel": "cuda"}, r"quantize kernel must be one of \['auto', 'fbgemm', 'int8pack', 'dequant'\]"),
+        (
+            {"kernel": "cuda"},
+            r"quantize kernel must be one of \['auto', 'fbgemm', 'int8pack', 'dequant', 'native'\]",
+        ),
+        ({"group_size": 48}, r"group_size must be 32, 64 \(or another multiple of 64\) or None"),
+        ({"group_size": 32, "kernel": "fbgemm"}, r"group_size=32 needs weights='int8' with kernel 'native'"),
+        ({"weights": "bf16", "group_size": 64}, r"group_size=64 needs weights='int8'"),
     ],
 )
 def test_bad_arguments(lm, kwargs, match):

@@ -13,8 +13,11 @@ fp32 (the fp32 weights in oneDNN's batch-1 layout, equal up to the order of the 
 (``kernel="native"``: every decode step one native call per layer with the compiled GEMV,
 :mod:`multihead.models.native_step`, rows split over the torch threads; ``F.linear`` and the eager
 layers, with the reason printed, where the kernels cannot build); and ``mh.quant.quantize(model,
-weights="int8", kv="int8")`` of the fp32 and of the bf16 model (int8 weights per output channel, int8 KV
-cache). Greedy decoding; decode tokens/s excludes the prefill:
+weights="int8", kv="int8", kernel="fbgemm")`` of the fp32 and of the bf16 model (int8 weights per output
+channel, int8 KV cache); the "int8 native" rows: ``kernel="native"`` with one scale per output channel
+or per group of 64 or 32 inputs (int8 activations per 32-block, int8 KV cache, every decode step one
+native call per layer), with their logit error against the fp32 model along its greedy tokens
+(:func:`int8_quality`). Greedy decoding; decode tokens/s excludes the prefill:
 ``(new - 1) / (t(new tokens) - t(1 token))``, each time the median of interleaved samples
 (:mod:`multihead.bench.timing`: samples long enough for the clock and the scheduler, with their
 spread); where the difference is inside the noise of its two terms (too few new tokens) the row says
@@ -87,7 +90,16 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("multihead fp16 native", "multihead", "fp16"),
     ("multihead int8 (fp32 activations)", "multihead", "int8"),
     ("multihead int8 (bf16 activations)", "multihead", "int8+bf16"),
+    ("multihead int8 native per-channel", "multihead", "int8"),
+    ("multihead int8 native group 64", "multihead", "int8"),
+    ("multihead int8 native group 32", "multihead", "int8"),
 )
+#: the native int8 rows' group sizes (None: one scale per output channel)
+INT8_NATIVE = {
+    "multihead int8 native per-channel": None,
+    "multihead int8 native group 64": 64,
+    "multihead int8 native group 32": 32,
+}
 
 Generate = Callable[[int], Tensor]
 
@@ -157,7 +169,7 @@ def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> 
         ValueError: a model without linear layers, or ``reps`` < 1.
     """
     check_int("reps", reps, 1)
-    kinds = (nn.Linear, quant.PackedLinear, quant.Int8Linear)  # GemvLinear is an nn.Linear
+    kinds = (nn.Linear, quant.PackedLinear, quant.Int8Linear, quant.Int8GemvLinear)  # GemvLinear: nn.Linear
     layers = [m for m in model.modules() if isinstance(m, kinds)]
     if not layers:
         raise ValueError(f"kernels_alone needs a model with linear layers; {type(model).__name__} has none")
@@ -215,9 +227,20 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
         "multihead bf16 native": (quant.quantize(ours16, weights="bf16", kv=None, kernel="native"), "embed"),
         "multihead fp16": (copy.deepcopy(ours32).to(torch.float16), "embed"),
         "multihead fp16 native": (quant.quantize(ours32, weights="fp16", kv=None, kernel="native"), "embed"),
-        "multihead int8 (fp32 activations)": (quant.quantize(ours32, weights="int8", kv="int8"), "embed"),
-        "multihead int8 (bf16 activations)": (quant.quantize(ours16, weights="int8", kv="int8"), "embed"),
+        "multihead int8 (fp32 activations)": (
+            quant.quantize(ours32, weights="int8", kv="int8", kernel="fbgemm"),
+            "embed",
+        ),
+        "multihead int8 (bf16 activations)": (
+            quant.quantize(ours16, weights="int8", kv="int8", kernel="fbgemm"),
+            "embed",
+        ),
     }
+    for name, group in INT8_NATIVE.items():  # int8 weights and KV cache, native decode steps
+        models[name] = (
+            quant.quantize(ours32, weights="int8", kv="int8", kernel="native", group_size=group),
+            "embed",
+        )
     if hf32 is not None:
         models["HF fp32"] = (hf32, "model.embed_tokens")
         models["HF bf16"] = (copy.deepcopy(hf32).to(torch.bfloat16), "model.embed_tokens")
@@ -316,6 +339,46 @@ def _fraction(rate: float | None, limit: float | None, refusal: str = timing.ABO
     return timing.fraction_of_limit(rate, limit) if text[-1] == "%" else (None if text == "-" else text)
 
 
+def _step_logits(model: Any, seq: Tensor, n_prompt: int) -> Tensor:
+    """Logits (n, V) that predict tokens n_prompt .. N-1 of ``seq`` (1, N): the prompt's prefill, then one
+    decode step per token (the decode path: native steps, int8 activations and cache where the model has
+    them)."""
+    cache = model.make_cache(1, seq.shape[1])
+    out = [model(seq[:, :n_prompt], cache=cache)[0, -1]]  # (V,)
+    out += [model(seq[:, t : t + 1], cache=cache)[0, -1] for t in range(n_prompt, seq.shape[1] - 1)]
+    return torch.stack(out).float()  # (n, V)
+
+
+def int8_quality(reference: nn.Module, models: dict[str, nn.Module], seq: Tensor, n_prompt: int) -> dict:
+    """How far each model's decode steps are from ``reference``'s (the fp32 model) along ``seq`` (1, N):
+    the reference's greedy tokens after ``n_prompt`` prompt tokens, fed to every model one step at a time.
+
+    Returns:
+        ``{name: {"logit_error", "first_difference", "margin"}}``: the largest logit error as a fraction of
+        the reference logits' range (tests/test_quant.py's measure); the first step whose greedy token
+        differs from the reference's (None: none does) and the reference's margin there (its best logit
+        minus the model's choice).
+    """
+    with torch.inference_mode():
+        ref = _step_logits(reference, seq, n_prompt)  # (n, V)
+        span = float(ref.max() - ref.min())
+        out = {}
+        for name, m in models.items():
+            got = _step_logits(m, seq, n_prompt)  # (n, V)
+            differ = (got.argmax(-1) != ref.argmax(-1)).nonzero()
+            first = int(differ[0, 0]) if len(differ) else None
+            margin = None
+            if first is not None:
+                row = ref[first]
+                margin = float(row.max() - row[got[first].argmax()])
+            out[name] = {
+                "logit_error": float((got - ref).abs().max()) / span,
+                "first_difference": first,
+                "margin": margin,
+            }
+        return out
+
+
 def run(
     preset: str = DEFAULT_PRESET,
     *,
@@ -347,7 +410,8 @@ def run(
         "why_no_rate"), "tok_s_spread", "limit_tok_s", "fraction_of_limit" (a refusal text where above
         100%), "kernels_tok_s" (:func:`kernels_alone` as a rate), "kernels_fraction_of_limit",
         "fraction_of_kernels", "vs_hf_fp32", "vs_hf_same_dtype" (HF's time / ours) and their
-        "_within_noise" flags}]}``; ratios to absent rows are None.
+        "_within_noise" flags}], "int8_native" ({row: :func:`int8_quality`'s dict and
+        "tokens_identical_fp32"})}``; ratios to absent rows are None.
 
     Raises:
         ValueError: an unknown preset; threads, rounds or prompt < 1; new_tokens < 2; a prompt longer
@@ -388,6 +452,11 @@ def run(
             same_native = {
                 d: torch.equal(tokens[f"multihead {d}"], tokens[f"multihead {d} native"]) for d in FLOATS
             }
+            int8_native = {k: models[k] for k in INT8_NATIVE if k in models}
+            say("int8 logit error against fp32")
+            int8_error = int8_quality(models["multihead fp32"], int8_native, tokens["multihead fp32"], prompt)
+            for k in int8_error:
+                int8_error[k]["tokens_identical_fp32"] = torch.equal(tokens["multihead fp32"], tokens[k])
             steps, floors, bandwidth = _measure(contestants, models, new_tokens, rounds, say)
         threads_used = torch.get_num_threads()
     finally:
@@ -411,6 +480,7 @@ def run(
         "tokens_identical_prepacked": same_packed,
         "tokens_identical_fp32_prepacked": same_packed32,
         **{f"tokens_identical_native_{d}": same_native[d] for d in FLOATS},
+        "int8_native": int8_error,
         "rows": rows,
     }
 
@@ -482,6 +552,15 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
         f"{yes[doc['tokens_identical_native_bf16']]}, to multihead fp16: "
         f"{yes[doc['tokens_identical_native_fp16']]}",
     ]
+    for k, v in doc.get("int8_native", {}).items():
+        where = (
+            "greedy 8 tokens identical"
+            if v["first_difference"] is None
+            else f"greedy tokens part at step {v['first_difference']} (fp32 margin there {v['margin']:.3g})"
+        )
+        packed.append(
+            f"{k} vs multihead fp32, decode steps: logit error {v['logit_error']:.2%} of the range, {where}"
+        )
     short = [f"{r['name']}: {r['why_no_rate']}" for r in doc["rows"] if r["tok_s"] is None]
     if doc["skipped"]:
         return [doc["skipped"], *packed, *short]

@@ -43,20 +43,40 @@ from ..nn.kv_cache import KVCache
 from ..nn.layers import TransformerLayer
 from ..nn.norms import RMSNorm
 from ..nn.positions import RotaryEmbedding
+from .int8_gemv_linear import Int8GemvLinear
 
 __all__ = ["decode_step", "why_not_call", "why_not_model"]
 
 
-def _linear_weight(m: nn.Module, name: str) -> tuple[Tensor | None, str | None]:
-    if not isinstance(m, nn.Linear):
-        return None, f"{name} is a {type(m).__name__}, not a linear layer with a plain weight"
+_PROJECTIONS = ("qkv_proj", "o_proj", "w1", "w3", "w2")  # the order of the native layer's weights
+
+
+def _projections(layer: Any) -> list[Any]:
+    attn, ffn = layer.self_attn, layer.ffn
+    return [attn.qkv_proj, attn.o_proj, ffn.w1, ffn.w3, ffn.w2]
+
+
+def _linear_weight(m: nn.Module, name: str, group: Any) -> tuple[Tensor | None, str | None]:
+    """The weight of a float linear (``group`` None) or the int8 weight of an Int8GemvLinear with
+    ``group_size == group[0]``; or why not."""
+    want = nn.Linear if group is None else Int8GemvLinear
+    if not isinstance(m, want):
+        kind = "a plain nn.Linear" if group is None else "an Int8GemvLinear"
+        return None, f"{name} is a {type(m).__name__}, not {kind}"
     if m.bias is not None:
         return None, f"{name} has a bias (the native layer has none)"
+    if isinstance(m, Int8GemvLinear):
+        if m.group_size != group[0]:
+            return None, f"{name} has group size {m.group_size}, another layer {group[0]}"
+        return m.weight_int8, None
     return m.weight, None
 
 
-def _layer_reason(i: int, layer: nn.Module, dtype: torch.dtype, eps: float | None) -> str | None:
-    """Why layer i cannot run natively, or None."""
+def _layer_reason(
+    i: int, layer: nn.Module, dtype: torch.dtype, eps: float | None, group: Any, kv_approx: type | None
+) -> str | None:
+    """Why layer i cannot run natively, or None. ``group``: None for float weights, else (group_size,)
+    of the int8 ones; ``kv_approx``: the approximation type every attention runs with an int8 cache."""
     if type(layer) is not TransformerLayer:
         return f"layer {i} is a {type(layer).__name__}, not a TransformerLayer"
     if not layer.norm_first or layer.cross_attn is not None:
@@ -69,7 +89,10 @@ def _layer_reason(i: int, layer: nn.Module, dtype: torch.dtype, eps: float | Non
     attn, ffn = layer.self_attn, layer.ffn
     if type(attn) is not MultiHeadAttention:
         return f"layer {i}'s attention is a {type(attn).__name__}, not the textbook MultiHeadAttention"
-    if attn.approx is not None or not isinstance(attn.backend, str):
+    if kv_approx is not None:
+        if not isinstance(attn.approx, kv_approx):
+            return f"layer {i}'s attention does not run {kv_approx.__name__} (the int8 cache's attention)"
+    elif attn.approx is not None or not isinstance(attn.backend, str):
         return f"layer {i}'s attention runs an approximation or a custom backend"
     if attn.sinks is not None or attn.score_scale is not None:
         return f"layer {i}'s attention has sinks or a non-default score scale"
@@ -77,19 +100,14 @@ def _layer_reason(i: int, layer: nn.Module, dtype: torch.dtype, eps: float | Non
         return f"layer {i}'s attention has no RotaryEmbedding"
     if type(ffn) is not FeedForward or ffn.activation != "swiglu":
         return f"layer {i}'s feed-forward is not SwiGLU"
-    for name, m in (
-        ("qkv_proj", attn.qkv_proj),
-        ("o_proj", attn.o_proj),
-        ("w1", ffn.w1),
-        ("w3", ffn.w3),
-        ("w2", ffn.w2),
-    ):
-        w, why = _linear_weight(m, f"layer {i}'s {name}")
+    for name, m in zip(_PROJECTIONS, _projections(layer)):
+        w, why = _linear_weight(m, f"layer {i}'s {name}", group)
         if why is not None:
             return why
         assert w is not None
-        if w.dtype != dtype or not w.is_contiguous():
-            return f"layer {i}'s {name} weight is {w.dtype}, strides {w.stride()} (needs contiguous {dtype})"
+        want = dtype if group is None else torch.int8
+        if w.dtype != want or not w.is_contiguous() or w.device.type != "cpu":
+            return f"layer {i}'s {name} weight is {w.dtype}, strides {w.stride()} (needs contiguous {want})"
     for n in norms:
         if n.weight.dtype != dtype:
             return f"layer {i}'s norm weight is {n.weight.dtype}, not {dtype}"
@@ -128,10 +146,15 @@ def _hooks_reason_cached(model: Any) -> str | None:
     return reason
 
 
-def why_not_model(model: Any, *, hooks: bool = True) -> str | None:
+def why_not_model(model: Any, kv_approx: type | None = None, *, hooks: bool = True) -> str | None:
     """Why ``model`` (a TransformerLM) cannot take native decode steps here, or None when it can.
-    ``hooks=False`` leaves out the forward hooks (which :func:`why_not_call` checks at every call: they
-    come and go after the model's structure is fixed)."""
+
+    Float weights (nn.Linear) of the model's dtype, or int8 ones (every projection an
+    :class:`Int8GemvLinear` of one group size, fp32 activations, the input embedding any module with
+    int8 rows ``weight_int8``). ``kv_approx``: the approximation every attention runs (the rounding of
+    keys and values to int8, exact attention on what an int8 cache holds); then the steps need an int8
+    cache (:func:`why_not_call`'s ``cache_kind``). ``hooks=False`` leaves out the forward hooks (which
+    :func:`why_not_call` checks at every call: they come and go after the model's structure is fixed)."""
     reason = native.unavailable()
     if reason is not None:
         return f"the native kernels are unavailable: {reason}"
@@ -140,10 +163,17 @@ def why_not_model(model: Any, *, hooks: bool = True) -> str | None:
         return "the model is not a TransformerLM with rotary positions"
     if getattr(model, "sliding_window", None) is not None:
         return "the model attends through a sliding window"
+    first = layers[0].self_attn.qkv_proj if hasattr(layers[0], "self_attn") else None
+    group = (first.group_size,) if isinstance(first, Int8GemvLinear) else None
     emb = getattr(model, "embed", None)
-    if type(emb) is not nn.Embedding or getattr(model, "pos_embed", None) is not None:
+    if getattr(model, "pos_embed", None) is not None:
+        return "the model adds position embeddings"
+    if group is not None:
+        if getattr(getattr(emb, "weight_int8", None), "dtype", None) != torch.int8:
+            return "the int8 model's input embedding holds no int8 rows (weight_int8)"
+    elif type(emb) is not nn.Embedding:
         return "the input embedding is not a plain nn.Embedding"
-    if emb.weight.stride(1) != 1:
+    elif emb.weight.stride(1) != 1:
         return "the embedding's rows are not contiguous"
     final = model.final_norm
     if type(final) is not RMSNorm:
@@ -154,21 +184,28 @@ def why_not_model(model: Any, *, hooks: bool = True) -> str | None:
             f"the weights are {dtype} on {final.weight.device}; native steps take {list(native.dtypes())} "
             "on the CPU"
         )
-    if emb.weight.dtype != dtype:
+    if group is not None and dtype != torch.float32:
+        return f"int8 weights take native steps with fp32 activations, the model's are {dtype}"
+    if group is None and emb is not None and emb.weight.dtype != dtype:
         return f"the embedding is {emb.weight.dtype}, the final norm {dtype}"
     for i, layer in enumerate(layers):
-        reason = _layer_reason(i, layer, dtype, final.eps)
+        reason = _layer_reason(i, layer, dtype, final.eps, group, kv_approx)
         if reason is not None:
             return reason
     return _hooks_reason(model) if hooks else None
 
 
 def why_not_call(
-    model: Any, ids: Tensor, attention_mask: Tensor | None, cache: list[KVCache] | None
+    model: Any,
+    ids: Tensor,
+    attention_mask: Tensor | None,
+    cache: list[KVCache] | None,
+    cache_kind: str = "dense",
 ) -> str | None:
     """Why this call of ``model.hidden_states`` is not a native decode step, or None when it is.
     Cheap: made on every call (the model's structure is :func:`why_not_model`'s, asked once; its
-    forward hooks are scanned again only after a hook was registered anywhere)."""
+    forward hooks are scanned again only after a hook was registered anywhere). ``cache_kind``: the kind
+    of cache the steps need, "dense" or "int8" (the model's attention rounds keys and values to int8)."""
     if cache is None or ids.shape != (1, 1):
         return "not a one-token, one-row cached call"
     if model.__dict__.get("_native_hooks_stamp") != RemovableHandle.next_id:  # a hook was registered
@@ -182,7 +219,7 @@ def why_not_call(
     c = cache[0]
     checked = model.__dict__.get("_native_caches", ())  # weak references to the caches checked last
     if len(checked) != len(cache) or any(r() is not kv for r, kv in zip(checked, cache)):
-        reason = _cache_reason(model, cache)
+        reason = _cache_reason(model, cache, cache_kind)
         if reason is not None:
             return reason
         model.__dict__["_native_caches"] = tuple(weakref.ref(kv) for kv in cache)
@@ -195,15 +232,18 @@ def why_not_call(
     return None
 
 
-def _cache_reason(model: Any, cache: list[KVCache]) -> str | None:
+def _cache_reason(model: Any, cache: list[KVCache], kind: str) -> str | None:
     """Why these caches cannot take native steps (their kind, dtype, device and layout; fixed when a
     cache is built, so asked once per list of caches), or None."""
     if len(cache) != len(model.layers):
         return f"{len(cache)} caches for {len(model.layers)} layers"
     dtype = model.final_norm.weight.dtype
     for kv in cache:
-        if kv.kind != "dense" or kv.dtype != dtype or kv.k.device.type != "cpu":
-            return f"the cache is {kv.kind} {kv.dtype}; native steps need a dense {dtype} cache on the CPU"
+        if kv.kind != kind or kv.dtype != dtype or kv.k.device.type != "cpu":
+            return f"the cache is {kv.kind} {kv.dtype}; native steps need a {kind} {dtype} cache on the CPU"
+        scales = [t for t in (kv.k_scale, kv.v_scale) if t is not None]
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in scales):
+            return "the int8 cache's scales are not contiguous fp32"
         if kv.position != cache[0].position:
             return "the layers' caches hold different numbers of positions"
         if not (kv.k.is_contiguous() and kv.v.is_contiguous()) or kv.k.shape[-1] != kv.v.shape[-1]:
@@ -225,11 +265,8 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
     dtype = model.final_norm.weight.dtype
     kind = native.KIND[dtype]
     pos = int(cache[0].position)
-    table = model.embed.weight  # (V, d)
-    d = table.shape[1]
-    x = torch.empty(d, dtype=dtype)  # (d,) the residual stream, updated in place
-    row = table.stride(0) * table.element_size()
-    ctypes.memmove(x.data_ptr(), table.data_ptr() + int(ids) * row, d * table.element_size())  # embedding
+    x = _embedding(model, ids, dtype)  # (d,) the residual stream, updated in place
+    d = x.shape[0]
     tables: dict[int, tuple[Tensor, Tensor]] = {}  # layers usually share one RotaryEmbedding
     for layer, kv in zip(model.layers, cache):
         attn, ffn = layer.self_attn, layer.ffn
@@ -238,32 +275,17 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
             tables[id(rotary)] = rotary._table(pos, 1, torch.float32, x.device)  # 2 x (1, D/2)
         cos, sin = tables[id(rotary)]
         D, Hq, Hkv = attn.head_dim, attn.n_heads, attn.n_kv_heads
-        rc = lib.mh_decode_layer(
-            x.data_ptr(),
-            layer.attn_norm.weight.data_ptr(),
-            attn.qkv_proj.weight.data_ptr(),
-            attn.o_proj.weight.data_ptr(),
-            layer.ffn_norm.weight.data_ptr(),
-            ffn.w1.weight.data_ptr(),
-            ffn.w3.weight.data_ptr(),
-            ffn.w2.weight.data_ptr(),
-            kv.k.data_ptr(),
-            kv.v.data_ptr(),
-            kv.k.stride(1),
-            kv.v.stride(1),
-            pos,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            int(rotary.interleaved),
-            d,
-            Hq,
-            Hkv,
-            D,
-            ffn.d_ff,
-            layer.attn_norm.eps,
-            1.0 / math.sqrt(D),
-            kind,
-        )
+        shape = (pos, cos.data_ptr(), sin.data_ptr(), int(rotary.interleaved), d, Hq, Hkv, D, ffn.d_ff)
+        eps, scale = layer.attn_norm.eps, 1.0 / math.sqrt(D)
+        g_attn, g_ffn = layer.attn_norm.weight.data_ptr(), layer.ffn_norm.weight.data_ptr()
+        if isinstance(attn.qkv_proj, Int8GemvLinear) or kv.kind == "int8":
+            rc = _int8_layer(lib, x, g_attn, g_ffn, layer, kv, shape, eps, scale, kind)
+        else:
+            w = [m.weight.data_ptr() for m in _projections(layer)]  # qkv, o, w1, w3, w2
+            k_v = (kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(1), kv.v.stride(1))
+            rc = lib.mh_decode_layer(
+                x.data_ptr(), g_attn, *w[:2], g_ffn, *w[2:], *k_v, *shape, eps, scale, kind
+            )
         if rc != 0:
             raise ValueError("the native decode layer could not allocate its scratch memory")
         kv.advance(1)
@@ -272,3 +294,45 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
         x.data_ptr(), model.final_norm.weight.data_ptr(), h.data_ptr(), d, model.final_norm.eps, kind
     )
     return h.view(1, 1, d)  # (1, 1, d)
+
+
+def _embedding(model: Any, ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """The input embedding of the one token, a fresh (d,) tensor: a row copy of a float table, else the
+    embedding module's own lookup (an int8 table dequantizes the row)."""
+    emb = model.embed
+    if type(emb) is not nn.Embedding:
+        return emb(ids.view(1))[0].to(dtype).contiguous()  # (d,)
+    table = emb.weight  # (V, d)
+    d = table.shape[1]
+    x = torch.empty(d, dtype=dtype)  # (d,)
+    row = table.stride(0) * table.element_size()
+    ctypes.memmove(x.data_ptr(), table.data_ptr() + int(ids) * row, d * table.element_size())
+    return x
+
+
+def _int8_layer(
+    lib: ctypes.CDLL,
+    x: Tensor,
+    g_attn: int,
+    g_ffn: int,
+    layer: Any,
+    kv: KVCache,
+    shape: tuple,
+    eps: float,
+    scale: float,
+    kind: int,
+) -> int:
+    """One ``mh_decode_layer_q8`` call: int8 weights (or float ones) with an int8 (or dense) cache."""
+    projections = _projections(layer)
+    int8 = [isinstance(m, Int8GemvLinear) for m in projections]
+    w = (ctypes.c_void_p * 5)(
+        *[(m.weight_int8 if q else m.weight).data_ptr() for m, q in zip(projections, int8)]
+    )
+    s = (ctypes.c_void_p * 5)(*[m.scale.data_ptr() if q else None for m, q in zip(projections, int8)])
+    group = getattr(projections[0], "group_size", None) or 1 << 62  # one scale per row: G >= every width
+    scales = (kv.k_scale, kv.v_scale) if kv.kind == "int8" else (None, None)
+    k_scale, v_scale = (None if t is None else t.data_ptr() for t in scales)
+    s_stride = 0 if scales[0] is None else scales[0].stride(1)
+    k_v = (kv.k.data_ptr(), kv.v.data_ptr(), k_scale, v_scale, kv.k.stride(1), kv.v.stride(1), s_stride)
+    arrays = (ctypes.addressof(w), ctypes.addressof(s))
+    return lib.mh_decode_layer_q8(x.data_ptr(), g_attn, g_ffn, *arrays, group, *k_v, *shape, eps, scale, kind)

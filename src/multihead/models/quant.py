@@ -10,7 +10,7 @@ bf16 and fp32 weights with faster batch-1 kernels (native, or prepacked for oneD
   the core's KV cache) while scores, softmax and weights stay in fp16/fp32: mixed precision.
   A :class:`~multihead.TransformerLM` also generates with the ``"int8"`` KV cache by default.
 
-Kernels, all library ones (nothing hand-written but the per-channel rounding and the embedding gather):
+Kernels (the first three library ones):
 
 - ``"fbgemm"``: torch's dynamic quantized linear (``torch.ops.quantized.linear_dynamic``; fbgemm / x86
   engine): activations quantized to int8 per tensor on the fly, int8 x int8 -> int32 products. The fast
@@ -25,7 +25,16 @@ Kernels, all library ones (nothing hand-written but the per-channel rounding and
   dtype").
 - ``"dequant"``: ``F.linear`` on the weight dequantized per call: any device and dtype, no speed gain.
 
-``"auto"`` takes fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine (speed first: the
+- ``"native"``: every linear an :class:`Int8GemvLinear` (``group_size`` 32, 64, ... weights per scale
+  along the input, or None for one per output channel): one-row calls run the native int8 GEMV
+  (:mod:`multihead.native.int8`: activations rounded to int8 per block of 32 as llama.cpp's q8_0,
+  VNNI dot products), and a TransformerLM of the LLaMA shape takes every one-token decode step as one
+  native call per layer, the int8 KV cache included (:mod:`.native_step`). Other calls (a prefill)
+  are ``F.linear`` on the dequantized weight. On the 155M LLaMA shape, one thread, about 2.4x the
+  fbgemm kernel's decode rate (BENCHMARKS.md, "int8 native decoding").
+
+``"auto"`` takes native for a TransformerLM where the native kernels build (and whenever ``group_size`` is
+given); else fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine (speed first: the
 activations are rounded too; ``kernel="int8pack"`` keeps bf16 weight-only), int8pack for bf16/fp16
 elsewhere, else dequant.
 Quantized models are for inference: the int8 weights are buffers and take no gradient.
@@ -87,6 +96,7 @@ from ..core.problem import AttentionOutput, Problem
 from ..nn.kv_cache import KVCache, dequantize_int8, int8_rounded, quantize_int8
 from . import native_step
 from .gemv_linear import GemvLinear
+from .int8_gemv_linear import Int8GemvLinear, check_group_size, dequantize_groups
 from .lm import TransformerLM
 from .packed_linear import (
     PACKED_DTYPES,
@@ -103,6 +113,7 @@ __all__ = [
     "Bf16Linear",
     "GemvLinear",
     "Int8Embedding",
+    "Int8GemvLinear",
     "Int8Linear",
     "KVInt8",
     "PackedLinear",
@@ -112,7 +123,7 @@ __all__ = [
     "quantize",
 ]
 
-KERNELS = ("auto", "fbgemm", "int8pack", "dequant")
+KERNELS = ("auto", "fbgemm", "int8pack", "dequant", "native")  # of weights="int8"; Int8Linear: the first 4
 _UNASKED = object()  # a _QuantizedLM whose structure was not yet checked for native steps
 #: kernels of the fp32 / bf16 weights: "auto" (native where it builds, else onednn), "native"
 #: (:class:`GemvLinear`, F.linear where the kernel is missing), "onednn" (:class:`PackedLinear`)
@@ -170,8 +181,11 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, kernel: str = "auto"):
         super().__init__()
-        if kernel not in KERNELS:
-            raise ValueError(f"Int8Linear kernel must be one of {list(KERNELS)}, got {kernel!r}")
+        if kernel not in KERNELS[:4]:
+            raise ValueError(
+                f"Int8Linear kernel must be one of {list(KERNELS[:4])}, got {kernel!r} (the native int8 "
+                "kernel is Int8GemvLinear's)"
+            )
         self.in_features, self.out_features, self.kernel = linear.in_features, linear.out_features, kernel
         w8, scale = _per_channel(linear.weight.detach())
         self.register_buffer("weight_int8", w8)  # (O, I) int8
@@ -231,25 +245,32 @@ class Int8Linear(nn.Module):
 class Int8Embedding(nn.Module):
     """Embedding rows stored as int8 with one fp32 scale per row; lookup dequantizes the rows it reads.
 
-    Built from an ``nn.Embedding``, or from an :class:`Int8Linear` whose weight it is tied to (a tied
-    output head: the per-output-channel scales of the head are the per-row scales of the embedding).
+    Built from an ``nn.Embedding``, or from an :class:`Int8Linear` / :class:`Int8GemvLinear` whose
+    weight it is tied to (a tied output head: the head's per-output-channel scales are the embedding's
+    per-row scales; its group scales, ``group_size`` wide, the scales of groups of each row).
     """
 
     weight_int8: Tensor
     scale: Tensor
 
-    def __init__(self, source: nn.Embedding | Int8Linear, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, source: nn.Embedding | Int8Linear | Int8GemvLinear, dtype: torch.dtype = torch.float32
+    ):
         super().__init__()
-        if isinstance(source, Int8Linear):
+        self.group_size: int | None = None
+        if isinstance(source, (Int8Linear, Int8GemvLinear)):
             w8, scale = source.weight_int8, source.scale  # shared storage, not a copy
+            self.group_size = getattr(source, "group_size", None)
         else:
             w8, scale = _per_channel(source.weight.detach())
         self.register_buffer("weight_int8", w8)  # (V, d) int8
-        self.register_buffer("scale", scale)  # (V,) fp32
+        self.register_buffer("scale", scale)  # (V,) fp32, or (V, groups) for group_size
         self.dtype = dtype
 
     def forward(self, ids: Tensor) -> Tensor:
         rows = F.embedding(ids, self.weight_int8)  # (..., d) int8
+        if self.group_size is not None:
+            return dequantize_groups(rows, self.scale[ids], self.group_size, self.dtype)  # (..., d)
         return dequantize_int8(rows, self.scale[ids].unsqueeze(-1), self.dtype)  # (..., d)
 
 
@@ -330,9 +351,14 @@ class _QuantizedLM(TransformerLM):
     ) -> Tensor:
         """As :meth:`TransformerLM.hidden_states`; a one-token batch-1 decode step of a model quantized
         with ``kernel="native"`` runs natively (:mod:`.native_step`) where it can."""
-        if self.native_steps and native_step.why_not_call(self, ids, attention_mask, cache) is None:
+        if (
+            self.native_steps
+            and native_step.why_not_call(self, ids, attention_mask, cache, self.cache_kind) is None
+        ):
             if self._why_not_native is _UNASKED:
-                self._why_not_native = native_step.why_not_model(self, hooks=False)  # hooks: per call
+                self._why_not_native = native_step.why_not_model(
+                    self, self._kv_approx, hooks=False
+                )  # hooks: per call
             if self._why_not_native is None:
                 assert cache is not None  # why_not_call checked the one token id
                 return native_step.decode_step(self, ids, cache)  # (1, 1, d)
@@ -343,7 +369,12 @@ class _QuantizedLM(TransformerLM):
         """None when one-token decode steps run natively, else why they run the eager layers."""
         if not self.native_steps:
             return "the model was not quantized with kernel='native'"
-        return native_step.why_not_model(self)
+        return native_step.why_not_model(self, self._kv_approx)
+
+    @property
+    def _kv_approx(self) -> type | None:
+        """The attention of the model's int8 cache (KVInt8), or None with a dense cache."""
+        return KVInt8 if self.cache_kind == "int8" else None
 
     def generate(self, ids: Tensor, max_new_tokens: int, *, cache: str | None = None, **sampling) -> Tensor:
         """As :meth:`TransformerLM.generate`; ``cache`` defaults to the model's ``cache_kind``."""
@@ -368,14 +399,20 @@ def _pack(model: nn.Module, dtype: torch.dtype, kernel: str) -> None:
                 setattr(parent, name, swap)
 
 
-def _quantize_weights(model: nn.Module, kernel: str) -> None:
-    """Swap every Linear / Embedding of ``model`` (in place) for its int8 form; tied pairs share storage."""
-    linears: dict[int, Int8Linear] = {}
+def _quantize_weights(model: nn.Module, kernel: str, group_size: int | None) -> None:
+    """Swap every Linear / Embedding of ``model`` (in place) for its int8 form (an Int8GemvLinear for
+    ``kernel="native"``); tied pairs share storage."""
+    linears: dict[int, Int8Linear | Int8GemvLinear] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                q = linears.setdefault(id(child.weight), Int8Linear(child, kernel))
-                setattr(parent, name, q)
+                key = id(child.weight)
+                if key not in linears:
+                    native_kernel = kernel == "native"
+                    linears[key] = (
+                        Int8GemvLinear(child, group_size) if native_kernel else Int8Linear(child, kernel)
+                    )
+                setattr(parent, name, linears[key])
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Embedding):
@@ -384,7 +421,12 @@ def _quantize_weights(model: nn.Module, kernel: str) -> None:
 
 
 def quantize(
-    model: nn.Module, weights: str | None = "int8", kv: str | None = "int8", *, kernel: str = "auto"
+    model: nn.Module,
+    weights: str | None = "int8",
+    kv: str | None = "int8",
+    *,
+    kernel: str = "auto",
+    group_size: int | None = None,
 ) -> nn.Module:
     """A quantized copy of ``model``: int8 (or bf16 / fp32 with a faster batch-1 kernel) weights, int8
     keys and values.
@@ -396,21 +438,57 @@ def quantize(
             "fp32" (the same in fp32: the same numbers, a faster kernel) or None (keep float weights).
         kv: "int8" (attention on int8-rounded K/V; int8 KV cache for TransformerLM.generate) or None
             (a "dense" cache in the copy's float dtype: bf16 with ``weights="bf16"``).
-        kernel: with ``weights="int8"`` the Int8Linear kernel (:data:`KERNELS`, see the module
-            docstring); with "bf16" / "fp32" one of :data:`FLOAT_KERNELS`: "native" makes every linear a
+        kernel: with ``weights="int8"`` one of :data:`KERNELS`: "native" makes every linear an
+            :class:`Int8GemvLinear` (the native int8 GEMV for decode steps, with ``group_size``; a
+            TransformerLM of the LLaMA shape takes its decode steps natively, the int8 KV cache
+            included), "auto" native for a TransformerLM where the kernels build (or whenever
+            ``group_size`` is given), else the Int8Linear kernels (see the module docstring);
+            with "bf16" / "fp32" one of :data:`FLOAT_KERNELS`: "native" makes every linear a
             :class:`GemvLinear` (the native batch-1 GEMV for decode steps, ``F.linear`` for the rest:
             the decoding choice), "onednn" a :class:`PackedLinear` (oneDNN's packed weight for every
             call: the encoding choice, faster on many rows), "auto" native for a TransformerLM where
             the kernels build (:func:`multihead.native.unavailable`) and for fp16, else onednn.
+        group_size: ``weights="int8"`` with the native kernel: weights per scale along the input (32, 64
+            or another multiple of 64), or None for one scale per output channel.
 
     Raises:
-        ValueError: an unknown ``weights``, ``kv`` or ``kernel`` (or one of the other weights' kind);
+        ValueError: an unknown ``weights``, ``kv`` or ``kernel`` (or one of the other weights' kind); a bad
+            ``group_size``, or one with another kernel than native / auto or other weights than int8;
             ``kv="int8"`` on a model without MultiHeadAttention.
     """
     if weights not in ("int8", "bf16", "fp16", "fp32", None):
         raise ValueError(f"quantize weights must be 'int8', 'bf16', 'fp16', 'fp32' or None, got {weights!r}")
     if kv not in ("int8", None):
         raise ValueError(f"quantize kv must be 'int8' or None, got {kv!r}")
+    kernel = _resolve_kernel(model, weights, kernel, group_size)
+    float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    out = apply(model, KVInt8()) if kv == "int8" else copy.deepcopy(model)
+    if weights == "int8":
+        _quantize_weights(out, kernel, group_size)
+    elif weights in _FLOAT_WEIGHTS:
+        float_dtype = _FLOAT_WEIGHTS[weights]
+        out.to(float_dtype).requires_grad_(False)
+        _pack(out, float_dtype, kernel)
+    if type(out) is TransformerLM:
+        out.__class__ = _QuantizedLM
+        assert isinstance(out, _QuantizedLM)
+        out.cache_kind, out.cache_dtype = ("int8" if kv == "int8" else "dense"), float_dtype
+        floats = weights in _FLOAT_WEIGHTS and kv is None
+        out.native_steps = kernel == "native" and (floats or weights == "int8")
+        out._why_not_native = _UNASKED  # the structure is checked at the first step
+    return out
+
+
+def _resolve_kernel(model: nn.Module, weights: str | None, kernel: str, group_size: int | None) -> str:
+    """``kernel`` checked against ``weights``, "auto" resolved (a decoder's one-row steps: native)."""
+    decodes = isinstance(model, TransformerLM) and native.unavailable() is None
+    if group_size is not None:
+        check_group_size(group_size)
+        if weights != "int8" or kernel not in ("auto", "native"):
+            raise ValueError(
+                f"quantize group_size={group_size} needs weights='int8' with kernel 'native' or 'auto', got "
+                f"weights={weights!r}, kernel={kernel!r}; drop group_size for one scale per output channel"
+            )
     if weights in _FLOAT_WEIGHTS:
         if kernel not in FLOAT_KERNELS:
             raise ValueError(
@@ -423,25 +501,13 @@ def quantize(
                 "or weights='bf16' with kernel='onednn'"
             )
         if kernel == "auto":  # decoders take one-row steps: native; encoders run many rows: oneDNN
-            decodes = isinstance(model, TransformerLM) and native.unavailable() is None
-            kernel = "native" if decodes or weights == "fp16" else "onednn"
-    elif kernel not in KERNELS:
+            return "native" if decodes or weights == "fp16" else "onednn"
+        return kernel
+    if kernel not in KERNELS:
         raise ValueError(f"quantize kernel must be one of {list(KERNELS)}, got {kernel!r}")
-    float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    out = apply(model, KVInt8()) if kv == "int8" else copy.deepcopy(model)
-    if weights == "int8":
-        _quantize_weights(out, kernel)
-    elif weights in _FLOAT_WEIGHTS:
-        float_dtype = _FLOAT_WEIGHTS[weights]
-        out.to(float_dtype).requires_grad_(False)
-        _pack(out, float_dtype, kernel)
-    if type(out) is TransformerLM:
-        out.__class__ = _QuantizedLM
-        assert isinstance(out, _QuantizedLM)
-        out.cache_kind, out.cache_dtype = ("int8" if kv == "int8" else "dense"), float_dtype
-        out.native_steps = weights in _FLOAT_WEIGHTS and kernel == "native" and kv is None
-        out._why_not_native = _UNASKED  # the structure is checked at the first step
-    return out
+    if weights == "int8" and kernel == "auto" and (decodes or group_size is not None):
+        return "native"
+    return kernel
 
 
 def model_bytes(model: nn.Module) -> int:

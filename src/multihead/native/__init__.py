@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "gemv.c", HERE / "decode_layer.c")  # and the header they share, native.h
+SOURCES = (HERE / "gemv.c", HERE / "decode_layer.c", HERE / "gemv_q8.c")  # and their header, native.h
 HEADER = HERE / "native.h"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 #: added when the compiler has it: products split over torch's OpenMP threads (torch's wheel ships the
@@ -139,7 +139,31 @@ def open_library(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]  # x, g, out, d, eps, kind
     lib.mh_rms_norm.restype = None
+    _declare_q8(lib)
     return lib
+
+
+def _declare_q8(lib: ctypes.CDLL) -> None:
+    """The int8 functions of ``gemv_q8.c`` and the int8 decode layer."""
+    lib.mh_q8_isa.restype = ctypes.c_int
+    lib.mh_quantize_q8.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR]  # x, kind, n, xq, xs
+    lib.mh_quantize_q8.restype = None
+    lib.mh_gemv_q8.argtypes = [*[_PTR] * 6, _I64, _I64, _I64, _I64]  # w, ws, xq, xs, b, y, O, I, ldw, G
+    lib.mh_gemv_q8.restype = None
+    lib.mh_decode_layer_q8.argtypes = [
+        *[_PTR] * 5,  # x, g_attn, g_ffn, the 5 weights, their 5 scales (NULL: a float weight)
+        _I64,  # group size G
+        *[_PTR] * 4,  # k_cache, v_cache, k_scale, v_scale (NULL, NULL: a float cache)
+        *[_I64] * 4,  # k head stride, v head stride, scale head stride, position
+        _PTR,  # cos
+        _PTR,  # sin
+        ctypes.c_int,  # interleaved
+        *[_I64] * 5,  # d, Hq, Hkv, D, F
+        ctypes.c_float,  # eps
+        ctypes.c_float,  # scale
+        ctypes.c_int,  # kind: KIND of the dtype
+    ]
+    lib.mh_decode_layer_q8.restype = ctypes.c_int
 
 
 def _self_check(lib: ctypes.CDLL) -> str | None:
@@ -160,6 +184,46 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
             err = float(((y.double() - ref).abs() / (ref.abs() + 1)).max())
             if not err <= tol:
                 return f"the built kernel disagrees with torch ({dtype}, {rows}x{cols}: error {err:.2e})"
+    return _self_check_q8(lib, g)
+
+
+def _self_check_q8(lib: ctypes.CDLL, g: torch.Generator) -> str | None:
+    """The int8 product against float64 torch on the same int8 numbers: per-row scales and groups of 32
+    and 64, odd widths (every tail); the activations' rounding against torch.round's."""
+    for rows, cols, group in ((5, 7, 200), (3, 200, 32), (4, 1000, 64), (2, 1024, 1024)):
+        x = torch.randn(cols, generator=g)  # (I,)
+        pad = (cols + 63) // 64 * 64
+        xq, xs = torch.empty(pad, dtype=torch.int8), torch.empty(pad // 32)  # (I64,), (I64 / 32,)
+        lib.mh_quantize_q8(x.data_ptr(), 0, cols, xq.data_ptr(), xs.data_ptr())
+        blocks = torch.nn.functional.pad(x, (0, pad - cols)).view(-1, 32)  # (I64 / 32, 32)
+        want_s = blocks.abs().amax(1) / 127.0  # (I64 / 32,)
+        want_q = torch.round(blocks / torch.where(want_s > 0, want_s, 1.0)[:, None]).clamp(-127, 127)
+        if not (torch.equal(xs, want_s) and torch.equal(xq.view(-1, 32).float(), want_q)):
+            return f"the built int8 activation rounding disagrees with torch ({cols} values)"
+        w = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)  # (O, I)
+        n_groups = 1 if group >= cols else (cols + group - 1) // group
+        ws = torch.rand(rows, n_groups, generator=g) + 0.5  # (O, groups)
+        y = torch.empty(rows)  # (O,)
+        lib.mh_gemv_q8(
+            w.data_ptr(),
+            ws.data_ptr(),
+            xq.data_ptr(),
+            xs.data_ptr(),
+            None,
+            y.data_ptr(),
+            rows,
+            cols,
+            cols,
+            group,
+        )
+        wf = w.double() * ws.double().repeat_interleave(min(group, cols), 1)[:, :cols]  # (O, I)
+        xf = (xq.double().view(-1, 32) * xs.double()[:, None]).view(-1)[:cols]  # (I,)
+        ref = wf @ xf  # (O,)
+        err = float(((y.double() - ref).abs() / (wf.abs() @ xf.abs() + 1)).max())
+        if not err <= 1e-5:
+            return (
+                f"the built int8 kernel disagrees with torch ({rows}x{cols}, group {group}: error {err:.2e})"
+            )
     return None
 
 

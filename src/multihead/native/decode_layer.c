@@ -180,9 +180,12 @@ static void silu(float *a, int64_t n) {
     for (; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i]));
 }
 
-static inline void load_row(float *dst, const void *src, int64_t D, int kind) {
+/* one cached key or value row as fp32: of the storage dtype, or int8 times its scale (cache kind MH_I8) */
+static inline void load_row(float *dst, const void *src, int64_t D, int kind, float scale) {
     if (kind == MH_F32)
         memcpy(dst, src, (size_t)D * sizeof(float));
+    else if (kind == MH_I8)
+        for (int64_t i = 0; i < D; i++) dst[i] = (float)((const int8_t *)src)[i] * scale;
     else
         for (int64_t i = 0; i < D; i++) dst[i] = get(src, i, kind);
 }
@@ -202,13 +205,14 @@ static inline float dot(const float *a, const float *b, int64_t D) {
 }
 
 /* attention of the G query heads sharing one kv head over keys 0..L-1; q (G, D) fp32, out (G, D) fp32;
+ * K, V (L, D) of cache kind ckind, with per-position scales ks, vs (L,) for MH_I8 (else NULL);
  * scratch: scores (G, L), rows (L, D) (the values widened to fp32 once, then read by every head) */
-static void attend(const float *q, const void *K, const void *V, int64_t L, int64_t D, int64_t G,
-                   float scale, int kind, float *out, float *scores, float *rows) {
-    const int64_t esz = kind == MH_F32 ? 4 : 2;
+static void attend(const float *q, const void *K, const void *V, const float *ks, const float *vs, int64_t L,
+                   int64_t D, int64_t G, float scale, int ckind, float *out, float *scores, float *rows) {
+    const int64_t esz = ckind == MH_F32 ? 4 : ckind == MH_I8 ? 1 : 2;
     for (int64_t l = 0; l < L; l++) { /* each key read once for the G rows */
         float *row = rows + l * D;
-        load_row(row, (const char *)K + l * D * esz, D, kind);
+        load_row(row, (const char *)K + l * D * esz, D, ckind, ks ? ks[l] : 1.f);
         for (int64_t g = 0; g < G; g++) scores[g * L + l] = dot(q + g * D, row, D) * scale;
     }
     for (int64_t g = 0; g < G; g++) {
@@ -218,7 +222,7 @@ static void attend(const float *q, const void *K, const void *V, int64_t L, int6
         const float inv = 1.0f / exp_sum(s, L);
         for (int64_t l = 0; l < L; l++) s[l] *= inv;
     }
-    for (int64_t l = 0; l < L; l++) load_row(rows + l * D, (const char *)V + l * D * esz, D, kind);
+    for (int64_t l = 0; l < L; l++) load_row(rows + l * D, (const char *)V + l * D * esz, D, ckind, vs ? vs[l] : 1.f);
     for (int64_t g = 0; g < G; g++) { /* one output row at a time: its 16-lane blocks stay in registers */
         const float *p = scores + g * L;
         float *o = out + g * D;
@@ -247,30 +251,76 @@ static void attend(const float *q, const void *K, const void *V, int64_t L, int6
     }
 }
 
-/* Returns 0, or -1 when scratch memory cannot be allocated (x is then unchanged). */
-int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *w_o, const void *g_ffn,
-                    const void *w1, const void *w3, const void *w2, void *k_cache, void *v_cache,
-                    int64_t k_head_stride, int64_t v_head_stride, int64_t pos, const float *cos,
-                    const float *sin, int interleaved, int64_t d, int64_t Hq, int64_t Hkv, int64_t D,
-                    int64_t F, float eps, float scale, int kind) {
-    const int64_t esz = kind == MH_F32 ? 4 : 2, G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
-    /* activations in the storage dtype (4-byte slots), then fp32 scratch */
+/* the five matrices of a layer: of the storage dtype, or int8 with fp32 scales per group of G inputs */
+enum { P_QKV, P_O, P_W1, P_W3, P_W2 };
+typedef struct {
+    const void *w[5]; /* qkv, o, w1, w3, w2 */
+    const float *s[5]; /* int8 weights: their group scales; NULL for weights of the storage dtype */
+    int64_t group;
+    int8_t *xq; /* int8 weights: the quantized input of the last product (mh_quantize_q8) */
+    float *xs;
+} weights;
+
+/* y = W_p x; int8 weights quantize x first, unless fresh == 0 (x was the last product's input too) */
+static void project(const weights *W, int p, const void *x, void *y, int64_t rows, int64_t cols, int kind,
+                    int fresh) {
+    if (W->s[p] == NULL) {
+        gemv(W->w[p], x, y, rows, cols, kind);
+        return;
+    }
+    if (fresh) mh_quantize_q8(x, kind, cols, W->xq, W->xs);
+    mh_gemv_q8((const int8_t *)W->w[p], W->s[p], W->xq, W->xs, NULL, (float *)y, rows, cols, cols, W->group);
+}
+
+/* write the rotated key or the value of one kv head (D values of kind) at cache row dst: a copy, or for
+ * an int8 cache (ckind MH_I8) its per-token int8 rounding as torch's: scale = absmax / 127 into *scale,
+ * q = round(x / scale) half to even (an all-zero row: scale 0, q 0) */
+static void cache_write(void *dst, float *scale, const void *src, int64_t D, int kind, int ckind) {
+    if (ckind != MH_I8) {
+        memcpy(dst, src, (size_t)(D * (kind == MH_F32 ? 4 : 2)));
+        return;
+    }
+    float amax = 0.f;
+    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(get(src, i, kind)));
+    const float s = amax / 127.0f, div = s > 0.f ? s : 1.f;
+    *scale = s;
+    for (int64_t i = 0; i < D; i++) {
+        const float q = nearbyintf(get(src, i, kind) / div);
+        ((int8_t *)dst)[i] = (int8_t)(q > 127.f ? 127.f : (q < -127.f ? -127.f : q));
+    }
+}
+
+/* the layer of the file's comment; ckind: the cache's kind (kind, or MH_I8 with scales ks, vs) */
+static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, void *k_cache, void *v_cache,
+                 float *ks, float *vs, int64_t k_head_stride, int64_t v_head_stride, int64_t s_head_stride,
+                 int64_t pos, const float *cos, const float *sin, int interleaved, int64_t d, int64_t Hq,
+                 int64_t Hkv, int64_t D, int64_t F, float eps, float scale, int kind, int ckind) {
+    const int64_t esz = kind == MH_F32 ? 4 : 2, cesz = ckind == MH_I8 ? 1 : esz;
+    const int64_t G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
+    /* activations in the storage dtype (4-byte slots), then fp32 scratch, then the int8 input */
     const int64_t per_head = G * D * 2 + G * L + L * D; /* q, out, scores, rows of one kv head's attention */
     const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = Hkv * per_head + F;
-    char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4));
+    const int64_t widest = d > Hq * D ? (d > F ? d : F) : (Hq * D > F ? Hq * D : F);
+    const int64_t nq = (widest + 63) & ~(int64_t)63;
+    char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4 + nq / MH_Q8_BLOCK * 4 + nq));
     if (!buf) return -1;
     char *h = buf, *qkv = h + d * 4, *att = qkv + nqkv * 4, *gate = att + Hq * D * 4, *up = gate + F * 4;
     float *heads = (float *)(buf + n_act * 4), *act = heads + Hkv * per_head;
+    W->xs = act + F;
+    W->xq = (int8_t *)(W->xs + nq / MH_Q8_BLOCK);
 
     /* attention block */
     mh_rms_norm(x, g_attn, h, d, eps, kind);
-    gemv(w_qkv, h, qkv, nqkv, d, kind);
+    project(W, P_QKV, h, qkv, nqkv, d, kind, 1);
     char *q = qkv, *k = qkv + Hq * D * esz, *v = k + Hkv * D * esz;
     for (int64_t i = 0; i < Hq; i++) rope(q + i * D * esz, D, cos, sin, interleaved, kind);
     for (int64_t j = 0; j < Hkv; j++) {
         rope(k + j * D * esz, D, cos, sin, interleaved, kind);
-        memcpy((char *)k_cache + (j * k_head_stride + pos * D) * esz, k + j * D * esz, (size_t)(D * esz));
-        memcpy((char *)v_cache + (j * v_head_stride + pos * D) * esz, v + j * D * esz, (size_t)(D * esz));
+        const int64_t ks_at = j * s_head_stride + pos;
+        cache_write((char *)k_cache + (j * k_head_stride + pos * D) * cesz, ks ? ks + ks_at : NULL,
+                    k + j * D * esz, D, kind, ckind);
+        cache_write((char *)v_cache + (j * v_head_stride + pos * D) * cesz, vs ? vs + ks_at : NULL,
+                    v + j * D * esz, D, kind, ckind);
     }
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (Hkv > 1 && G * L * D >= (1 << 15))
@@ -278,22 +328,53 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
     for (int64_t j = 0; j < Hkv; j++) { /* kv heads in parallel, each with its own scratch */
         float *qf = heads + j * per_head, *of = qf + G * D, *scores = of + G * D, *rows = scores + G * L;
         for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, kind);
-        attend(qf, (char *)k_cache + j * k_head_stride * esz, (char *)v_cache + j * v_head_stride * esz, L, D,
-               G, scale, kind, of, scores, rows);
+        attend(qf, (char *)k_cache + j * k_head_stride * cesz, (char *)v_cache + j * v_head_stride * cesz,
+               ks ? ks + j * s_head_stride : NULL, vs ? vs + j * s_head_stride : NULL, L, D, G, scale, ckind,
+               of, scores, rows);
         for (int64_t i = 0; i < G * D; i++) put(att, j * G * D + i, of[i], kind);
     }
-    gemv(w_o, att, h, d, Hq * D, kind);
+    project(W, P_O, att, h, d, Hq * D, kind, 1);
     for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
 
     /* feed-forward block */
     mh_rms_norm(x, g_ffn, h, d, eps, kind);
-    gemv(w1, h, gate, F, d, kind);
-    gemv(w3, h, up, F, d, kind);
+    project(W, P_W1, h, gate, F, d, kind, 1);
+    project(W, P_W3, h, up, F, d, kind, 0); /* the same input: quantized once */
     for (int64_t i = 0; i < F; i++) act[i] = get(gate, i, kind);
     silu(act, F);
     for (int64_t i = 0; i < F; i++) put(gate, i, rnd(act[i], kind) * get(up, i, kind), kind);
-    gemv(w2, gate, h, d, F, kind);
+    project(W, P_W2, gate, h, d, F, kind, 1);
     for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
     free(buf);
     return 0;
+}
+
+/* Weights and cache of the storage dtype kind. Returns 0, or -1 when scratch memory cannot be allocated
+ * (x is then unchanged). */
+int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *w_o, const void *g_ffn,
+                    const void *w1, const void *w3, const void *w2, void *k_cache, void *v_cache,
+                    int64_t k_head_stride, int64_t v_head_stride, int64_t pos, const float *cos,
+                    const float *sin, int interleaved, int64_t d, int64_t Hq, int64_t Hkv, int64_t D,
+                    int64_t F, float eps, float scale, int kind) {
+    weights W = {{w_qkv, w_o, w1, w3, w2}, {NULL, NULL, NULL, NULL, NULL}, 0, NULL, NULL};
+    return layer(x, g_attn, g_ffn, &W, k_cache, v_cache, NULL, NULL, k_head_stride, v_head_stride, 0, pos, cos,
+                 sin, interleaved, d, Hq, Hkv, D, F, eps, scale, kind, kind);
+}
+
+/* The same layer with int8 weights (w[5]: qkv, o, w1, w3, w2, each int8 (rows, cols) with fp32 scales
+ * s[5] per group of G inputs, as mh_gemv_q8; s[i] NULL: that weight is of the storage dtype) and / or an
+ * int8 cache (k_scale, v_scale: fp32 (Hkv, max_len) at head stride s_head_stride, the int8 K / V of the
+ * cache at their head strides; both NULL: a cache of the storage dtype). int8 weights need fp32
+ * activations (kind MH_F32). Returns 0, -1 without scratch memory, -2 for int8 weights and another kind. */
+int mh_decode_layer_q8(void *x, const void *g_attn, const void *g_ffn, const void *const *w,
+                       const float *const *s, int64_t G, void *k_cache, void *v_cache, float *k_scale,
+                       float *v_scale, int64_t k_head_stride, int64_t v_head_stride, int64_t s_head_stride,
+                       int64_t pos, const float *cos, const float *sin, int interleaved, int64_t d, int64_t Hq,
+                       int64_t Hkv, int64_t D, int64_t F, float eps, float scale, int kind) {
+    weights W = {{w[0], w[1], w[2], w[3], w[4]}, {s[0], s[1], s[2], s[3], s[4]}, G, NULL, NULL};
+    for (int i = 0; i < 5; i++)
+        if (s[i] && kind != MH_F32) return -2;
+    const int ckind = k_scale && v_scale ? MH_I8 : kind;
+    return layer(x, g_attn, g_ffn, &W, k_cache, v_cache, k_scale, v_scale, k_head_stride, v_head_stride,
+                 s_head_stride, pos, cos, sin, interleaved, d, Hq, Hkv, D, F, eps, scale, kind, ckind);
 }

@@ -73,15 +73,6 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
     return (uint16_t)(u >> 16);
 }
 
-/* Rows split across the OpenMP threads (torch's pool: torch.set_num_threads sets their number) when the
- * matrix is large enough to pay for waking them; one thread without OpenMP. */
-#define MH_PAR_MIN ((int64_t)1 << 18) /* elements */
-#ifdef _OPENMP
-#define MH_PARALLEL_ROWS _Pragma("omp parallel for schedule(static) if (rows * cols >= MH_PAR_MIN)")
-#else
-#define MH_PARALLEL_ROWS
-#endif
-
 /* The row loop the widening kernels share: row o of W against x with four independent accumulators of
  * 16 lanes, then the tails. LOAD_W(p) / LOAD_X(p) widen 16 values at p to fp32 lanes, ONE_W(v) / ONE_X(v)
  * one value; STORE(o, s) writes output o from the row's fp32 sum s. Reads rows, cols, ldw of the

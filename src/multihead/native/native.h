@@ -3,7 +3,7 @@
 #define MH_NATIVE_H
 #include <stdint.h>
 
-enum { MH_F32 = 0, MH_BF16 = 1, MH_F16 = 2 }; /* the "kind" argument of the decode layer */
+enum { MH_F32 = 0, MH_BF16 = 1, MH_F16 = 2, MH_I8 = 3 }; /* storage dtypes ("kind"); MH_I8: int8 K / V with scales */
 
 /* fp16 <-> fp32 of one value, fp16 held as its 16 bits: the x86 conversion instructions (F16C) where the
  * CPU has them, else the compiler's _Float16; no fp16 kernels without either */
@@ -29,6 +29,35 @@ static inline uint16_t mh_f2h(float f) {
 #else
 #define MH_HAS_F16 0
 #endif
+
+/* Rows split across the OpenMP threads (torch's pool: torch.set_num_threads sets their number) when the
+ * matrix is large enough to pay for waking them (reads rows and cols); one thread without OpenMP. */
+#define MH_PAR_MIN ((int64_t)1 << 18) /* elements */
+#ifdef _OPENMP
+#define MH_PARALLEL_ROWS _Pragma("omp parallel for schedule(static) if (rows * cols >= MH_PAR_MIN)")
+#else
+#define MH_PARALLEL_ROWS
+#endif
+
+/* one value of storage dtype kind at p[i], as fp32 */
+static inline float mh_get(const void *p, int64_t i, int kind) {
+    if (kind == MH_BF16) {
+        const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        __builtin_memcpy(&f, &u, sizeof f);
+        return f;
+    }
+#if MH_HAS_F16
+    if (kind == MH_F16) return mh_h2f(((const uint16_t *)p)[i]);
+#endif
+    return ((const float *)p)[i];
+}
+
+/* int8 products (gemv_q8.c): activations quantized in blocks of MH_Q8_BLOCK values */
+#define MH_Q8_BLOCK 32
+void mh_quantize_q8(const void *x, int kind, int64_t n, int8_t *xq, float *xs);
+void mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
+                int64_t rows, int64_t cols, int64_t ldw, int64_t G);
 
 void mh_gemv_f32(const float *w, const float *x, const float *b, float *y, int64_t rows, int64_t cols,
                  int64_t ldw);

@@ -213,15 +213,16 @@ class KVCache(nn.Module):
         self._seen = 0
 
     def advance(self, n: int) -> None:
-        """Count n positions that a kernel wrote into the dense storage in place, at ``position`` ..
-        ``position + n - 1`` of ``k`` and ``v`` (what :meth:`update` does after its own write).
+        """Count n positions that a kernel wrote into the storage in place, at ``position`` ..
+        ``position + n - 1`` of ``k`` and ``v`` (and, for "int8", of ``k_scale`` and ``v_scale``): what
+        :meth:`update` does after its own write.
 
         Raises:
-            ValueError: a kind other than "dense", n < 1, or more than ``max_len`` positions in all.
+            ValueError: a "sliding" cache, n < 1, or more than ``max_len`` positions in all.
         """
-        if self.kind != "dense":
+        if self.kind == "sliding":
             raise ValueError(
-                f"KVCache.advance is for 'dense' caches written in place, this one is {self.kind!r}"
+                "KVCache.advance is for 'dense' and 'int8' caches written in place, this one is 'sliding'"
             )
         _check_size("n", n)
         if self._seen + n > self.max_len:

@@ -1,0 +1,127 @@
+"""The native int8 matrix-vector product (``gemv_q8.c``): int8 weights with fp32 scales per group of
+inputs or per output row, times an activation vector rounded to int8 in blocks of 32.
+
+``y[o] = sum_b ws[o, g(b)] * xs[b] * sum_{i in b} W8[o, i] xq[i] (+ bias[o])``: the activation x is
+rounded once per product (:func:`quantize_activations`: symmetric, ``xs[b] = absmax / 127`` per block b
+of 32 values, ``xq = round(x / xs)``), the block sums are exact int32 (AVX512-VNNI / AVX-VNNI dot
+products where the CPU has them, AVX2 or plain C elsewhere) and are scaled and added in fp32. The
+weights are one byte each: a decode step reads a quarter of its fp32 bytes.
+
+Shape legend: O rows (output features), I columns (input features), I64 = I rounded up to 64.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from . import library, unavailable
+
+__all__ = ["BLOCK", "ISA", "gemv_q8", "isa", "quantize_activations", "run_q8"]
+
+BLOCK = 32  # activation values per int8 scale (native.h's MH_Q8_BLOCK)
+ISA = ("portable C", "AVX2", "AVX-VNNI", "AVX512-VNNI")  # by gemv_q8.c's MH_Q8_ISA
+
+
+def isa() -> str | None:
+    """The instructions the int8 product uses here (:data:`ISA`), or None without the kernels."""
+    lib = library()
+    return None if lib is None else ISA[int(lib.mh_q8_isa())]
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x fp32 (I,) -> int8 (I64,) and fp32 block scales (I64 / 32,), zeros past I (the kernel's rounding:
+    ``scale = absmax / 127`` per block of 32, ``round(x / scale)`` half to even, as ``torch.round``).
+
+    Raises:
+        ValueError: the kernels are unavailable, or x is not a CPU fp32 vector.
+    """
+    lib = _checked_library()
+    if x.dim() != 1 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"quantize_activations needs a CPU fp32 vector (I,), got {x.dtype} {tuple(x.shape)}")
+    return _quantize(lib, x.contiguous())
+
+
+def _quantize(lib: ctypes.CDLL, x: Tensor) -> tuple[Tensor, Tensor]:
+    pad = (x.shape[0] + 63) // 64 * 64
+    xq = torch.empty(pad, dtype=torch.int8)  # (I64,)
+    xs = torch.empty(pad // BLOCK)  # (I64 / 32,)
+    lib.mh_quantize_q8(x.data_ptr(), 0, x.shape[0], xq.data_ptr(), xs.data_ptr())
+    return xq, xs
+
+
+def _checked_library() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise ValueError(f"the native int8 GEMV is unavailable: {unavailable()}; dequantize and use F.linear")
+    return lib
+
+
+def gemv_q8(
+    weight: Tensor, scale: Tensor, x: Tensor, bias: Tensor | None = None, group_size: int | None = None
+) -> Tensor:
+    """``(weight * scale) @ x + bias`` with x rounded to int8 per block of 32 (see the module doc).
+
+    Args:
+        weight: int8 (O, I), contiguous.
+        scale: fp32 (O,) per output row (``group_size=None``) or (O, ceil(I / group_size)) per group.
+        x: fp32 (I,).
+        bias: fp32 (O,) or None.
+        group_size: inputs per weight scale: 32 or a multiple of 64; None for one scale per row.
+
+    Returns:
+        fp32 (O,).
+
+    Raises:
+        ValueError: the kernels are unavailable; dtypes, devices or shapes that do not match; a group size
+            other than 32 or a multiple of 64; an input that requires grad with grad enabled.
+    """
+    lib = _checked_library()
+    tensors = [weight, scale, x] if bias is None else [weight, scale, x, bias]
+    if weight.dtype != torch.int8 or any(t.dtype != torch.float32 for t in tensors[1:]):
+        raise ValueError(
+            f"gemv_q8 needs an int8 weight and fp32 scale, x and bias, got {[t.dtype for t in tensors]}"
+        )
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"gemv_q8 runs on the CPU, got tensors on {[str(t.device) for t in tensors]}")
+    if group_size is not None and not (group_size == 32 or (group_size > 0 and group_size % 64 == 0)):
+        raise ValueError(f"gemv_q8 group_size must be 32, a multiple of 64 or None, got {group_size}")
+    rows, cols = weight.shape if weight.dim() == 2 else (-1, -1)
+    groups = (rows,) if group_size is None else (rows, -(-cols // group_size))
+    if rows < 0 or x.shape != (cols,) or tuple(scale.shape) != groups:
+        raise ValueError(
+            f"gemv_q8 needs weight (O, I), scale {'(O,)' if group_size is None else '(O, ceil(I / group))'} "
+            f"and x (I,), got {tuple(weight.shape)}, {tuple(scale.shape)} and {tuple(x.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (rows,):
+        raise ValueError(f"gemv_q8 needs bias (O,) = ({rows},), got {tuple(bias.shape)}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("gemv_q8 has no backward; call it under torch.no_grad()")
+    return run_q8(lib, weight.contiguous(), scale.contiguous(), x.contiguous(), bias, group_size)
+
+
+def run_q8(
+    lib: ctypes.CDLL, weight: Tensor, scale: Tensor, x: Tensor, bias: Tensor | None, group_size: int | None
+) -> Tensor:
+    """:func:`gemv_q8` without the checks, for callers that made them once: weight int8 (O, I) and scale
+    fp32 contiguous, x fp32 (I,) and bias fp32 (O,) contiguous -> fp32 (O,)."""
+    rows, cols = weight.shape
+    xq, xs = _quantize(lib, x)
+    y = torch.empty(rows)  # (O,)
+    group = cols if group_size is None else group_size
+    b = None if bias is None else bias.data_ptr()
+    lib.mh_gemv_q8(
+        weight.data_ptr(),
+        scale.data_ptr(),
+        xq.data_ptr(),
+        xs.data_ptr(),
+        b,
+        y.data_ptr(),
+        rows,
+        cols,
+        cols,
+        group,
+    )
+    return y

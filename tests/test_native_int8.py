@@ -1,0 +1,241 @@
+"""The native int8 GEMV (multihead.native.int8), Int8GemvLinear and int8 native decode steps: float64
+on the same int8 numbers, the fp32 model within the stated tolerance, the eager steps of the same
+int8 model, and the old kernels wherever the native ones cannot run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import multihead as mh
+from multihead import native
+from multihead.models import native_step, quant
+from multihead.models.int8_gemv_linear import dequantize_groups, quantize_groups
+from multihead.native import int8 as native_int8
+
+REASON = native.unavailable()
+needs_native = pytest.mark.skipif(REASON is not None, reason=f"native kernels unavailable: {REASON}")
+LOGIT_TOL = 0.05  # tests/test_quant.py's stated tolerance of a quantized model against fp32
+GROUPS = [None, 32, 64]
+
+
+def _reference(w8, scale, group, xq, xs, bias=None):
+    """The int8 product in float64 on the same int8 numbers: (W8 * scale) @ (xq * xs) + bias."""
+    w = dequantize_groups(w8, scale.double(), group, torch.float64)  # (O, I)
+    x = (xq.double().view(-1, 32) * xs.double()[:, None]).view(-1)[: w.shape[1]]  # (I,)
+    y = w @ x  # (O,)
+    return y if bias is None else y + bias.double(), w.abs() @ x.abs() + 1
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("rows", "cols"), [(1, 1), (5, 7), (3, 33), (17, 100), (8, 130), (4, 1000), (3, 1024), (70, 2048)]
+)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_gemv_matches_float64_on_the_same_int8_numbers(rows, cols, group, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + cols)
+    w8, scale = quantize_groups(torch.randn(rows, cols, generator=g), group)
+    x = torch.randn(cols, generator=g) * 3  # (I,)
+    b = torch.randn(rows, generator=g) if bias else None  # (O,)
+    y = native_int8.gemv_q8(w8, scale, x, b, group)
+    assert y.shape == (rows,) and y.dtype == torch.float32
+    ref, size = _reference(w8, scale, group, *native_int8.quantize_activations(x), b)
+    assert float(((y.double() - ref).abs() / size).max()) < 1e-6
+
+
+@needs_native
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 1024])
+def test_activation_rounding_is_torchs(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 5  # (I,)
+    x[: n // 3] = 0  # an all-zero block: scale 0, values 0
+    xq, xs = native_int8.quantize_activations(x)
+    pad = -(-n // 64) * 64
+    assert xq.shape == (pad,) and xs.shape == (pad // 32,)
+    blocks = F.pad(x, (0, pad - n)).view(-1, 32)  # (I64 / 32, 32)
+    scale = blocks.abs().amax(1) / 127.0  # (I64 / 32,)
+    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[:, None])  # (I64 / 32, 32)
+    assert torch.equal(xs, scale) and torch.equal(xq.view(-1, 32).float(), q)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_group_rounding_bound_and_odd_widths(group):
+    w = torch.randn(6, 100, generator=torch.Generator().manual_seed(0))  # 100: a short last group
+    w[2, :40] = 0
+    w8, scale = quantize_groups(w, group)
+    assert w8.dtype == torch.int8 and w8.shape == (6, 100)
+    assert scale.shape == ((6,) if group is None else (6, -(-100 // group)))
+    back = dequantize_groups(w8, scale, group, torch.float32)  # (O, I)
+    step = dequantize_groups(torch.ones_like(w8), scale, group, torch.float32)  # each weight's scale
+    assert float(((back - w).abs() - step / 2).max()) <= 1e-6
+    if group is not None:  # smaller groups round no worse than one scale per row
+        per_row = dequantize_groups(*quantize_groups(w, None), None, torch.float32)
+        assert float((back - w).abs().max()) <= float((per_row - w).abs().max())
+
+
+@needs_native
+@pytest.mark.parametrize("group", GROUPS)
+def test_int8_gemv_linear_one_row_native_else_f_linear_on_the_dequantized_weight(group, monkeypatch):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200)
+    layer = quant.Int8GemvLinear(lin, group)
+    assert layer.why_not_native is None
+    calls = []
+    real = native_int8.run_q8
+    monkeypatch.setattr(native_int8, "run_q8", lambda *a: calls.append(1) or real(*a))
+    w = layer.dequantized()  # (O, I)
+    with torch.no_grad():
+        for shape in ((96,), (1, 96), (1, 1, 96)):
+            x = torch.randn(shape)
+            ref, size = _reference(
+                layer.weight_int8,
+                layer.scale,
+                group,
+                *native_int8.quantize_activations(x.view(-1)),
+                layer.bias,
+            )
+            assert float(((layer(x).view(-1).double() - ref).abs() / size).max()) < 1e-6
+            # against the unrounded activation: within the int8 activation rounding (absmax / 254 a value)
+            torch.testing.assert_close(layer(x), F.linear(x, w, layer.bias), rtol=0.02, atol=0.02)
+        assert len(calls) == 6
+        x = torch.randn(3, 7, 96)  # several rows: F.linear on the dequantized weight
+        assert torch.equal(layer(x), F.linear(x, w, layer.bias))
+    assert len(calls) == 6
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    return mh.TransformerLM(500, 64, 2, 4, 128, n_kv_heads=2).eval()
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("kv", [None, "int8"])
+def test_int8_native_model_within_tolerance_of_fp32_and_greedy_equal(lm, group, kv):
+    ids = torch.randint(0, 500, (1, 24), generator=torch.Generator().manual_seed(1))
+    q = quant.quantize(lm, weights="int8", kv=kv, kernel="native", group_size=group)
+    assert q.why_not_native_steps == (
+        None if REASON is None else f"the native kernels are unavailable: {REASON}"
+    )
+    with torch.no_grad():
+        ref, out = lm(ids), q(ids)
+        span = float(ref.max() - ref.min())
+        assert float((out - ref).abs().max()) <= LOGIT_TOL * span
+        assert torch.equal(q.generate(ids[:, :8], 16), lm.generate(ids[:, :8], 16))
+
+
+@needs_native
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("kv", [None, "int8"])
+def test_int8_native_steps_follow_the_eager_steps_of_the_same_model(lm, group, kv, monkeypatch):
+    fast = quant.quantize(lm, weights="int8", kv=kv, kernel="native", group_size=group)
+    slow = copy.deepcopy(fast)
+    slow.native_steps = False  # the eager layers; their linears still run the native int8 GEMV
+    prompt = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 500, (6,), generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = native_step.decode_step
+    monkeypatch.setattr(native_step, "decode_step", lambda *a: calls.append(1) or real(*a))
+    caches = []
+    hs = []
+    with torch.no_grad():
+        for model in (fast, slow):
+            cache = model.make_cache(1, 32)
+            assert cache[0].kind == ("int8" if kv else "dense")
+            model.hidden_states(prompt, cache=cache)
+            hs.append(torch.stack([model.hidden_states(t.view(1, 1), cache=cache)[0, 0] for t in tokens]))
+            caches.append(cache)
+    assert len(calls) == 6
+    torch.testing.assert_close(hs[0], hs[1], rtol=1e-4, atol=1e-4)
+    for c, e in zip(*caches):  # the native layer wrote what the eager cache holds
+        assert c.position == e.position == 15
+        if kv:
+            assert float((c.k[:, :, :15].int() - e.k[:, :, :15].int()).abs().max()) <= 1  # a rounding tie
+            torch.testing.assert_close(c.k_scale[:, :, :15], e.k_scale[:, :, :15], rtol=1e-4, atol=1e-6)
+        else:
+            torch.testing.assert_close(c.k[:, :, :15], e.k[:, :, :15], rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+def test_a_tied_head_shares_its_group_scales_with_the_embedding(lm):
+    q = quant.quantize(lm, weights="int8", kv=None, group_size=32)  # auto: native for a decoder
+    assert isinstance(q.lm_head, quant.Int8GemvLinear) and q.lm_head.group_size == 32
+    assert q.embed.weight_int8 is q.lm_head.weight_int8 and q.embed.scale is q.lm_head.scale
+    ids = torch.tensor([[3, 499]])
+    torch.testing.assert_close(q.embed(ids)[0], q.lm_head.dequantized()[ids[0]])
+    assert quant.model_bytes(lm) / quant.model_bytes(q) > 3.2  # 1.125 bytes a weight and fp32 norms
+
+
+def test_without_native_kernels_int8_takes_the_old_kernels(lm, monkeypatch):
+    monkeypatch.setenv("MULTIHEAD_NATIVE", "0")
+    native._load.cache_clear()
+    try:
+        assert native.unavailable() == "disabled by MULTIHEAD_NATIVE=0"
+        q = quant.quantize(lm, weights="int8", kv="int8")  # auto: fbgemm, as before the native kernel
+        assert isinstance(q.lm_head, quant.Int8Linear) and not isinstance(q.lm_head, quant.Int8GemvLinear)
+        grouped = quant.quantize(lm, weights="int8", kv="int8", group_size=64)  # F.linear, dequantized
+        assert "F.linear (disabled by MULTIHEAD_NATIVE=0)" in repr(grouped.lm_head)
+        assert "unavailable" in grouped.why_not_native_steps
+        ids = torch.randint(0, 500, (1, 10), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            ref = lm.generate(ids, 12)
+            assert torch.equal(q.generate(ids, 12), ref) and torch.equal(grouped.generate(ids, 12), ref)
+        with pytest.raises(
+            ValueError, match="the native int8 GEMV is unavailable: disabled by MULTIHEAD_NATIVE"
+        ):
+            native_int8.gemv_q8(grouped.lm_head.weight_int8, grouped.lm_head.scale, torch.randn(64), None, 64)
+    finally:
+        native._load.cache_clear()
+
+
+@needs_native
+def test_gemv_q8_rejects_bad_inputs_with_the_fix():
+    w8, scale = quantize_groups(torch.randn(4, 64), 32)
+    x = torch.randn(64)
+    with pytest.raises(ValueError, match="group_size must be 32, a multiple of 64 or None, got 48"):
+        native_int8.gemv_q8(w8, scale, x, None, 48)
+    with pytest.raises(ValueError, match=r"needs weight \(O, I\), scale \(O, ceil\(I / group\)\)"):
+        native_int8.gemv_q8(w8, scale, x, None, 64)
+    with pytest.raises(ValueError, match="needs an int8 weight and fp32 scale, x and bias"):
+        native_int8.gemv_q8(w8.float(), scale, x, None, 32)
+    with pytest.raises(ValueError, match=r"needs bias \(O,\) = \(4,\), got \(3,\)"):
+        native_int8.gemv_q8(w8, scale, x, torch.randn(3), 32)
+    with pytest.raises(ValueError, match="group_size must be 32, 64"):
+        quant.Int8GemvLinear(torch.nn.Linear(8, 8), group_size=16)
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("march", "flag", "isa"),
+    [("x86-64", "sse2", "portable C"), ("x86-64-v3", "avx2", "AVX2")],
+)
+def test_the_portable_and_avx2_int8_paths_pass_the_self_check(march, flag, isa, tmp_path, monkeypatch):
+    import platform
+
+    if platform.machine() != "x86_64" or not _cpu_has(flag):
+        pytest.skip(f"-march={march} needs an x86-64 CPU with {flag}")
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(
+        native, "FLAGS", tuple(f"-march={march}" if f == "-march=native" else f for f in native.FLAGS)
+    )
+    native._load.cache_clear()
+    try:
+        assert native.unavailable() is None  # the build for that target passed the int8 self-check too
+        assert native_int8.isa() == isa
+        w8, scale = quantize_groups(torch.randn(9, 200), 64)
+        x = torch.randn(200)
+        ref, size = _reference(w8, scale, 64, *native_int8.quantize_activations(x))
+        assert float(((native_int8.gemv_q8(w8, scale, x, None, 64).double() - ref).abs() / size).max()) < 1e-6
+    finally:
+        native._load.cache_clear()

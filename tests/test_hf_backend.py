@@ -21,6 +21,14 @@ mu = pytest.importorskip("transformers.masking_utils", reason="transformers with
 FN = mhf.register()  # "multihead"
 
 
+@pytest.fixture(autouse=True)
+def _registered():
+    """Each test counts the calls of the function registered as "multihead" now: another test file may
+    have registered its own under that name since this module was imported."""
+    global FN
+    FN = mhf.register()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny models: intra-op threads only add contention (a 32-wide linear takes 100x longer on a busy

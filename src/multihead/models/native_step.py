@@ -163,7 +163,7 @@ def why_not_model(model: Any, kv_approx: type | None = None, *, hooks: bool = Tr
         return "the model is not a TransformerLM with rotary positions"
     if getattr(model, "sliding_window", None) is not None:
         return "the model attends through a sliding window"
-    first = layers[0].self_attn.qkv_proj if hasattr(layers[0], "self_attn") else None
+    first = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None)
     group = (first.group_size,) if isinstance(first, Int8GemvLinear) else None
     emb = getattr(model, "embed", None)
     if getattr(model, "pos_embed", None) is not None:

@@ -35,7 +35,7 @@ import os
 import platform
 import warnings
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -105,6 +105,18 @@ def library_path(cc: str, directory: Path | None = None) -> Path:
     return (cache_dir() if directory is None else directory) / f"native-{key}.so"
 
 
+# The arguments both decode layers end with: rotary tables, the layer's sizes, norm eps, score scale, dtype.
+_LAYER_TAIL: list[Any] = [
+    _PTR,  # cos
+    _PTR,  # sin
+    ctypes.c_int,  # interleaved
+    *[_I64] * 5,  # d, Hq, Hkv, D, F
+    ctypes.c_float,  # eps
+    ctypes.c_float,  # scale
+    ctypes.c_int,  # kind: KIND of the dtype
+]
+
+
 def open_library(path: Path) -> ctypes.CDLL:
     """Load a built kernel library and declare its functions' C signatures (without them ctypes would
     pass 64-bit pointers as 32-bit ints)."""
@@ -121,13 +133,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         _I64,  # k head stride
         _I64,  # v head stride
         _I64,  # position
-        _PTR,  # cos
-        _PTR,  # sin
-        ctypes.c_int,  # interleaved
-        *[_I64] * 5,  # d, Hq, Hkv, D, F
-        ctypes.c_float,  # eps
-        ctypes.c_float,  # scale
-        ctypes.c_int,  # kind: KIND of the dtype
+        *_LAYER_TAIL,
     ]
     lib.mh_decode_layer.restype = ctypes.c_int
     lib.mh_rms_norm.argtypes = [
@@ -151,17 +157,11 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
     lib.mh_gemv_q8.argtypes = [*[_PTR] * 6, _I64, _I64, _I64, _I64]  # w, ws, xq, xs, b, y, O, I, ldw, G
     lib.mh_gemv_q8.restype = None
     lib.mh_decode_layer_q8.argtypes = [
-        *[_PTR] * 5,  # x, g_attn, g_ffn, the 5 weights, their 5 scales (NULL: a float weight)
+        *[_PTR] * 5,  # x, g_attn, g_ffn, the array of 5 weights, the array of their scales (NULL: float)
         _I64,  # group size G
         *[_PTR] * 4,  # k_cache, v_cache, k_scale, v_scale (NULL, NULL: a float cache)
         *[_I64] * 4,  # k head stride, v head stride, scale head stride, position
-        _PTR,  # cos
-        _PTR,  # sin
-        ctypes.c_int,  # interleaved
-        *[_I64] * 5,  # d, Hq, Hkv, D, F
-        ctypes.c_float,  # eps
-        ctypes.c_float,  # scale
-        ctypes.c_int,  # kind: KIND of the dtype
+        *_LAYER_TAIL,
     ]
     lib.mh_decode_layer_q8.restype = ctypes.c_int
 

@@ -297,3 +297,22 @@ def test_gapped_rows_match_the_reference(blocks16, causal, grad):
         want = torch.autograd.grad(ref, (q2, k2, v2), dout.double())
         for a, b in zip(got, want, strict=True):
             assert max_err(a, b) < 1e-5
+
+
+def test_a_long_causal_square_is_checked_in_strips_not_all_at_once():
+    """A mask without tile kinds (here a custom causal predicate) has its diagonal squares checked by
+    evaluation. At N=2048 that check once built the whole 2048 x 2048 square: the largest allocation of a
+    ring attention rank, more than the attention it planned. Now no evaluation is larger than one block
+    row of the grid."""
+    sizes: list[int] = []
+
+    def lower(b, h, q, k):
+        out = q >= k
+        sizes.append(out.numel())
+        return out
+
+    n = 2048
+    q, k, v = (torch.randn(1, 1, n, 8) for _ in range(3))
+    out = mh.attention(q, k, v, mask=mh.custom(lower), backend="tiled")
+    assert max_err(out, mh.attention(q, k, v, mask=mh.causal(), backend="tiled")) < 1e-5
+    assert sizes and max(sizes) <= 64 * n, max(sizes)  # one 64-row block row; the square is n * n

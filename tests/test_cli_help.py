@@ -64,6 +64,11 @@ def test_study_help_lists_each_section_once_in_whole_sentences():
         assert f.__name__ in text
     labels = re.findall(r"^\s+\w+\s+(\(\w+\))", text, flags=re.M)
     assert len(labels) == len(set(labels)), labels
+    # the list as printed: each section's entry (its line and the wrapped lines under it) is whole
+    listing = text.split("print their tables:\n", 1)[1].split("\n\n", 1)[0]
+    entries = re.split(r"\n(?=  \w)", listing)
+    assert [e.split()[0] for e in entries] == [f.__name__ for f in study.SECTIONS], entries
+    assert all(" ".join(e.split()).endswith(".") for e in entries), entries
 
 
 def test_heads_help_names_convert(capsys):

@@ -158,6 +158,13 @@ def test_a_rate_above_its_limit_is_refused_and_noise_is_no_gain():
     r = decode._row("multihead fp32", "multihead", "fp32", 10**6, steps, 4, floor, 0.5e9)
     assert r["tok_s"] == pytest.approx(1000.0)
     assert r["fraction_of_limit"] == "above limit: probe or byte count wrong"
+    # GEMVs alone at 2000 tok/s were once printed as 400% of this limit ("776.7 (460%)"): refused too
+    assert r["kernels_tok_s"] == pytest.approx(2000.0)
+    assert r["kernels_fraction_of_limit"] == "above limit: probe or byte count wrong"
+    assert r["fraction_of_kernels"] == pytest.approx(0.5)
+    slow_floor = timing.Timing(0.002, 0.002, 0.002, 9, 1)  # GEMVs alone slower than the whole step
+    r2 = decode._row("multihead fp32", "multihead", "fp32", 10**6, steps, 4, slow_floor, 10e9)
+    assert r2["fraction_of_kernels"] == "above its GEMVs alone: inside the noise"
     assert r["vs_hf_fp32"] == pytest.approx(0.0032 / 0.003) and r["vs_hf_fp32_within_noise"] is True
     doc = {"preset": "p", "prompt_len": 1, "new_tokens": 4, "threads": 1, "rounds": 1,
            "read_bandwidth_GBps": 0.5, "rows": [r]}  # fmt: skip

@@ -150,11 +150,12 @@ def test_debug_shows_the_traceback(monkeypatch):
 
 def test_ctrl_c_ends_with_one_line_and_130():
     """A real SIGINT in the middle of `multihead train` (any command goes through the same handler)."""
-    # the child says when its imports are done (they take seconds on a busy machine; an interrupt
-    # during `import torch` is Python's, not ours), then runs the command as `multihead` does
+    # the child says when its imports are done (they take seconds on a busy machine; an interrupt during
+    # `import torch` is the next test's), then runs the command as the `multihead` script does: the
+    # startup's handler gives Ctrl-C back to the command, which ends on its own line
     code = (
-        "import sys; from multihead.cli.main import main; print('ready', file=sys.stderr, flush=True); "
-        "raise SystemExit(main(['train', '--steps', '100000']))"
+        "import sys; sys.argv[0] = '/usr/bin/multihead'; from multihead.cli.main import main; "
+        "print('ready', file=sys.stderr, flush=True); raise SystemExit(main(['train', '--steps', '100000']))"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -166,6 +167,42 @@ def test_ctrl_c_ends_with_one_line_and_130():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "multihead train: interrupted", err
+
+
+def test_ctrl_c_while_the_command_starts_ends_with_one_line_and_130():
+    """SIGINT while `python -m multihead encode` is still inside `import torch`, before main() runs."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "multihead", "encode"]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # -X importtime: one line as each module's import ends
+        if line.split("|")[-1].strip().startswith("torch."):  # a part of torch is in: torch itself is not
+            proc.send_signal(signal.SIGINT)
+            break
+    else:
+        pytest.fail("torch was never imported")
+    err = [ln for ln in proc.stderr.read().splitlines() if not ln.startswith("import time:")]
+    assert proc.wait(timeout=60) == 130, err
+    assert err == ["multihead: interrupted"], err
+
+
+@pytest.mark.parametrize(
+    "argv, orig, command",
+    [
+        (["-m", "encode"], ["python", "-X", "importtime", "-m", "multihead", "encode"], True),
+        (["-m"], ["python", "-mmultihead"], True),
+        (["-m", "2"], ["python", "-m", "multihead.parallel", "2"], False),
+        (["-m"], ["python", "-m", "pytest"], False),
+        (["/usr/bin/multihead", "encode"], ["python", "/usr/bin/multihead", "encode"], True),
+        (["/work/my_script.py"], ["python", "/work/my_script.py"], False),
+        ([], ["python"], False),
+    ],
+)
+def test_only_the_command_line_takes_ctrl_c_while_it_starts(argv, orig, command, monkeypatch):
+    from multihead import startup
+
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig, raising=False)
+    assert startup.launched_as_command() is command
 
 
 def test_closed_stdout_ends_quietly():

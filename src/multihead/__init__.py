@@ -8,6 +8,9 @@ Quick tour::
     print(mh.explain(q, k, v, mask=mh.sliding_window(16)))
 """
 
+from . import startup  # noqa: F401  (first: Ctrl-C while `multihead` starts, see startup.py)
+
+# isort: split
 from . import approx, cost, data, eval, heads, parallel, pretrained, variants
 from .core.biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .core.functional import AttentionOutput, attention, backends, explain

@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .. import __version__
+from .. import __version__, startup
 from . import approx as approx_cli
 from . import bench as bench_cli
 from . import encode as encode_cli
@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: the arguments without the program name (default ``sys.argv[1:]``).
     """
+    startup.release()  # Ctrl-C is ours from here: the handlers below, after each command's own cleanup
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]  # accepted after the command too

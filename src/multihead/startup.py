@@ -1,0 +1,66 @@
+"""Ctrl-C while the command line is still starting: one line and exit status 130, not a traceback.
+
+``python -m multihead`` and the ``multihead`` script import this package, and torch with it (seconds on a
+busy machine), before :func:`multihead.cli.main.main` can catch an interrupt. The package imports this
+module before any other, and importing it calls :func:`guard`: in a process that is the command line
+(and nowhere else) SIGINT then prints ``multihead: interrupted`` and exits with 130 (128 + SIGINT, what
+a shell reports for a process ended by Ctrl-C). The command line calls :func:`release` as it starts,
+giving SIGINT back to Python's handler, so that a running command cleans up on its own
+``KeyboardInterrupt``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+__all__ = ["guard", "launched_as_command", "release"]
+
+NAME = "multihead"
+
+
+def launched_as_command() -> bool:
+    """Whether this process is ``python -m multihead ...`` or the ``multihead`` script.
+
+    While ``-m`` imports the package, ``sys.argv[0]`` is ``"-m"`` and ``sys.orig_argv`` holds the module's
+    name (``python -m multihead.parallel`` is another program); the script's ``sys.argv[0]`` is its path.
+    """
+    if not sys.argv:
+        return False
+    if sys.argv[0] != "-m":
+        return os.path.basename(sys.argv[0]) in (NAME, f"{NAME}.exe")
+    args = list(getattr(sys, "orig_argv", []))[1:]
+    for i, arg in enumerate(args):  # the interpreter's options come first; the first -m names the module
+        if arg == "-m":
+            return args[i + 1 : i + 2] == [NAME]
+        if arg.startswith("-m"):  # python -mmultihead
+            return arg[2:] == NAME
+    return False
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    lead = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C
+    print(f"{lead}{NAME}: interrupted", file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
+def guard() -> None:
+    """In the command line's process only: Ctrl-C from now until :func:`release` ends it in one line."""
+    if not launched_as_command():
+        return
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # a handler set before stays
+            signal.signal(signal.SIGINT, _interrupted)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        pass
+
+
+def release() -> None:
+    """Give SIGINT back to Python's handler (``KeyboardInterrupt``) if :func:`guard` took it."""
+    if signal.getsignal(signal.SIGINT) is _interrupted:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+guard()

@@ -154,7 +154,8 @@ def test_ctrl_c_ends_with_one_line_and_130():
     # `import torch` is the next test's), then runs the command as the `multihead` script does: the
     # startup's handler gives Ctrl-C back to the command, which ends on its own line
     code = (
-        "import sys; sys.argv[0] = '/usr/bin/multihead'; from multihead.cli.main import main; "
+        "import sys; sys.argv[0] = '/usr/bin/multihead'; sys.orig_argv = [sys.executable, sys.argv[0]]; "
+        "from multihead.cli.main import main; "
         "print('ready', file=sys.stderr, flush=True); raise SystemExit(main(['train', '--steps', '100000']))"
     )
     proc = subprocess.Popen(
@@ -193,6 +194,11 @@ def test_ctrl_c_while_the_command_starts_ends_with_one_line_and_130():
         (["-m", "2"], ["python", "-m", "multihead.parallel", "2"], False),
         (["-m"], ["python", "-m", "pytest"], False),
         (["/usr/bin/multihead", "encode"], ["python", "/usr/bin/multihead", "encode"], True),
+        (
+            ["/usr/bin/multihead", "bench"],
+            ["python", "-c", "from multiprocessing.spawn import spawn_main", "--multiprocessing-fork"],
+            False,
+        ),  # a rank of bench --distributed
         (["/work/my_script.py"], ["python", "/work/my_script.py"], False),
         ([], ["python"], False),
     ],

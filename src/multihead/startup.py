@@ -25,13 +25,15 @@ def launched_as_command() -> bool:
     """Whether this process is ``python -m multihead ...`` or the ``multihead`` script.
 
     While ``-m`` imports the package, ``sys.argv[0]`` is ``"-m"`` and ``sys.orig_argv`` holds the module's
-    name (``python -m multihead.parallel`` is another program); the script's ``sys.argv[0]`` is its path.
+    name (``python -m multihead.parallel`` is another program); the script's ``sys.argv[0]`` is its path,
+    also in ``sys.orig_argv`` (a child process started by ``multiprocessing`` inherits the first, not the
+    second: its parent handles Ctrl-C).
     """
     if not sys.argv:
         return False
-    if sys.argv[0] != "-m":
-        return os.path.basename(sys.argv[0]) in (NAME, f"{NAME}.exe")
     args = list(getattr(sys, "orig_argv", []))[1:]
+    if sys.argv[0] != "-m":
+        return os.path.basename(sys.argv[0]) in (NAME, f"{NAME}.exe") and sys.argv[0] in args
     for i, arg in enumerate(args):  # the interpreter's options come first; the first -m names the module
         if arg == "-m":
             return args[i + 1 : i + 2] == [NAME]

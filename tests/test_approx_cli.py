@@ -105,3 +105,90 @@ def test_minilm_fidelity_of_an_exact_limit_and_of_an_approximation():
 
 def test_a_zero_peak_reads_as_not_measured():
     assert report._mib(0) == "n/a" and report._mib(None) == "n/a" and report._mib(3 * 2**20) == "3.0"
+
+
+# -- the Pareto plot, read from its artists ------------------------------------------------------------
+def _row(name: str, seconds: float | None, cos: float | None, acc: float | None = None) -> dict:
+    cost = {} if seconds is None else {1024: {"seconds": seconds, "peak_bytes": 1 << 20}}
+    return {"name": name, "cost": cost, "mean_cos": cos, "mqar_acc": acc}
+
+
+def _panel(rows: list[dict], key: str = "mean_cos"):
+    """A figure of pareto_png's size with one panel drawn (the caller closes it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9.0, 4.8), dpi=120)
+    measure.draw_pareto(ax, rows, key, "quality", 1024)
+    fig.tight_layout()
+    fig.canvas.draw()
+    return fig, ax
+
+
+def _points(ax) -> list[tuple[str, tuple, tuple, tuple[float, float]]]:
+    """(label, marker outline, edge colour, centre in pixels) of every drawn point."""
+    out = []
+    for coll in ax.collections:
+        (x, y), = ax.transData.transform(coll.get_offsets())  # fmt: skip
+        shape = tuple(map(tuple, coll.get_paths()[0].vertices.round(3)))
+        out.append((coll.get_label(), shape, tuple(coll.get_edgecolor()[0]), (float(x), float(y))))
+    return out
+
+
+def test_pareto_plot_gives_every_method_its_own_marker_and_colour():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rows = [_row(m.name, 0.001 * 2**i, 1.0 - 0.05 * i) for i, m in enumerate(measure.METHODS)]
+    fig, ax = _panel(rows)
+    points = _points(ax)
+    plt.close(fig)
+    assert [p[0] for p in points] == [m.name for m in measure.METHODS]
+    assert len({p[1] for p in points}) == len(points), "two methods share a marker"
+    assert len({p[2] for p in points}) == len(points), "two methods share a colour"
+    assert measure.method_style("TopK(32)", 0) == measure.method_style("TopK(32)", 5)  # by name, not place
+
+
+def test_pareto_plot_hides_no_point():
+    """Methods at the same time and quality (exact-limit methods at cosine 1.000, the fast O(N) ones at
+    the same few ms) are spread sideways, and the largest move is stated."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    names = [m.name for m in measure.METHODS]
+    times = [0.010, 0.010, 0.0101, 0.0099, 0.010, 0.002, 0.002, 0.05, 0.0021, 0.002]
+    quality = [1.0, 1.0, 1.0, 0.9995, 1.0, 0.30, 0.30, 0.95, 0.301, 0.30]
+    fig, ax = _panel([_row(n, t, q) for n, t, q in zip(names, times, quality, strict=True)])
+    points, xlabel = _points(ax), ax.get_xlabel()
+    plt.close(fig)
+    diameter = 45**0.5 * 120 / 72  # s=45 points^2 at 120 dpi, in pixels
+    centres = [p[3] for p in points]
+    for i, (x0, y0) in enumerate(centres):
+        for j, (x1, y1) in enumerate(centres[:i]):
+            assert ((x0 - x1) ** 2 + (y0 - y1) ** 2) ** 0.5 >= diameter, (points[i][0], points[j][0])
+    assert "near points spread sideways, at most" in xlabel, xlabel
+    # a point with no near neighbour keeps its time; so does every point when none is near another
+    assert measure.spread([0.01, 0.05, 0.01], [1.0, 0.95, 0.3]) == [0.01, 0.05, 0.01]
+
+
+def test_pareto_plot_names_every_method_it_leaves_out():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rows = [
+        _row("exact (tiled)", 0.01, 1.0, 1.0),
+        _row("TopK(32)", float("nan"), 0.99, 0.9),  # the timing helper found the call too short
+        _row("LowRank(16)", None, 0.8, 0.5),  # not run at this length (dense N x N)
+        _row("Performer(128)", 0.002, 0.4, None),  # no MQAR training of this method
+    ]
+    fig, ax = _panel(rows)
+    labels = ax.get_legend_handles_labels()[1]
+    plt.close(fig)
+    assert labels[:2] == ["exact (tiled)", "Performer(128)"]
+    assert labels[2] == "not drawn: TopK(32) (too short to measure), LowRank(16) (not timed at N=1024)"
+    fig, ax = _panel(rows, "mqar_acc")
+    labels = ax.get_legend_handles_labels()[1]
+    plt.close(fig)
+    assert labels[-1].startswith("not drawn: ") and "Performer(128) (no MQAR run)" in labels[-1]

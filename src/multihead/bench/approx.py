@@ -15,6 +15,7 @@ Shape legend: N sequence length, H heads, D head dim.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,18 @@ from ..core.functional import attention
 from ..pretrained.files import atomic_write
 from . import timing
 
-__all__ = ["METHODS", "Method", "cost", "fidelity", "make", "pareto_png", "peak_rss_tracker"]
+__all__ = [
+    "METHODS",
+    "Method",
+    "cost",
+    "draw_pareto",
+    "fidelity",
+    "make",
+    "method_style",
+    "pareto_png",
+    "peak_rss_tracker",
+    "spread",
+]
 
 HEADS, HEAD_DIM = 8, 64
 #: LowRank forms the dense N x N weights (and an SVD of them): measured only up to this length
@@ -163,42 +175,120 @@ def mqar_layout_bound(row: dict) -> bool:
     return row["name"].startswith("Linformer") and row.get("mqar_acc") is not None
 
 
-def pareto_png(rows: list[dict], path: str | Path, n: int) -> str | None:
-    """Plot quality (MiniLM mean cosine; MQAR accuracy) against time at length ``n``, one point per
-    method, and write a PNG; returns the path, or None when matplotlib is not installed."""
-    try:
-        import matplotlib
+#: one marker per method of :data:`METHODS`, in its order (exact attention is the black one)
+MARKERS = "osD^v<>PX*hpH8d"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib import ticker
-    except ImportError:
-        return None
+
+def method_style(name: str, fallback: int = 0) -> tuple[str, str]:
+    """(marker, colour) of a method: its place in :data:`METHODS` (so it looks the same in every plot and
+    no two methods share either); a name not listed takes ``len(METHODS) + fallback``."""
+    names = [m.name for m in METHODS]
+    i = names.index(name) if name in names else len(names) + fallback
+    return MARKERS[i % len(MARKERS)], "black" if i == 0 else f"C{(i - 1) % 10}"
+
+
+def spread(ts: list[float], ys: list[float], near: float = 0.04) -> list[float]:
+    """Times moved sideways (log axis) where two points would cover each other, so that none is hidden.
+
+    Two points are too near when they are closer than ``near`` of the plot's span in both log time
+    (at least a decade) and quality (at least 0.05). Each crowd of such points is laid out in the order
+    of its times, ``1.25 * near`` of the span apart around the crowd's mean log time; a point alone keeps
+    its time. Returns the times to draw at (all > 0).
+    """
+    lx = [math.log10(t) for t in ts]
+    dx = near * max(max(lx, default=0.0) - min(lx, default=0.0), 1.0)
+    dy = near * max(max(ys, default=0.0) - min(ys, default=0.0), 0.05)
+    xs = list(lx)
+    for _ in range(len(xs)):  # a crowd laid out may come near another point: lay out again, together
+        crowds = [c for c in _crowds(xs, ys, dx, dy) if len(c) > 1]
+        if not crowds:
+            break
+        for crowd in crowds:
+            crowd.sort(key=lambda i: (lx[i], i))
+            centre = sum(lx[i] for i in crowd) / len(crowd)
+            for j, i in enumerate(crowd):
+                xs[i] = centre + 1.25 * dx * (j - (len(crowd) - 1) / 2)
+    return [t if x == x0 else 10**x for t, x, x0 in zip(ts, xs, lx, strict=True)]  # unmoved: exact
+
+
+def _crowds(xs: list[float], ys: list[float], dx: float, dy: float) -> list[list[int]]:
+    """Indices grouped by chains of points nearer than (dx, dy) to one another."""
+    group = list(range(len(xs)))
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    for i in range(len(xs)):
+        for j in range(i):
+            if abs(xs[i] - xs[j]) < dx and abs(ys[i] - ys[j]) < dy:
+                group[root(i)] = root(j)
+    out: dict[int, list[int]] = {}
+    for i in range(len(xs)):
+        out.setdefault(root(i), []).append(i)
+    return list(out.values())
+
+
+def _not_drawn(r: dict, key: str, n: int) -> str | None:
+    """Why row ``r`` has no point on the ``key`` panel at length ``n``, or None when it has one."""
+    t = r.get("cost", {}).get(n, {}).get("seconds")
+    if r.get(key) is None:
+        return "no MQAR run" if key == "mqar_acc" else "no fidelity run"
+    if t is None:
+        return f"not timed at N={n}"
+    return timing.TOO_SHORT if math.isnan(t) else None
+
+
+def draw_pareto(ax: Any, rows: list[dict], key: str, label: str, n: int) -> None:
+    """One panel: ``key`` (a quality) against seconds per call at length ``n`` on a log axis; one marker
+    and colour per method (:func:`method_style`), points that would cover each other spread sideways
+    (:func:`spread`, the largest move stated on the axis), and the methods without a point named in the
+    legend with the reason."""
+    from matplotlib import ticker
+
+    drawn = [r for r in rows if _not_drawn(r, key, n) is None]
+    ts = [r["cost"][n]["seconds"] for r in drawn]
+    xs = spread(ts, [r[key] for r in drawn])
+    for r, x in zip(drawn, xs, strict=True):
+        i = rows.index(r)
+        marker, colour = method_style(r["name"], i)
+        layout = key == "mqar_acc" and mqar_layout_bound(r)
+        name = r["name"] + (" (fixed pair positions)" if layout else "")
+        ax.scatter(x, r[key], s=45, color=colour, marker=marker, label=name,
+                   facecolors="none" if layout else colour)  # fmt: skip
+    left = [f"{r['name']} ({why})" for r in rows if (why := _not_drawn(r, key, n)) is not None]
+    if left:
+        ax.plot([], [], " ", label="not drawn: " + ", ".join(left))
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # labelled minor ticks overlapped
+    moved = max((abs(math.log(x / t)) for x, t in zip(xs, ts, strict=True)), default=0.0)
+    note = f"\nnear points spread sideways, at most {100 * (math.exp(moved) - 1):.0f}%" if moved else ""
+    ax.set_xlabel(f"seconds per attention call, N={n} (B=1, H={HEADS}, D={HEAD_DIM}, fp32){note}")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{label}\nup and to the left is better", fontsize=10)
+
+
+def pareto_png(rows: list[dict], path: str | Path, n: int) -> str | None:
+    """Plot quality (MiniLM mean cosine; MQAR accuracy) against time at length ``n``, one panel per
+    quality that some method has (:func:`draw_pareto`), and write a PNG; returns the path, or None when
+    no method has a quality score."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     panels = [("mean_cos", "MiniLM embedding cosine vs exact (mean)"), ("mqar_acc", "MQAR accuracy")]
     panels = [p for p in panels if any(r.get(p[0]) is not None for r in rows)]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 2.5, 4.8), squeeze=False)
-    markers = "osD^v<>PX*h"
-    for ax, (key, label) in zip(axes[0], panels):
-        for i, r in enumerate(rows):  # one colour and marker per method, named in the legend (no labels
-            t = r.get("cost", {}).get(n, {}).get("seconds")  # on the points: they overlapped)
-            if t is None or r.get(key) is None:
-                continue
-            layout = key == "mqar_acc" and mqar_layout_bound(r)
-            color = "black" if r["name"].startswith("exact") else f"C{i % 10}"
-            name = r["name"] + (" (fixed pair positions)" if layout else "")
-            ax.scatter(t, r[key], s=45, color=color, marker=markers[i % len(markers)], label=name,
-                       facecolors="none" if layout else color)  # fmt: skip
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        ax.set_xscale("log")
-        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # labelled minor ticks overlapped
-        ax.set_xlabel(f"seconds per attention call, N={n} (B=1, H={HEADS}, D={HEAD_DIM}, fp32)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.set_title(f"{label}: up and to the left is better", fontsize=10)
+    for ax, (key, label) in zip(axes[0], panels, strict=True):
+        draw_pareto(ax, rows, key, label, n)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -146,6 +146,26 @@ def test_points_at_one_x_are_spread_and_none_hides_another():
     assert min(out[:10]) < 1024 < max(out[:10]) and max(out[:10]) / min(out[:10]) < 2  # near their x
 
 
+def test_text_plot_draws_every_design_apart_in_its_own_style():
+    """The text-LM plot as drawn: 10 of 13 designs at 1024 KV bytes, moh and differential at the same
+    bits/byte (it hid one under the other); every point is its own marker, colour and place."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kv = [1024.0] * 10 + [256.0, 512.0, 2048.0]
+    rows = [{"design": d, "kv_bytes_per_token": x, "bits_per_byte": 2.5} for d, x in zip(designs.DESIGNS, kv)]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    designs._text_plot(rows, ax)
+    fig.canvas.draw()
+    centres = [tuple(ax.transData.transform(c.get_offsets())[0].round(1)) for c in ax.collections]
+    shapes = {tuple(map(tuple, c.get_paths()[0].vertices.round(3))) for c in ax.collections}
+    colours = {tuple(c.get_facecolor()[0]) for c in ax.collections}
+    plt.close(fig)
+    assert len(centres) == len(set(centres)) == len(shapes) == len(colours) == len(rows)
+
+
 def test_mqar_plot_states_its_floor():
     import matplotlib
 

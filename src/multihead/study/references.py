@@ -15,15 +15,19 @@ __all__ = ["REFERENCES", "named_works", "references"]
 
 #: how the report names a work -> its citation
 REFERENCES: dict[str, str] = {
-    "Zoology": "Arora, Eyuboglu, Timalsina, Johnson, Poli, Zou, Rudra, Re (2023). Zoology: Measuring and "
+    "Zoology": "Arora, Eyuboglu, Timalsina, Johnson, Poli, Zou, Rudra, Ré (2023). Zoology: Measuring and "
     "Improving Recall in Efficient Language Models. arXiv:2312.04927 (the MQAR task).",
     "Clark et al.": "Clark, Khandelwal, Levy, Manning (2019). What Does BERT Look At? An Analysis of BERT's "
-    "Attention. BlackboxNLP. arXiv:1906.04341.",
+    "Attention. BlackboxNLP workshop at ACL 2019. arXiv:1906.04341.",
     "Michel et al.": "Michel, Levy, Neubig (2019). Are Sixteen Heads Really Better than One? NeurIPS. "
     "arXiv:1905.10650.",
     "Lee et al.": "Lee, Pincombe, Welsh (2005). An Empirical Evaluation of Models of Text Document "
     "Similarity. Proceedings of the 27th Annual Conference of the Cognitive Science Society.",
-    "FlashAttention": "Dao, Fu, Ermon, Rudra, Re (2022). FlashAttention: Fast and Memory-Efficient Exact "
+    "WordSim-353": "Finkelstein, Gabrilovich, Matias, Rivlin, Solan, Wolfman, Ruppin (2002). Placing Search "
+    "in Context: The Concept Revisited. ACM Transactions on Information Systems 20(1), 116-131.",
+    "Pang-Lee": "Pang, Lee (2005). Seeing Stars: Exploiting Class Relationships for Sentiment Categorization "
+    "with Respect to Rating Scales. ACL 2005 (the sentence polarity data).",
+    "FlashAttention": "Dao, Fu, Ermon, Rudra, Ré (2022). FlashAttention: Fast and Memory-Efficient Exact "
     "Attention with IO-Awareness. NeurIPS. arXiv:2205.14135.",
 }
 

@@ -180,7 +180,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate tokens from a checkpoint directory or a random-weights preset; prints tokens/s",
         description="Prefill the prompt in one pass, then decode one token per step on a preallocated KV "
-        "cache; the speed is the median of repeated generations, with its spread. --model takes a save_pretrained() directory (config.json + model.safetensors) of GPT-2, "
+        "cache; the speed is the median of repeated generations, with its spread. --model takes a "
+        "save_pretrained() directory (config.json + model.safetensors) of GPT-2, "
         "LLaMA, Mistral or Qwen2; without it a preset with random weights runs.",
     )
     src = p.add_mutually_exclusive_group()

@@ -177,3 +177,22 @@ def test_the_machine_probe_is_the_fastest_sample_or_refuses():
     tiny = FakeClock(1e-12, per_read=0.0, tick=1e-6)
     with pytest.raises(RuntimeError, match="too short to measure"):
         machine.probe_time(tiny.fn, clock=tiny)
+
+
+@pytest.mark.parametrize(
+    ("per_call", "tick", "ok", "calls"),
+    [(0.5, 0.0, True, 1), (1e6, 0.0, True, 1), (2e-6, 0.0, True, None), (1e-12, 1e-6, False, None)],
+    ids=["plain", "huge", "tiny-batched", "tiny-too-short"],
+)
+def test_the_first_call_is_the_sample_unless_too_short(per_call, tick, ok, calls):
+    c = FakeClock(per_call, per_read=0.0 if tick else 1e-7, tick=tick)
+    result, t = timing.first_call(lambda: (c.fn(), "out")[1], clock=c, resolution=tick or None)
+    assert result == "out" and t.ok is ok
+    if calls is not None:
+        assert c.calls == calls and t.median == pytest.approx(per_call, rel=1e-3)
+    elif ok:  # one call under the 0.1 ms floor: timed again as a batch of calls
+        assert t.inner > 1 and t.median == pytest.approx(per_call, rel=0.05)
+    else:
+        assert "too short to measure" in t.why and t.rate(1.0) is None
+    stopped = FakeClock(0.0, per_read=0.0)
+    assert not timing.first_call(stopped.fn, clock=stopped)[1].ok

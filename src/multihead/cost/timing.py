@@ -25,7 +25,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "ABOVE",
@@ -38,6 +38,7 @@ __all__ = [
     "compare",
     "difference",
     "enough",
+    "first_call",
     "fraction_of_limit",
     "from_samples",
     "limit_text",
@@ -49,6 +50,7 @@ __all__ = [
 
 Clock = Callable[[], float]
 Sync = Callable[[float], float]
+T = TypeVar("T")
 
 TOO_SHORT = "too short to measure"
 ABOVE = "above limit: probe or byte count wrong"
@@ -186,6 +188,23 @@ def from_samples(seconds: Sequence[float], *, inner: int = 1, floor: float = FLO
             f"{TOO_SHORT}: a sample of {inner} call(s) took {min(seconds):.3g} s, under {floor:.3g} s",
         )  # fmt: skip
     return _summary([s / inner for s in seconds], inner)
+
+
+def first_call(
+    fn: Callable[[], T], *, clock: Clock = time.perf_counter, resolution: float | None = None
+) -> tuple[T, Timing]:
+    """Call ``fn`` once, timed, for its result and what it leaves behind (a peak of memory, a saved
+    output); where that call is too short for ``clock`` (under 50 of its ticks), time more calls of it
+    (:func:`measure`: one sample of as many calls as the clock needs, or "too short to measure").
+    Returns the first call's result and the :class:`Timing` of one sample (seconds per call)."""
+    tick = clock_resolution(clock) if resolution is None else resolution
+    start = clock()
+    out = fn()
+    took = clock() - start
+    if tick is not None and took >= max(MIN_TICKS * tick, FLOOR_SAMPLE):
+        return out, _summary([took], 1)
+    options: dict[str, Any] = {"min_samples": 1, "max_samples": 1, "min_total": 0.0, "warmup": 0}
+    return out, measure(fn, clock=clock, resolution=tick, **options)
 
 
 def measure(fn: Callable[[], object], **options: Any) -> Timing:

@@ -1,4 +1,5 @@
-"""``multihead bench hf``'s rounds and ratios on made-up worker answers (no process, no real timing)."""
+"""Timing paths of ``bench hf`` (made-up worker answers) and ``bench --distributed`` (a fake clock):
+no real timing."""
 
 from __future__ import annotations
 
@@ -48,3 +49,39 @@ def test_a_call_too_short_for_the_clock_is_a_note_not_a_rate():
     assert rows["multihead"]["tok_s"] is None and rows["multihead"]["vs_sdpa"] is None
     assert rows["multihead"]["note"].startswith("too short to measure")
     assert workers["multihead"].asked == 1 and rows["sdpa"]["tok_s"] == pytest.approx(8.0)
+
+
+# -- multihead bench --distributed: every rank times the collective call on the slowest rank's samples
+@pytest.mark.parametrize(
+    ("per_call", "tick", "ok"), [(0.0, 0.0, False), (1e-12, 1e-6, False), (0.02, 0.0, True), (1e6, 0.0, True)]
+)
+def test_collective_timing_zero_tiny_huge(per_call, tick, ok):
+    import torch
+
+    from multihead.bench import distributed
+    from tests.clocks import FakeClock
+
+    c = FakeClock(per_call, per_read=0.0 if per_call < 1e-9 else 1e-9, tick=tick)
+    agreed = []
+    t = distributed.time_collective(c.fn, torch.device("cpu"), clock=c, sync=lambda s: agreed.append(s) or s)
+    assert t.ok is ok and len(agreed) >= 1  # the tick is agreed on before any call
+    if ok:
+        assert t.median == pytest.approx(per_call, rel=1e-3) and t.samples >= 3
+        assert len(agreed) == 1 + t.samples + (t.inner > 1)  # the tick and every sample, nothing local
+    else:
+        assert "too short to measure" in t.why
+        row = distributed.summarise(1, [_rank(None, t.why)])
+        assert "too short to measure" in distributed.render_distributed_bench({"config": _CFG, "rows": [row]})
+
+
+_CFG = {
+    "seq_len": 64, "heads": 1, "kv_heads": 1, "head_dim": 8, "dtype": "float32", "mask": "causal",
+    "layout": "zigzag", "backward": False, "threads": 1,
+}  # fmt: skip
+
+
+def _rank(seconds, why=""):
+    return {
+        "rank": 0, "tokens": 64, "input_bytes": 1, "peak_bytes": None, "seconds": seconds,
+        "seconds_spread": [seconds, seconds], "why": why, "sent_bytes": 0, "messages": 0, "finite": True,
+    }  # fmt: skip

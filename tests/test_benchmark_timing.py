@@ -36,7 +36,10 @@ class FakeEncoder:
 def test_encode_speed_rates_or_too_short(per_call, tick, ok):
     import encode_speed
 
-    wall, cpu = FakeClock(0.0, per_read=0.0 if per_call < 1e-9 else 1e-9, tick=tick), FakeClock(0.0, tick=tick)
+    wall, cpu = (
+        FakeClock(0.0, per_read=0.0 if per_call < 1e-9 else 1e-9, tick=tick),
+        FakeClock(0.0, tick=tick),
+    )
     cpu.per_read = wall.per_read
     st, ours = FakeEncoder(wall, per_call, cpu), FakeEncoder(wall, per_call / 2, cpu)
     r = encode_speed.bench(["a b", "c"], 3, 2, st, ours, ours, clock=wall, cpu_clock=cpu)
@@ -51,3 +54,56 @@ def test_encode_speed_rates_or_too_short(per_call, tick, ok):
         assert all(w.startswith("too short to measure") for w in r["why_no_rate"].values())
     assert encode_speed._ratio(None, False) == "too short to measure"
     assert encode_speed._ratio(1.01, True) == "same within noise"
+
+
+def _clock(per_call: float, tick: float = 0.0) -> FakeClock:
+    return FakeClock(0.0, per_read=0.0 if per_call < 1e-9 else 1e-9, tick=tick)
+
+
+ZERO_TINY_HUGE = pytest.mark.parametrize(
+    ("per_call", "tick", "ok"),
+    [(0.0, 0.0, False), (1e-12, 1e-6, False), (0.01, 0.0, True), (1e6, 0.0, True)],
+    ids=["zero", "tiny", "10ms", "huge"],
+)
+
+
+class FakeLM:
+    """A forward costs ``per_call``, ``generate(ids, n)`` ``n * per_call`` seconds of ``clock``."""
+
+    def __init__(self, clock: FakeClock, per_call: float):
+        self.clock, self.per_call = clock, per_call
+
+    def __call__(self, ids):
+        self.clock.true += self.per_call
+
+    def generate(self, ids, n):
+        self.clock.true += n * self.per_call
+
+
+@ZERO_TINY_HUGE
+def test_bench_approx_quant_prefill_and_decode(per_call, tick, ok):
+    import bench_approx
+
+    c = _clock(per_call, tick)
+    out = bench_approx.timed({"a": FakeLM(c, per_call), "b": FakeLM(c, 2 * per_call)}, None, 9, 3, clock=c)
+    (pre_a, dec_a), (pre_b, dec_b) = out["a"], out["b"]
+    if ok:  # 9 tokens: a prefill and 8 steps of per_call each
+        assert pre_a.median == pytest.approx(per_call, rel=1e-3)
+        assert dec_a.rate(8) == pytest.approx(1 / per_call, rel=1e-3)
+        assert dec_b.rate(8) == pytest.approx(0.5 / per_call, rel=1e-3)
+    else:
+        assert dec_a.rate(8) is None and "too short to measure" in dec_a.why and pre_b.median is None
+
+
+@ZERO_TINY_HUGE
+def test_bench_heads_time_ratio(per_call, tick, ok):
+    import bench_heads
+
+    c = _clock(per_call, tick)
+    half, full = FakeEncoder(c, per_call / 2), FakeEncoder(c, per_call)
+    r = bench_heads.time_ratio(half, full, ["a"], 3, clock=c)
+    if ok:
+        assert r.ratio == pytest.approx(0.5, rel=1e-3) and str(r) == "0.50x"
+        assert str(bench_heads.time_ratio(full, full, ["a"], 3, clock=c)) == "same within noise"
+    else:
+        assert r.ratio is None and str(r) == "too short to measure"

@@ -107,3 +107,50 @@ def test_bench_heads_time_ratio(per_call, tick, ok):
         assert str(bench_heads.time_ratio(full, full, ["a"], 3, clock=c)) == "same within noise"
     else:
         assert r.ratio is None and str(r) == "too short to measure"
+
+
+def _child_json(capsys) -> dict:
+    import json
+
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@ZERO_TINY_HUGE
+def test_tiled_memory_child_time_or_too_short(per_call, tick, ok, capsys):
+    import tiled_memory
+
+    c = _clock(per_call, tick)
+    c.per_call = per_call
+    real = tiled_memory._mask
+    try:  # every attention call advances the fake clock by per_call
+        tiled_memory._mask = lambda spec: (c.fn(), real(spec))[1]
+        tiled_memory._child(64, "tiled", 1, 8, "causal", False, clock=c)
+    finally:
+        tiled_memory._mask = real
+    row = _child_json(capsys)
+    if ok:
+        assert row["seconds"] == pytest.approx(per_call, rel=1e-3) and row["finite"]
+        assert tiled_memory.time_cell(row) == f"{per_call:.3g} s"
+    else:
+        assert row["seconds"] is None and row["why"].startswith("too short to measure")
+        assert tiled_memory.time_cell(row) == "too short to measure"
+
+
+@ZERO_TINY_HUGE
+def test_sinks_child_time_and_ratio(per_call, tick, ok, capsys, monkeypatch):
+    import sinks
+
+    import multihead as mh
+
+    c = _clock(per_call, tick)
+    real = mh.attention
+    monkeypatch.setattr(mh, "attention", lambda *a, **kw: (c.fn(), real(*a, **kw))[1])
+    c.per_call = per_call
+    sinks._child("tiled", 32, 3, clock=c)
+    row = _child_json(capsys)
+    if ok:
+        assert row["seconds"] == pytest.approx(per_call, rel=1e-3) and row["samples"] >= 3
+        slower = {**row, "seconds": 2 * per_call, "spread": [2 * per_call, 2 * per_call]}
+        assert sinks.time_ratio(slower, row) == "2.00x" and sinks.time_ratio(row, row) == "same within noise"
+    else:
+        assert row["seconds"] is None and sinks.time_ratio(row, row) == "too short to measure"

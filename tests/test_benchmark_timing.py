@@ -154,3 +154,32 @@ def test_sinks_child_time_and_ratio(per_call, tick, ok, capsys, monkeypatch):
         assert sinks.time_ratio(slower, row) == "2.00x" and sinks.time_ratio(row, row) == "same within noise"
     else:
         assert row["seconds"] is None and sinks.time_ratio(row, row) == "too short to measure"
+
+
+@ZERO_TINY_HUGE
+def test_mla_decode_rates_ratios_or_too_short(per_call, tick, ok):
+    import mla_decode
+
+    import multihead as mh
+
+    c = _clock(per_call, tick)
+    c.per_call = per_call
+    models = {}
+    for name, cost in (("MHA", 1), ("MLA absorbed", 2)):
+        torch.manual_seed(0)
+        m = mh.TransformerLM(64, 16, 1, 2, 32).eval()
+        for _ in range(cost):  # every token's lm_head costs `cost` calls of the fake clock
+            m.lm_head.register_forward_hook(lambda *a: c.fn())
+        models[name] = m
+    prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))  # (1, 4)
+    times, tokens = mla_decode.measure(models, prompt, 5, 3, clock=c)
+    assert torch.equal(tokens["MHA"], tokens["MLA absorbed"])  # the same weights
+    row = {"attention": "MLA absorbed", "tokens_per_s": times["MLA absorbed"].rate(4)}
+    vs = mla_decode.timing.compare(times["MHA"], times["MLA absorbed"])
+    row.update(vs_mha=vs.ratio, vs_mha_within_noise=vs.same)
+    if ok:  # 4 timed steps of 2 * per_call each
+        assert row["tokens_per_s"] == pytest.approx(0.5 / per_call, rel=1e-3)
+        assert mla_decode.vs_cell(row) == "0.50x" and times["MHA"].samples >= 3
+    else:
+        assert mla_decode.rate_cell(row) == mla_decode.vs_cell(row) == "too short to measure"
+        assert times["MHA"].samples == 1  # no more rounds once a loop is too short for the clock

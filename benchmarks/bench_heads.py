@@ -141,11 +141,11 @@ def main() -> None:
     ref = model.encode(evaluation)
     print(f"# Heads of all-MiniLM-L6-v2 (torch {torch.__version__}, {torch.get_num_threads()} threads)\n")
     print(_roles(model, evaluation[: args.role_texts]))
-    start = time.perf_counter()
-    scores = heads.importance(model, importance_texts)
+    scores, took = timing.once(lambda: heads.importance(model, importance_texts))
+    spent = timing.TOO_SHORT if took.median is None else f"{took.median:.1f} s"
     print(
         f"## Head importance (Michel et al., span-contrastive loss, {len(importance_texts)} docstrings, "
-        f"{time.perf_counter() - start:.1f} s; l2-normalised per layer)\n\n{_importance_grid(scores)}\n"
+        f"{spent}; l2-normalised per layer)\n\n{_importance_grid(scores)}\n"
     )
     print(_pruning(model, scores, evaluation, evaluation[: args.time_texts], ref, args.repeats, args.seed))
     print()

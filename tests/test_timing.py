@@ -196,3 +196,16 @@ def test_the_first_call_is_the_sample_unless_too_short(per_call, tick, ok, calls
         assert "too short to measure" in t.why and t.rate(1.0) is None
     stopped = FakeClock(0.0, per_read=0.0)
     assert not timing.first_call(stopped.fn, clock=stopped)[1].ok
+
+
+@pytest.mark.parametrize(
+    ("per_call", "tick", "ok"), [(0.0, 0.0, False), (1e-12, 1e-6, False), (0.5, 0.0, True), (1e6, 0.0, True)]
+)
+def test_once_never_repeats_a_call(per_call, tick, ok):
+    c = FakeClock(per_call, per_read=0.0 if per_call < 1e-9 else 1e-7, tick=tick)
+    result, t = timing.once(lambda: (c.fn(), 7)[1], clock=c, resolution=tick or None)
+    assert result == 7 and c.calls == 1 and t.ok is ok
+    if ok:
+        assert t.median == pytest.approx(per_call, rel=1e-3)
+    else:
+        assert "too short to measure" in t.why

@@ -20,6 +20,7 @@ from ..cost.timing import (
     limit_text,
     measure,
     measure_all,
+    once,
     rate_text,
     time_text,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "limit_text",
     "measure",
     "measure_all",
+    "once",
     "rate_text",
     "time_text",
 ]

@@ -44,6 +44,7 @@ __all__ = [
     "limit_text",
     "measure",
     "measure_all",
+    "once",
     "rate_text",
     "time_text",
 ]
@@ -188,6 +189,20 @@ def from_samples(seconds: Sequence[float], *, inner: int = 1, floor: float = FLO
             f"{TOO_SHORT}: a sample of {inner} call(s) took {min(seconds):.3g} s, under {floor:.3g} s",
         )  # fmt: skip
     return _summary([s / inner for s in seconds], inner)
+
+
+def once(
+    fn: Callable[[], T], *, clock: Clock = time.perf_counter, resolution: float | None = None
+) -> tuple[T, Timing]:
+    """Call ``fn`` once, timed, never again: a call that must not be repeated (a training run, a
+    first call that compiles). Returns its result and its :class:`Timing` (one sample), "too short to
+    measure" under 50 ticks of ``clock`` (or 0.1 ms) rather than a duration the clock cannot tell."""
+    tick = clock_resolution(clock) if resolution is None else resolution
+    start = clock()
+    out = fn()
+    took = clock() - start
+    floor = math.inf if tick is None else max(MIN_TICKS * tick, FLOOR_SAMPLE)
+    return out, from_samples([took], floor=floor)
 
 
 def first_call(

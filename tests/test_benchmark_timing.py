@@ -183,3 +183,33 @@ def test_mla_decode_rates_ratios_or_too_short(per_call, tick, ok):
     else:
         assert mla_decode.rate_cell(row) == mla_decode.vs_cell(row) == "too short to measure"
         assert times["MHA"].samples == 1  # no more rounds once a loop is too short for the clock
+
+
+@pytest.mark.parametrize(
+    ("kernel_s", "sum_s", "tick", "of_sum"),
+    [
+        (0.0, 0.0, 0.0, "-"),  # a clock that never moves: no rate, no fraction
+        (1e-12, 1e-12, 1e-6, "-"),  # both too short for a microsecond clock
+        (0.02, 0.01, 0.0, "50%"),  # the kernel reads its bytes at half the sum's rate
+        (1e6, 2e6, 0.0, "above limit: probe or byte count wrong"),  # a kernel faster than the sum: refused
+    ],
+    ids=["zero", "tiny", "half", "above"],
+)
+def test_native_gemv_rates_never_above_the_sum(kernel_s, sum_s, tick, of_sum):
+    import native_gemv
+
+    c = _clock(max(kernel_s, sum_s), tick)
+
+    class Probe:  # 256 fp32 numbers: the same 1024 bytes as the kernel reads
+        def numel(self):
+            return 256
+
+        def sum(self):
+            c.true += sum_s
+
+    r = native_gemv.rates(lambda: setattr(c, "true", c.true + kernel_s), 1024, Probe(), 3, clock=c)
+    assert r["of_sum"] == of_sum
+    if of_sum == "-":
+        assert r["GBps"] is None and r["sum_GBps"] is None
+    else:
+        assert r["GBps"] == pytest.approx(1024 / kernel_s / 1e9, rel=1e-3)

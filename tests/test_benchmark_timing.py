@@ -213,3 +213,24 @@ def test_native_gemv_rates_never_above_the_sum(kernel_s, sum_s, tick, of_sum):
         assert r["GBps"] is None and r["sum_GBps"] is None
     else:
         assert r["GBps"] == pytest.approx(1024 / kernel_s / 1e9, rel=1e-3)
+
+
+def test_compare_commits_verdicts_zero_tiny_huge():
+    import compare_commits
+
+    rounds = lambda *xs: [{"w": x} for x in xs]  # noqa: E731
+    assert compare_commits.verdicts(rounds(1.0, 1.1, 0.9), rounds(0.5, 0.52, 0.48)) == {"w": "0.50x"}
+    assert compare_commits.verdicts(rounds(1e6, 1.1e6), rounds(1.05e6, 0.95e6)) == {"w": "same within noise"}
+    assert compare_commits.verdicts(rounds(1.0, None), rounds(1.0, 1.0)) == {"w": "too short to measure"}
+    assert compare_commits.verdicts(rounds(0.0, 0.0), rounds(0.0, 0.0)) == {"w": "too short to measure"}
+    assert compare_commits.verdicts(rounds(1e-9), rounds(1e-9)) == {"w": "too short to measure"}
+
+
+def test_compare_commits_child_times_through_the_helper(monkeypatch):
+    import compare_commits
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    monkeypatch.setattr(compare_commits, "CHILD", compare_commits.CHILD.split("g = torch.Generator")[0]
+                        + 'print(json.dumps({"noop": timing.measure(lambda: None).median}))')  # fmt: skip
+    res = compare_commits.run(src)
+    assert set(res) == {"noop"} and res["noop"] > 0  # the helper loaded by path ran in the child

@@ -234,3 +234,27 @@ def test_compare_commits_child_times_through_the_helper(monkeypatch):
                         + 'print(json.dumps({"noop": timing.measure(lambda: None).median}))')  # fmt: skip
     res = compare_commits.run(src)
     assert set(res) == {"noop"} and res["noop"] > 0  # the helper loaded by path ran in the child
+
+
+@ZERO_TINY_HUGE
+def test_gpu_timing_first_and_warm_on_a_fake_clock(per_call, tick, ok):
+    import gpu_timing
+
+    c = _clock(per_call, tick)
+    c.per_call = per_call
+    cell = gpu_timing.first_and_warm(c.fn, torch.device("cpu"), 3, slow_ms=1e12, clock=c)
+    if ok:
+        assert cell["ms"] == pytest.approx(per_call * 1e3, rel=1e-3) == cell["first_ms"]
+        assert gpu_timing.time_ratio({"ms": 2 * cell["ms"]}, cell) == 2.0
+        assert gpu_timing.time_ratio(cell, cell) == "same within noise"
+    else:  # no number the clock cannot tell: the cell says why instead
+        assert "ms" not in cell and cell["skipped"].startswith("too short to measure")
+        assert cell["first_ms"] is None and gpu_timing.time_ratio(cell, cell) is None
+    assert gpu_timing.device_clock(torch.device("cpu")) is gpu_timing.time.perf_counter
+
+
+def test_gpu_speed_ratios_keep_noise_out():
+    import gpu_speed
+
+    cells = {"auto": {"ms": 2.0, "spread_ms": [1.9, 2.1]}, "sdpa": {"ms": 2.05, "spread_ms": [2.0, 2.2]}}
+    assert gpu_speed.ratios(cells) == {"auto vs sdpa": "same within noise"}

@@ -116,8 +116,7 @@ def _worker(impl: str, max_len: int, threads: int) -> None:
                     ids = _ids(n, 1)
                     gc.collect()
                     extra = peak_rss_tracker()
-                    run = functools.partial(model.model, input_ids=ids, use_cache=False)
-                    forward = _counted(counter, lambda run=run: run().last_hidden_state)  # (1, n, d)
+                    forward = _counted(counter, functools.partial(_hidden, model, ids))  # (1, n, d)
                     h, t = timing.first_call(forward)
                     peak = None if extra is None else extra()
                     if req.get("save"):
@@ -147,6 +146,11 @@ def _worker(impl: str, max_len: int, threads: int) -> None:
             res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"}
         answer.write(json.dumps(res) + "\n")
         answer.flush()
+
+
+def _hidden(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The last hidden state (1, n, d) of a prefill of ``ids`` (1, n), without a cache."""
+    return model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, n, d)
 
 
 def _counted(counter: Any, fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -62,19 +62,15 @@ def _quant(prompt: int = 256, new: int = 32, repeats: int = 5) -> dict:
     rows: dict[str, dict] = {}
     with torch.inference_mode():
         ref = fp32(ids)[0]  # (N, V)
-        times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
-        for _ in range(repeats):  # interleaved, so load changes on a shared box hit every model alike
-            for name, model in models.items():
-                pre = _timed(lambda m=model: m(ids))
-                times[name].append((pre, _timed(lambda m=model: m.generate(ids, new)) - pre))
+        times = timed(models, ids, new, repeats)
         for name, model in models.items():
-            pre = sorted(t[0] for t in times[name])[repeats // 2]  # medians
-            dec = sorted(t[1] for t in times[name])[repeats // 2]
+            pre, dec = times[name]
             out = model(ids)[0]
             rows[name] = {
                 "bytes": quant.model_bytes(model),
-                "prefill_s": pre,
-                "decode_tok_s": (new - 1) / dec,  # the first new token comes from the prefill
+                "prefill_s": pre.median,  # None: too short to measure
+                "decode_tok_s": dec.rate(new - 1),  # the first new token comes from the prefill
+                "decode_why": dec.why,
                 "logit_rms_rel": float((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()),
                 "argmax_agree": float((out.argmax(-1) == ref.argmax(-1)).float().mean()),
             }
@@ -89,10 +85,22 @@ def _quant(prompt: int = 256, new: int = 32, repeats: int = 5) -> dict:
     }
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def timed(models: dict, ids, new: int, repeats: int, clock=time.perf_counter) -> dict:
+    """name -> (prefill Timing, decode Timing): ``model(ids)`` and ``model.generate(ids, new)`` of every
+    model interleaved (:func:`multihead.bench.timing.measure_all`, at least ``repeats`` samples each),
+    so load changes on a shared box hit every model alike; the decode steps are generate minus prefill
+    (:func:`multihead.bench.timing.difference`: "too short to measure" inside the noise)."""
+    from multihead.bench import timing
+
+    calls = {}
+    for name, model in models.items():
+        calls[f"{name}|prefill"] = lambda m=model: m(ids)
+        calls[f"{name}|generate"] = lambda m=model: m.generate(ids, new)
+    t = timing.measure_all(calls, min_samples=repeats, clock=clock)
+    return {
+        name: (t[f"{name}|prefill"], timing.difference(t[f"{name}|generate"], t[f"{name}|prefill"]))
+        for name in models
+    }
 
 
 def _mqar_from(folder: Path, rows: list[dict]) -> None:

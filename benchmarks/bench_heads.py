@@ -22,6 +22,7 @@ import torch
 
 import multihead as mh
 from multihead import heads
+from multihead.bench import timing
 
 FRACTIONS = (0, 1 / 6, 1 / 3, 1 / 2, 2 / 3)
 N_KV = (12, 6, 4, 3, 2, 1)
@@ -34,16 +35,15 @@ def _cosines(
     return float(cos.mean()), float(cos.min())
 
 
-def _seconds(model: mh.pretrained.SentenceEncoder, texts: list[str]) -> float:
-    start = time.perf_counter()
-    model.encode(texts)
-    return time.perf_counter() - start
-
-
-def _time_ratio(model, base, texts: list[str], repeats: int) -> float:
-    """Median over interleaved runs of encode time (model) / encode time (base)."""
-    ratios = sorted(_seconds(model, texts) / _seconds(base, texts) for _ in range(repeats))
-    return ratios[len(ratios) // 2]
+def time_ratio(model, base, texts: list[str], repeats: int, clock=time.perf_counter) -> timing.Comparison:
+    """Encode time of ``model`` / of ``base`` (:func:`multihead.bench.timing.measure_all`: interleaved
+    samples, at least ``repeats``; "same within noise" where the spreads overlap)."""
+    t = timing.measure_all(
+        {"model": lambda: model.encode(texts), "base": lambda: base.encode(texts)},
+        min_samples=repeats,
+        clock=clock,
+    )
+    return timing.compare(t["model"], t["base"])
 
 
 def _attention_params(model) -> int:
@@ -65,7 +65,7 @@ def _importance_grid(scores: torch.Tensor) -> str:
     return "\n".join(lines)
 
 
-def _pruning(model, scores: torch.Tensor, evaluation, timing, ref, repeats: int, seed: int) -> str:
+def _pruning(model, scores: torch.Tensor, evaluation, timed, ref, repeats: int, seed: int) -> str:
     L, H = scores.shape
     ascending = [divmod(int(i), H) for i in scores.flatten().argsort()]  # least important first
     shuffled = ascending.copy()
@@ -86,10 +86,10 @@ def _pruning(model, scores: torch.Tensor, evaluation, timing, ref, repeats: int,
                 drop.setdefault(layer, []).append(head)
             pruned = heads.prune(copy.deepcopy(model), drop)
             mean, low = _cosines(pruned, evaluation, ref)
-            ratio = _time_ratio(pruned, model, timing, repeats) if order == "importance" else float("nan")
+            ratio = time_ratio(pruned, model, timed, repeats) if order == "importance" else None
             left = [getattr(layer.self_attn, "n_heads", 0) for layer in heads.layers_of(pruned)]
             params = _attention_params(pruned) / full
-            time_cell = f"{ratio:.2f}x" if ratio == ratio else "-"
+            time_cell = "-" if ratio is None else str(ratio)
             cells = [
                 str(n),
                 f"{fraction:.2f}",
@@ -141,11 +141,11 @@ def main() -> None:
     ref = model.encode(evaluation)
     print(f"# Heads of all-MiniLM-L6-v2 (torch {torch.__version__}, {torch.get_num_threads()} threads)\n")
     print(_roles(model, evaluation[: args.role_texts]))
-    start = time.perf_counter()
-    scores = heads.importance(model, importance_texts)
+    scores, took = timing.once(lambda: heads.importance(model, importance_texts))
+    spent = timing.TOO_SHORT if took.median is None else f"{took.median:.1f} s"
     print(
         f"## Head importance (Michel et al., span-contrastive loss, {len(importance_texts)} docstrings, "
-        f"{time.perf_counter() - start:.1f} s; l2-normalised per layer)\n\n{_importance_grid(scores)}\n"
+        f"{spent}; l2-normalised per layer)\n\n{_importance_grid(scores)}\n"
     )
     print(_pruning(model, scores, evaluation, evaluation[: args.time_texts], ref, args.repeats, args.seed))
     print()

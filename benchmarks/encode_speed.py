@@ -9,8 +9,9 @@ corpora: the first ``--docs`` standard-library docstrings (``mh.pretrained.stdli
 tokens each) and a set of short texts, the first sentence of each of those docstrings.
 
 Contestants run interleaved, round after round, so a load change on a shared machine hits all of them;
-the ratios come from the medians of the same run. Reports texts/s (wall clock), the ratio to
-sentence-transformers in wall-clock and in CPU time (the process's, all threads: on a machine shared
+the ratios come from the medians of the same run (``multihead.bench.timing``: samples long enough for
+the clock, a ratio whose spreads overlap reads "same within noise"). Reports texts/s (wall clock), the
+ratio to sentence-transformers in wall-clock and in CPU time (the process's, all threads: on a machine shared
 with other jobs the CPU-time ratio at ``--threads 1`` is the steadier measure of the work done),
 the padded/real token counts of each side's batches, and the min cosine of each multihead path to
 sentence-transformers' embeddings. Needs sentence-transformers and the bundled weights.
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 import multihead as mh
+from multihead.bench import timing
 
 
 def short_texts(docs: Sequence[str]) -> list[str]:
@@ -45,7 +46,16 @@ def padded_tokens(lengths: list[int], order: list[int], batch_size: int) -> int:
 PREPACKED = "multihead prepacked fp32 (quantize(weights='fp32'))"
 
 
-def bench(texts: list[str], rounds: int, batch_size: int, st, ours, prepacked) -> dict:
+def bench(
+    texts: list[str],
+    rounds: int,
+    batch_size: int,
+    st,
+    ours,
+    prepacked,
+    clock: Callable[[], float] = time.perf_counter,
+    cpu_clock: Callable[[], float] = time.process_time,
+) -> dict:
     ref = st.encode(texts, batch_size=batch_size, normalize_embeddings=True, convert_to_tensor=True)
     contestants: dict[str, Callable[[], object]] = {
         "sentence-transformers": lambda: st.encode(texts, batch_size=batch_size, normalize_embeddings=True),
@@ -62,16 +72,10 @@ def bench(texts: list[str], rounds: int, batch_size: int, st, ours, prepacked) -
     ):
         got = model.encode(texts, batch_size=batch_size, packed=packed)
         cosine[name] = float((got * ref.cpu()).sum(-1).min())
-    times: dict[str, list[float]] = {k: [] for k in contestants}
-    cpu: dict[str, list[float]] = {k: [] for k in contestants}
-    for _ in range(rounds):
-        for name, fn in contestants.items():
-            start, start_cpu = time.perf_counter(), time.process_time()
-            fn()
-            times[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - start_cpu)
-    rate = {k: len(texts) / statistics.median(v) for k, v in times.items()}
-    cpu_rate = {k: len(texts) / statistics.median(v) for k, v in cpu.items()}
+    wall, cpu = timed(contestants, rounds, clock, cpu_clock)
+    st_name = "sentence-transformers"
+    vs = {k: timing.compare(wall[st_name], t) for k, t in wall.items()}  # ST's time / ours: > 1 faster
+    cpu_vs = {k: timing.compare(cpu[st_name], t) for k, t in cpu.items()}
     lengths = [len(s) for s in ours.tokenize(texts)]
     by_chars = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
     by_tokens = sorted(range(len(texts)), key=lambda i: -lengths[i])
@@ -83,16 +87,52 @@ def bench(texts: list[str], rounds: int, batch_size: int, st, ours, prepacked) -
             "multihead padded": padded_tokens(lengths, by_tokens, batch_size),
         },
         "min_cosine_vs_st": cosine,
-        "texts_per_s": rate,
-        "ratio_vs_st": {k: v / rate["sentence-transformers"] for k, v in rate.items()},
-        "cpu_ratio_vs_st": {k: v / cpu_rate["sentence-transformers"] for k, v in cpu_rate.items()},
+        "texts_per_s": {k: t.rate(len(texts)) for k, t in wall.items()},
+        "why_no_rate": {k: t.why for k, t in wall.items() if not t.ok},
+        "ratio_vs_st": {k: c.ratio for k, c in vs.items()},
+        "ratio_vs_st_within_noise": {k: c.same for k, c in vs.items()},
+        "cpu_ratio_vs_st": {k: c.ratio for k, c in cpu_vs.items()},
+        "cpu_ratio_vs_st_within_noise": {k: c.same for k, c in cpu_vs.items()},
     }
+
+
+def timed(
+    contestants: dict[str, Callable[[], object]],
+    rounds: int,
+    clock: Callable[[], float] = time.perf_counter,
+    cpu_clock: Callable[[], float] = time.process_time,
+) -> tuple[dict[str, timing.Timing], dict[str, timing.Timing]]:
+    """Wall time (:func:`multihead.bench.timing.measure_all`: interleaved samples, at least ``rounds``)
+    and CPU time per call of every contestant; the CPU time is read around each call of the same
+    samples and summarised by :func:`multihead.bench.timing.from_samples` ("too short to measure"
+    under 50 ticks of ``cpu_clock``)."""
+    cpu: dict[str, list[float]] = {k: [] for k in contestants}
+
+    def with_cpu(name: str, fn: Callable[[], object]) -> Callable[[], None]:
+        def call() -> None:
+            start = cpu_clock()
+            fn()
+            cpu[name].append(cpu_clock() - start)
+
+        return call
+
+    wall = timing.measure_all(
+        {k: with_cpu(k, fn) for k, fn in contestants.items()}, min_samples=rounds, warmup=0, clock=clock
+    )
+    floor = 50 * (timing.clock_resolution(cpu_clock) or float("inf"))
+    return wall, {k: timing.from_samples(v, floor=floor) for k, v in cpu.items()}
+
+
+def _ratio(x: float | None, same: bool) -> str:
+    return timing.TOO_SHORT if x is None else timing.SAME if same else f"{x:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=256, help="standard-library docstrings (default 256)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved samples at least (more while under 0.2 s); medians"
+    )
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -129,8 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
         for name, rate in r["texts_per_s"].items():
             cos = r["min_cosine_vs_st"].get(name)
             cos_s = f"{cos:.7f}" if cos is not None else ""
-            cpu_s = f"{r['cpu_ratio_vs_st'][name]:.2f}x"
-            print(f"{name:32s} {rate:9.1f} {r['ratio_vs_st'][name]:6.2f}x {cpu_s:>15s} {cos_s:>11s}")
+            rate_s = timing.TOO_SHORT if rate is None else f"{rate:.1f}"
+            wall_s, cpu_s = (
+                _ratio(r[key][name], r[f"{key}_within_noise"][name])
+                for key in ("ratio_vs_st", "cpu_ratio_vs_st")
+            )
+            print(f"{name:32s} {rate_s:>9s} {wall_s:>7s} {cpu_s:>15s} {cos_s:>11s}")
     return report
 
 

@@ -49,8 +49,9 @@ def speed_table(rows: list[dict]) -> str:
         cells = []
         for m in methods:
             c = r["cells"].get(m, {"skipped": ""})
-            cells.append(f"{c['ms']:.3f} ({c['first_ms']:.0f})" if "ms" in c else c["skipped"][:40])
-        speed = ", ".join(f"{k} {v}x" for k, v in r["speed"].items())
+            first = "-" if c.get("first_ms") is None else f"{c['first_ms']:.0f}"
+            cells.append(f"{c['ms']:.3f} ({first})" if "ms" in c else c["skipped"][:40])
+        speed = ", ".join(f"{k} {v}" + ("x" if isinstance(v, float) else "") for k, v in r["speed"].items())
         lines.append(f"| {r['case']} | {r['auto_picks']} | " + " | ".join(cells) + f" | {speed} |")
     return "\n".join(lines)
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from gpu_timing import Budget, first_and_warm
+from gpu_timing import Budget, first_and_warm, time_ratio
 
 import multihead.hf
 from multihead.backends import registry
@@ -92,12 +92,14 @@ def mistral_rows(device: torch.device, small: bool, repeats: int, budget: Budget
     del models
     for what in ("prefill", "train step"):
         a, b = (
-            next((r.get("ms") for r in rows if r["what"] == what and r["impl"] == i), None)
-            for i in ("multihead", "sdpa")
+            next((r for r in rows if r["what"] == what and r["impl"] == i), {}) for i in ("multihead", "sdpa")
         )
-        if a and b:
-            rows.append({"model": "mistral-shape", "what": what, "multihead_over_sdpa_time": round(a / b, 3)})
-            print(f"  hf {what}: multihead takes {a / b:.3f}x sdpa's time", flush=True)
+        ratio = time_ratio(a, b)  # "same within noise" where the spreads overlap
+        if ratio is not None:
+            rows.append({"model": "mistral-shape", "what": what, "multihead_over_sdpa_time": ratio})
+            print(
+                f"  hf {what}: multihead takes {ratio}{'x' if isinstance(ratio, float) else ''} sdpa's time"
+            )
     return rows
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from gpu_timing import Budget, first_and_warm, once_ms, warm_ms
+from gpu_timing import Budget, first_and_warm, once_ms, time_ratio, warm_ms
 
 import multihead as mh
 from multihead.backends.auto import choose
@@ -206,17 +206,22 @@ def _cell(name: str, fn: Callable | str, device: torch.device, repeats: int, bud
 def _show(cell: dict) -> str:
     if "ms" not in cell:
         return cell["skipped"][:90]
-    return f"{cell['ms']:.3f} ms warm, first call {cell['first_ms']:.1f} ms"
+    return f"{cell['ms']:.3f} ms warm, first call {_ms(cell['first_ms'], '.1f')} ms"
 
 
-def ratios(cells: dict[str, dict]) -> dict[str, float]:
-    """``"ours vs peer"``: the peer's warm time over ours (above 1 = ours faster)."""
+def _ms(x: float | None, spec: str) -> str:
+    return "too short to measure" if x is None else format(x, spec)
+
+
+def ratios(cells: dict[str, dict]) -> dict[str, float | str]:
+    """``"ours vs peer"``: the peer's warm time over ours (above 1 = ours faster), or "same within
+    noise" where the spreads overlap."""
     out = {}
     for ours in ("auto", *FUSED):
         for peer in ("sdpa", "torch flex"):
-            a, b = cells.get(ours, {}).get("ms"), cells.get(peer, {}).get("ms")
-            if a and b:
-                out[f"{ours} vs {peer}"] = round(b / a, 3)
+            r = time_ratio(cells.get(peer, {}), cells.get(ours, {}))
+            if r is not None:
+                out[f"{ours} vs {peer}"] = r
     return out
 
 
@@ -256,7 +261,7 @@ def _new_mask_rows(backend, grad, s, device, repeats, budget: Budget) -> list[di
     ids8 = torch.arange(n, device=device) * 8 // n  # (N,)
     for base in (mh.sliding_window(w), mh.document(ids8) & mh.causal()):
         call(q, k, v, base)
-    warm = warm_ms(lambda: call(q, k, v, mh.sliding_window(w)), device, min(repeats, 3))
+    warm = warm_ms(lambda: call(q, k, v, mh.sliding_window(w)), device, min(repeats, 3))  # None: too short
     m = n - 128 - 5  # a new length that is not a multiple of any block size
     q2, k2, v2 = (t.detach()[:, :, :m].clone().requires_grad_(grad) for t in (q, k, v))
     ids7 = torch.sort(torch.randint(0, 7, (n,), device=device)).values  # (N,) seven uneven documents
@@ -271,8 +276,8 @@ def _new_mask_rows(backend, grad, s, device, repeats, budget: Budget) -> list[di
         if budget.over():
             row["skipped"] = "budget spent"
         else:
-            row["first_ms"] = once_ms(fn, device)
-            row["first_over_warm"] = round(row["first_ms"] / warm, 2)
+            row["first_ms"] = first = once_ms(fn, device)
+            row["first_over_warm"] = None if first is None or warm is None else round(first / warm, 2)
         print(f"  new mask: {row}", flush=True)
         out.append(row)
     return out

@@ -18,7 +18,9 @@ only in their self-attention:
 At batch 1 each model prefills a random prompt of ``context`` tokens into its cache (not timed), then
 decodes ``new_tokens`` greedy tokens one at a time; decode tokens/s is new_tokens / time of that loop.
 The vocabulary is small (4096) so that the output head does not hide the attention. The machine may be
-shared: the contestants run interleaved, round after round, and each figure is the median of the rounds.
+shared: the contestants run interleaved, round after round (at least ``--rounds``, more while a loop's
+samples add up to under 0.2 s), each figure is the median of the rounds, and a ratio whose spreads
+overlap reads "same within noise" (``multihead.bench.timing``).
 KV bytes per token is ``mh.heads.kv_cache_bytes_per_token`` (all layers) in the model's dtype; the two
 MLA forms hold the same cache, and the script checks that they pick the same tokens.
 """
@@ -29,13 +31,13 @@ import argparse
 import copy
 import json
 import shlex
-import statistics
 import sys
 import time
 
 import torch
 
 import multihead as mh
+from multihead.bench import timing
 
 
 def build(kind: str, args: argparse.Namespace) -> mh.TransformerLM:
@@ -57,28 +59,63 @@ def build(kind: str, args: argparse.Namespace) -> mh.TransformerLM:
 
 
 @torch.inference_mode()
-def decode(model: mh.TransformerLM, prompt: torch.Tensor, new: int) -> tuple[float, torch.Tensor]:
+def decode(
+    model: mh.TransformerLM, prompt: torch.Tensor, new: int, clock=time.perf_counter
+) -> tuple[float, torch.Tensor]:
     """Prefill ``prompt`` (1, C) into a fresh cache, then time ``new`` greedy one-token steps.
 
-    Returns (tokens per second of the decode loop, the new tokens (new,)).
+    Returns (seconds of the decode loop's ``new - 1`` steps, the new tokens (new,)).
     """
     caches = model.make_cache(1, prompt.shape[1] + new)
     h = model.hidden_states(prompt, cache=caches)  # (1, C, d): the prefill, not timed
     tok = model.lm_head(h[:, -1]).argmax(-1, keepdim=True)  # (1, 1)
     out = [tok]
     sync(prompt.device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(new - 1):
         h = model.hidden_states(tok, cache=caches)  # (1, 1, d)
         tok = model.lm_head(h[:, -1]).argmax(-1, keepdim=True)  # (1, 1)
         out.append(tok)
     sync(prompt.device)
-    return (new - 1) / (time.perf_counter() - start), torch.cat(out, 1)[0]
+    return clock() - start, torch.cat(out, 1)[0]
+
+
+def measure(
+    models: dict, prompt: torch.Tensor, new: int, rounds: int, clock=time.perf_counter
+) -> tuple[dict[str, timing.Timing], dict[str, torch.Tensor]]:
+    """Interleaved rounds of :func:`decode`, at least ``rounds`` and more while a model's samples add
+    up to under 0.2 s (:func:`multihead.bench.timing.enough`): name -> the decode loop's
+    :class:`~multihead.bench.timing.Timing` ("too short to measure" where a loop is under 50 ticks of
+    ``clock``), and name -> its tokens."""
+    floor = 50 * (timing.clock_resolution(clock) or float("inf"))
+    secs: dict[str, list[float]] = {k: [] for k in models}
+    tokens: dict[str, torch.Tensor] = {}
+
+    def done(xs: list[float]) -> bool:  # enough, or a loop already too short for the clock
+        return timing.enough(xs, min_samples=rounds) or bool(xs and min(xs) < floor)
+
+    while not all(done(v) for v in secs.values()):
+        for name, m in models.items():
+            seconds, tokens[name] = decode(m, prompt, new, clock)
+            secs[name].append(seconds)
+    return {k: timing.from_samples(v, floor=floor) for k, v in secs.items()}, tokens
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def rate_cell(row: dict) -> str:
+    return timing.TOO_SHORT if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.1f}"
+
+
+def vs_cell(row: dict) -> str:
+    if row["vs_mha"] is None:
+        return timing.TOO_SHORT
+    return (
+        timing.SAME if row["vs_mha_within_noise"] and row["attention"] != "MHA" else f"{row['vs_mha']:.2f}x"
+    )
 
 
 def main() -> None:
@@ -113,20 +150,18 @@ def main() -> None:
     rows = []
     for C in args.context:
         prompt = torch.randint(0, args.vocab, (1, C), generator=torch.Generator().manual_seed(C)).to(device)
-        rates: dict[str, list[float]] = {k: [] for k in models}
-        tokens: dict[str, torch.Tensor] = {}
-        for _ in range(args.rounds):
-            for name, m in models.items():
-                rate, toks = decode(m, prompt, args.new_tokens)
-                rates[name].append(rate)
-                tokens[name] = toks
+        times, tokens = measure(models, prompt, args.new_tokens, args.rounds)
         for name, m in models.items():
             kv = mh.heads.kv_cache_bytes_per_token(m, dtype)
+            vs = timing.compare(times["MHA"], times[name])  # MHA's time / this one's: > 1 faster
             rows.append(
                 {
                     "context": C,
                     "attention": name,
-                    "tokens_per_s": statistics.median(rates[name]),
+                    "tokens_per_s": times[name].rate(args.new_tokens - 1),
+                    "why": times[name].why,
+                    "vs_mha": vs.ratio,
+                    "vs_mha_within_noise": vs.same,
                     "kv_bytes_per_token": kv,
                     "kv_mib_at_context": kv * C / 2**20,
                     "params_m": sum(p.numel() for p in m.parameters()) / 1e6,
@@ -144,7 +179,7 @@ def main() -> None:
     print(
         f"\nd_model {args.d_model}, {args.heads} heads, {args.layers} layers, d_ff {args.d_ff}, vocab "
         f"{args.vocab}, batch 1, {args.new_tokens} new tokens, {args.dtype} on {args.device} "
-        f"({threads} threads), median of {args.rounds} interleaved rounds\n"
+        f"({threads} threads), median of >= {args.rounds} interleaved rounds\n"
     )
     print(
         "| context | attention | decode tokens/s | vs MHA | KV bytes/token (all layers) "
@@ -152,13 +187,12 @@ def main() -> None:
     )
     print("|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        mha = next(x for x in rows if x["context"] == r["context"] and x["attention"] == "MHA")
         note = ""
         if r["same_tokens_as_absorbed"] is not None:
             note = " (same tokens)" if r["same_tokens_as_absorbed"] else " (OTHER TOKENS)"
         print(
-            f"| {r['context']} | {r['attention']}{note} | {r['tokens_per_s']:.1f} | "
-            f"{r['tokens_per_s'] / mha['tokens_per_s']:.2f}x | {r['kv_bytes_per_token']:,} | "
+            f"| {r['context']} | {r['attention']}{note} | {rate_cell(r)} | "
+            f"{vs_cell(r)} | {r['kv_bytes_per_token']:,} | "
             f"{r['kv_mib_at_context']:.1f} | {r['params_m']:.2f} |"
         )
 

@@ -5,12 +5,13 @@
 
 A decode step multiplies every weight matrix by one vector, so its floor is the time to read the weights.
 This script builds ``--count`` weights of ``--shape`` (together far larger than the caches), multiplies
-them one after the other by one vector with each kernel, and reports GB/s of weights read, the best of
-``--rounds`` passes, next to a ``sum`` over a 256 MiB fp32 tensor (a pure streaming read, measured in
-the same rounds), in fp32, bf16 and fp16. Kernels: ``F.linear`` (torch's own), oneDNN's prepacked weight
-(``mh.quant.PackedLinear``, fp32 and bf16), and ``multihead.native.gemv``. Every kernel's result is checked
-against ``F.linear`` first. The int8 rows: ``multihead.native.int8.gemv_q8`` with one scale per output
-channel and per group of 64 and 32 inputs (the bytes read count the fp32 scales; the activation's
+them one after the other by one vector with each kernel, and reports GB/s of weights read, the best of at
+least ``--rounds`` passes, next to a ``sum`` over a 256 MiB fp32 tensor (a pure streaming read, its
+samples interleaved with the kernel's: ``multihead.bench.timing``; a kernel above the sum is refused, not
+printed as over 100%), in fp32, bf16 and fp16. Kernels: ``F.linear`` (torch's own), oneDNN's prepacked
+weight (``mh.quant.PackedLinear``, fp32 and bf16), and ``multihead.native.gemv``. Every kernel's result is
+checked against ``F.linear`` first. The int8 rows: ``multihead.native.int8.gemv_q8`` with one scale per
+output channel and per group of 64 and 32 inputs (the bytes read count the fp32 scales; the activation's
 rounding to int8 is inside the timed call), checked against ``F.linear`` on the dequantized weight.
 """
 
@@ -24,18 +25,23 @@ import torch
 import torch.nn.functional as F
 
 from multihead import native
+from multihead.bench import timing
 from multihead.models import quant
 from multihead.models.int8_gemv_linear import dequantize_groups, quantize_groups
 from multihead.native import int8 as native_int8
 
 
-def _best_rate(fn, nbytes: int, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+def rates(fn, nbytes: int, probe: torch.Tensor, rounds: int, clock=time.perf_counter) -> dict:
+    """GB/s of ``fn`` reading ``nbytes`` and of ``probe.sum()`` (the streaming read it is held to),
+    samples interleaved (:func:`multihead.bench.timing.measure_all`, at least ``rounds``), the fastest
+    sample of each: ``{"GBps", "sum_GBps", "of_sum"}``; a rate None where too short to measure and
+    ``of_sum`` the refusal where the kernel beats the sum (then the byte count or the probe is wrong)."""
+    t = timing.measure_all({"kernel": fn, "sum": probe.sum}, min_samples=rounds, clock=clock)
+    rate, limit = (
+        None if x.best is None else n / x.best / 1e9
+        for x, n in ((t["kernel"], nbytes), (t["sum"], probe.numel() * 4))
+    )
+    return {"GBps": rate, "sum_GBps": limit, "of_sum": timing.limit_text(rate, limit)}
 
 
 def _rows_of(dtype: torch.dtype, count: int, rows: int, cols: int, rounds: int, probe) -> list[dict]:
@@ -62,10 +68,8 @@ def _rows_of(dtype: torch.dtype, count: int, rows: int, cols: int, rounds: int, 
         for name, k in kernels.items():
             assert float((k(0).float() - want).abs().max()) <= tol * float(want.abs().max()), name
         for name, k in kernels.items():
-            rate = _best_rate(lambda k=k: [k(i) for i in range(count)], nbytes, rounds)
-            sum_rate = _best_rate(probe.sum, probe.numel() * 4, rounds)
-            dt = str(dtype).removeprefix("torch.")
-            out.append({"dtype": dt, "kernel": name, "GBps": rate, "sum_GBps": sum_rate})
+            r = rates(lambda k=k: [k(i) for i in range(count)], nbytes, probe, rounds)
+            out.append({"dtype": str(dtype).removeprefix("torch."), "kernel": name, **r})
     return out
 
 
@@ -84,14 +88,14 @@ def _int8_rows(count: int, rows: int, cols: int, rounds: int, probe) -> list[dic
         got = native_int8.gemv_q8(*ws[0], x, None, group)  # (O,): x rounded to int8 per 32-block
         assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max()), group
         with torch.inference_mode():
-            rate = _best_rate(
+            r = rates(
                 lambda ws=ws, group=group: [native_int8.gemv_q8(w, s, x, None, group) for w, s in ws],
                 nbytes,
+                probe,
                 rounds,
             )
-        sum_rate = _best_rate(probe.sum, probe.numel() * 4, rounds)
         kernel = "native per-row" if group is None else f"native g{group}"
-        out.append({"dtype": "int8", "kernel": kernel, "GBps": rate, "sum_GBps": sum_rate})
+        out.append({"dtype": "int8", "kernel": kernel, **r})
     return out
 
 
@@ -121,13 +125,11 @@ def main() -> None:
     if a.json:
         print(json.dumps(doc, indent=1))
         return
-    print(f"{a.count} weights of {rows} x {cols}, {a.threads} thread(s), best of {a.rounds}")
+    print(f"{a.count} weights of {rows} x {cols}, {a.threads} thread(s), best of >= {a.rounds}")
     print(f"{'dtype':6s} {'kernel':14s} {'GB/s':>6s} {'sum GB/s':>9s} {'of sum':>7s}")
     for r in doc["rows"]:
-        print(
-            f"{r['dtype']:6s} {r['kernel']:14s} {r['GBps']:6.1f} {r['sum_GBps']:9.1f} "
-            f"{r['GBps'] / r['sum_GBps']:7.0%}"
-        )
+        rate, limit = (timing.TOO_SHORT if v is None else f"{v:.1f}" for v in (r["GBps"], r["sum_GBps"]))
+        print(f"{r['dtype']:6s} {r['kernel']:14s} {rate:>6s} {limit:>9s} {r['of_sum']:>7s}")
 
 
 if __name__ == "__main__":

@@ -24,13 +24,13 @@ import argparse
 import copy
 import json
 import math
-import time
 
 import torch
 import torch.nn.functional as F
 
 import multihead as mh
 from multihead import heads
+from multihead.bench import timing
 from multihead.pretrained.files import atomic_write
 from multihead.train.text import byte_corpus
 
@@ -86,9 +86,9 @@ def main() -> None:
     torch.manual_seed(0)
     train, held = byte_corpus(2000)
     model = mh.TransformerLM(256, 256, args.layers, 8, 688, n_kv_heads=4, max_len=2 * args.seq)
-    t0 = time.perf_counter()
-    last = float("nan") if args.random else _train(model, train, args.steps, args.seq, 16, 3e-3)
-    train_s = time.perf_counter() - t0
+    last, train_t = timing.once(
+        lambda: float("nan") if args.random else _train(model, train, args.steps, args.seq, 16, 3e-3)
+    )  # a training run is timed once, never repeated
     model.eval()
     g = torch.Generator().manual_seed(1)
     cal = train[
@@ -133,13 +133,12 @@ def main() -> None:
                 key=lambda r: r["agree"],
             )
             conv = best.pop("_model")
-            t1 = time.perf_counter()
-            heads.recover(conv, model, texts, steps=args.recover_steps, lr=1e-3, progress=False)
-            add(
-                f"{best['model']} + recover {args.recover_steps} steps",
-                conv,
-                seconds=time.perf_counter() - t1,
+            _, recover_t = timing.once(
+                lambda conv=conv: heads.recover(
+                    conv, model, texts, steps=args.recover_steps, lr=1e-3, progress=False
+                )
             )
+            add(f"{best['model']} + recover {args.recover_steps} steps", conv, seconds=recover_t.median)
     top = heads.max_kv_rank(model.layers[0].self_attn, D)
     add(f"MLA r={top}, rope_dims={D} (exact limit)", heads.to_mla(model, top, rope_dims=D))
     for r in rows:
@@ -147,7 +146,8 @@ def main() -> None:
     head = (
         f"Byte LM (d 256, {args.layers} layers, 8 heads of {D}, {Hkv} kv heads, "
         + ("random weights" if args.random else f"{args.steps} steps, final train loss {last:.3f} nats")
-        + f", trained in {train_s:.0f} s); {n_eval} held-out windows of {args.seq} bytes."
+        + (f", trained in {train_t.median:.0f} s" if train_t.median is not None else "")
+        + f"); {n_eval} held-out windows of {args.seq} bytes."
     )
     print(head + "\n")
     print(

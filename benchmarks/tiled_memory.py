@@ -7,7 +7,9 @@ Each measurement runs in a fresh subprocess and reports the growth of the proces
     python benchmarks/tiled_memory.py --n 32768 --backends tiled
     python benchmarks/tiled_memory.py --n 32768 --backends auto --heads 8 --masks causal window:512 --grad
 
-``--grad`` measures forward + backward (the inputs' gradients count as inputs: they are the same size).
+The time is that call's (``multihead.bench.timing.first_call``: more calls where one is too short for
+the clock). ``--grad`` measures forward + backward (the inputs' gradients count as inputs: they are the
+same size).
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ def _mask(spec: str):
     raise ValueError(f"--masks takes causal or window:W, got {spec!r}")
 
 
-def _child(n: int, backend: str, heads: int, head_dim: int, mask: str, grad: bool) -> None:
+def _child(
+    n: int, backend: str, heads: int, head_dim: int, mask: str, grad: bool, clock=time.perf_counter
+) -> None:
     import torch
 
     import multihead as mh
+    from multihead.bench import timing
 
     torch.manual_seed(0)
     w = [torch.randn(1, heads, 256, head_dim, requires_grad=grad) for _ in range(3)]
@@ -54,13 +59,16 @@ def _child(n: int, backend: str, heads: int, head_dim: int, mask: str, grad: boo
     if grad:  # the gradients' buffers are inputs-sized: allocate them before the baseline
         for t in (q, k, v):
             t.grad = torch.zeros_like(t)
+
+    def call():
+        with torch.set_grad_enabled(grad):
+            out = mh.attention(q, k, v, mask=_mask(mask), backend=backend)
+            if grad:
+                out.backward(dout)
+        return out
+
     base = _peak_kib()
-    t0 = time.perf_counter()
-    with torch.set_grad_enabled(grad):
-        out = mh.attention(q, k, v, mask=_mask(mask), backend=backend)
-        if grad:
-            out.backward(dout)
-    dt = time.perf_counter() - t0
+    out, t = timing.first_call(call, clock=clock)  # more calls only where one is too short to time
     extra = (_peak_kib() - base) * 1024
     scores = heads * n * n * 4
     print(
@@ -71,11 +79,17 @@ def _child(n: int, backend: str, heads: int, head_dim: int, mask: str, grad: boo
                 "mask": mask,
                 "extra_bytes": extra,
                 "score_matrix_bytes": scores,
-                "seconds": dt,
+                "seconds": t.median,  # None: too short to measure (why)
+                "why": t.why,
                 "finite": bool(torch.isfinite(out.detach()).all()),
             }
         )
     )
+
+
+def time_cell(row: dict) -> str:
+    """The row's seconds, or "too short to measure"."""
+    return "too short to measure" if row["seconds"] is None else f"{row['seconds']:.3g} s"
 
 
 def main() -> None:
@@ -118,7 +132,7 @@ def main() -> None:
         extra, scores = r["extra_bytes"], r["score_matrix_bytes"]
         print(
             f"| {r['backend']} | {r['mask']} | {r['n']} | {extra / 2**20:.1f} MiB | "
-            f"{scores / 2**20:.0f} MiB | {extra / scores:.4f} | {r['seconds']:.2f} s |"
+            f"{scores / 2**20:.0f} MiB | {extra / scores:.4f} | {time_cell(r)} |"
         )
 
 

@@ -37,11 +37,18 @@ def _check_row(r: dict) -> None:
         assert x is None or x == "above limit: probe or byte count wrong" or 0 < x <= 1.0, r
 
 
-def test_every_row_with_finite_figures(capsys):
+def test_every_row_with_finite_figures(capsys, monkeypatch):
     pytest.importorskip("transformers", reason="the HF rows need the test extra (transformers)")
     threads = torch.get_num_threads()
+    planned, said, real_run = [], [], decode.run
+
+    def counted(*a, progress, plan, **kw):  # the progress bar's total: a lower bound of its steps
+        return real_run(*a, progress=lambda w: (said.append(w), progress(w)), plan=planned.append, **kw)
+
+    monkeypatch.setattr(decode, "run", counted)
     # the call that printed 3000000000.0 tok/s and 33459692% of the limit: no such figure comes back
     assert main([*TINY, "--new-tokens", "4", "--prompt", "16", "--threads", "1", "--json"]) == 0
+    assert len(planned) == 1 and 0 < planned[0] <= len(said) - 1  # "building" comes before the plan
     assert torch.get_num_threads() == threads  # the run restores torch's thread count
     doc = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in doc["rows"]] == [name for name, _, _ in decode.ROWS]

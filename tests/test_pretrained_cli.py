@@ -47,7 +47,8 @@ def test_generate_json_with_int8_cache_and_sampling(capsys):
     assert main([*args, "--sample", "--top-k", "3", "--prompt-ids", "1,2,3"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["prompt_tokens"] == 3 and doc["new_tokens"] == 5 and doc["cache"] == "int8"
-    assert len(doc["tokens"]) == 2 and doc["decode_tokens_per_s"] > 0
+    assert len(doc["tokens"]) == 2
+    assert doc["decode_tokens_per_s"] > 0 if doc["decode_note"] is None else "too short" in doc["decode_note"]
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])

@@ -2,28 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from multihead.bench import timing
-
-
-class FakeClock:
-    """Time advances by ``per_read`` on every read and by ``per_call`` on every timed call; the clock
-    shows it rounded down to ``tick`` (a coarse clock: 12 ms, a scheduler's time slice)."""
-
-    def __init__(self, per_call: float, *, per_read: float = 1e-7, tick: float = 0.0):
-        self.true, self.per_call, self.per_read, self.tick = 0.0, per_call, per_read, tick
-        self.calls = 0
-
-    def __call__(self) -> float:
-        self.true += self.per_read
-        return math.floor(self.true / self.tick) * self.tick if self.tick else self.true
-
-    def fn(self) -> None:
-        self.calls += 1
-        self.true += self.per_call
+from multihead.cost import machine
+from tests.clocks import FakeClock
 
 
 def test_a_plain_call_gets_its_own_duration_and_enough_samples():
@@ -141,3 +124,88 @@ def test_the_fastest_sample_is_kept_for_probes_of_a_limit():
     t = timing.measure(fn, clock=c, warmup=0)
     assert t.best == pytest.approx(0.04, abs=1e-6) and t.median == pytest.approx(0.05, abs=1e-6)
     assert timing.limit_text(2.0, 1.0, "above its floor") == "above its floor"
+
+
+def test_sync_makes_every_process_take_the_same_decisions():
+    # a rank whose own samples are short follows the slowest rank's (the synced) durations: it takes
+    # as many calls as the others, so no rank waits forever in a collective call
+    c = FakeClock(1e-6)
+    slowest = []
+
+    def agree(seconds: float) -> float:
+        slowest.append(seconds)
+        return seconds if len(slowest) == 1 else max(seconds, 0.05)  # the tick; another rank's 50 ms
+
+    t = timing.measure(c.fn, clock=c, sync=agree, warmup=0)
+    assert t.ok and t.inner == 1 and t.median == pytest.approx(0.05) and t.samples == 5
+    assert len(slowest) == 1 + 5  # the tick, then every sample
+    never = timing.measure(FakeClock(0.0, per_read=0.0).fn, clock=FakeClock(0.0, per_read=0.0), sync=float)
+    assert not never.ok and "did not advance" in never.why
+
+
+def test_enough_is_the_rule_of_measure_all():
+    assert not timing.enough([0.01] * 4) and not timing.enough([0.01] * 5)  # 5 samples but 0.05 s
+    assert timing.enough([0.05] * 5) and timing.enough([0.001] * 200)
+    assert timing.enough([20.0] * 3) and not timing.enough([20.0] * 2)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "ok"), [([], False), ([0.0, 0.0], False), ([1e-9, 0.5], False), ([1e6, 1e6, 2e6], True)]
+)
+def test_samples_taken_elsewhere_zero_tiny_huge(seconds, ok):
+    t = timing.from_samples(seconds)
+    assert t.ok is ok
+    if ok:
+        assert t.median == pytest.approx(1e6) and t.rate(1.0) == pytest.approx(1e-6)
+    else:
+        assert "too short to measure" in t.why and t.rate(1.0) is None
+    with pytest.raises(ValueError, match="inner must be >= 1"):
+        timing.from_samples(seconds, inner=0)
+
+
+def test_samples_of_several_calls_are_per_call():
+    t = timing.from_samples([0.4, 0.2, 0.3], inner=100)
+    assert t.median == pytest.approx(0.003) and (t.low, t.high) == pytest.approx((0.002, 0.004))
+
+
+def test_the_machine_probe_is_the_fastest_sample_or_refuses():
+    c = FakeClock(0.5)
+    assert machine.probe_time(c.fn, clock=c) == pytest.approx(0.5, rel=1e-3)
+    stopped = FakeClock(0.0, per_read=0.0)
+    with pytest.raises(RuntimeError, match="too short to measure"):
+        machine.probe_time(stopped.fn, clock=stopped)
+    tiny = FakeClock(1e-12, per_read=0.0, tick=1e-6)
+    with pytest.raises(RuntimeError, match="too short to measure"):
+        machine.probe_time(tiny.fn, clock=tiny)
+
+
+@pytest.mark.parametrize(
+    ("per_call", "tick", "ok", "calls"),
+    [(0.5, 0.0, True, 1), (1e6, 0.0, True, 1), (2e-6, 0.0, True, None), (1e-12, 1e-6, False, None)],
+    ids=["plain", "huge", "tiny-batched", "tiny-too-short"],
+)
+def test_the_first_call_is_the_sample_unless_too_short(per_call, tick, ok, calls):
+    c = FakeClock(per_call, per_read=0.0 if tick else 1e-7, tick=tick)
+    result, t = timing.first_call(lambda: (c.fn(), "out")[1], clock=c, resolution=tick or None)
+    assert result == "out" and t.ok is ok
+    if calls is not None:
+        assert c.calls == calls and t.median == pytest.approx(per_call, rel=1e-3)
+    elif ok:  # one call under the 0.1 ms floor: timed again as a batch of calls
+        assert t.inner > 1 and t.median == pytest.approx(per_call, rel=0.05)
+    else:
+        assert "too short to measure" in t.why and t.rate(1.0) is None
+    stopped = FakeClock(0.0, per_read=0.0)
+    assert not timing.first_call(stopped.fn, clock=stopped)[1].ok
+
+
+@pytest.mark.parametrize(
+    ("per_call", "tick", "ok"), [(0.0, 0.0, False), (1e-12, 1e-6, False), (0.5, 0.0, True), (1e6, 0.0, True)]
+)
+def test_once_never_repeats_a_call(per_call, tick, ok):
+    c = FakeClock(per_call, per_read=0.0 if per_call < 1e-9 else 1e-7, tick=tick)
+    result, t = timing.once(lambda: (c.fn(), 7)[1], clock=c, resolution=tick or None)
+    assert result == 7 and c.calls == 1 and t.ok is ok
+    if ok:
+        assert t.median == pytest.approx(per_call, rel=1e-3)
+    else:
+        assert "too short to measure" in t.why

@@ -387,6 +387,7 @@ def run(
     new_tokens: int = 32,
     prompt: int = 256,
     progress: Callable[[str], None] | None = None,
+    plan: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Measure every row of :data:`ROWS`, samples interleaved; return the report (a dict).
 
@@ -397,6 +398,9 @@ def run(
         new_tokens: tokens generated per timed call (>= 2: the rate is of the steps after the first).
         prompt: prompt tokens (random ids, fixed seed).
         progress: called with a short text before each measurement.
+        plan: called once the models are built with how many more times ``progress`` will be called
+            at least (a stage each, and each timed sample at ``rounds`` samples a call; short calls
+            take more): the total of a progress bar, so that it shows the time left.
 
     Returns:
         ``{"preset", "threads", "prompt_len", "new_tokens", "rounds", "read_bandwidth_GBps" (over the
@@ -437,6 +441,9 @@ def run(
         ids = torch.randint(0, config["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(1))
         contestants, info = _contestants(preset, ids)
         models = info.pop("models")
+        if plan is not None:
+            groups = len(_size_groups(sorted({b for _, b in contestants.values()})))
+            plan(3 + 2 * len(contestants) * rounds + len(contestants) + groups)
         with torch.inference_mode():
             say("greedy tokens against transformers")
             tokens = {name: gen(8) for name, (gen, _) in contestants.items()}  # also a warm-up

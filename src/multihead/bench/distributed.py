@@ -9,8 +9,9 @@ shard of q, k, v (never the whole sequence), so every figure is what that rank n
   flight, partial and merged outputs, kernel workspace. The high-water mark is reset through
   ``/proc/self/clear_refs`` (Linux; elsewhere it is not measured: None), and the ranks run with a fixed
   glibc mmap threshold so that freed buffers leave the resident set (see ``_MALLOC``).
-- time: wall time of the call on that rank (W processes share the machine's cores, so on a small box
-  this shows the scheme's overhead, not a speed-up).
+- time: wall time of the call (:func:`time_collective`: the median of repeated calls, each sample
+  the slowest rank's; W processes share the machine's cores, so on a small box this shows the
+  scheme's overhead, not a speed-up).
 - bytes sent: point-to-point traffic of the rank during the call, counted by :func:`traffic`.
 
 ``python -m multihead.parallel bench`` prints the table; ``multihead bench --distributed N`` is the same.
@@ -29,6 +30,7 @@ from ..core import masks
 from ..parallel.comm import traffic
 from ..parallel.launch import launch
 from ..parallel.layout import shard_ranges
+from . import timing
 
 __all__ = ["render_distributed_bench", "run_distributed_bench", "world_sizes_up_to"]
 
@@ -116,25 +118,62 @@ def bench_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         torch.randn(B, h, n, D, generator=g, device=dev, requires_grad=cfg["backward"]) for h in (H, Hkv, Hkv)
     )  # only this rank's shard is ever built
     input_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
-    t0 = time.perf_counter()
-    with traffic() as sent, torch.set_grad_enabled(cfg["backward"]):
-        out = ring_attention(q, k, v, **kw)
-        assert isinstance(out, torch.Tensor)
-        if cfg["backward"]:
-            out.backward(torch.ones_like(out))
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    seconds = time.perf_counter() - t0
+
+    def call() -> torch.Tensor:
+        with torch.set_grad_enabled(cfg["backward"]):
+            out = ring_attention(q, k, v, **kw)
+            assert isinstance(out, torch.Tensor)
+            if cfg["backward"]:
+                out.backward(torch.ones_like(out))
+        return out
+
+    with traffic() as sent:
+        out = call()  # the call whose memory and traffic are measured
+    peak_bytes = peak.grown()
+    t = time_collective(call, dev, sync=_max_over_ranks(dev))
     return {
         "rank": rank,
         "tokens": n,
         "input_bytes": input_bytes,
-        "peak_bytes": peak.grown(),
-        "seconds": seconds,
+        "peak_bytes": peak_bytes,
+        "seconds": t.median,
+        "seconds_spread": [t.low, t.high],
+        "why": t.why,
         "sent_bytes": sent.sent_bytes,
         "messages": sent.messages,
         "finite": bool(torch.isfinite(out).all()),
     }
+
+
+def _max_over_ranks(dev: torch.device) -> Callable[[float], float]:
+    import torch.distributed as dist
+
+    def agree(seconds: float) -> float:
+        x = torch.tensor([seconds], dtype=torch.float64, device=dev)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return float(x.item())
+
+    return agree
+
+
+def time_collective(
+    call: Callable[[], object],
+    dev: torch.device,
+    *,
+    sync: Callable[[float], float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> timing.Timing:
+    """Seconds of ``call`` on every rank of a group (:func:`multihead.bench.timing.measure`, synchronised
+    with the device), each sample the slowest rank's through ``sync`` (an all-reduce of the maximum),
+    so that every rank takes the same number of calls and the collective call never waits for a rank
+    that stopped. ``call`` has run once already (the warm-up)."""
+
+    def synced() -> None:
+        call()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    return timing.measure(synced, warmup=0, min_samples=3, max_seconds=5.0, clock=clock, sync=sync)
 
 
 def world_sizes_up_to(n: int) -> tuple[int, ...]:
@@ -223,12 +262,14 @@ def run_distributed_bench(
 
 def summarise(world: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     peaks = [r["peak_bytes"] for r in ranks]
+    secs = [r["seconds"] for r in ranks]
     return {
         "world_size": world,
         "tokens_per_rank": max(r["tokens"] for r in ranks),
         "peak_bytes": None if None in peaks else max(peaks),
         "input_bytes": max(r["input_bytes"] for r in ranks),
-        "seconds": max(r["seconds"] for r in ranks),
+        "seconds": None if None in secs else max(secs),  # the samples are the slowest rank's already
+        "why": next((r["why"] for r in ranks if r["why"]), ""),
         "sent_bytes": max(r["sent_bytes"] for r in ranks),
         "messages": max(r["messages"] for r in ranks),
         "finite": all(r["finite"] for r in ranks),
@@ -238,6 +279,10 @@ def summarise(world: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _mib(x: float | None) -> str:
     return "n/a" if x is None else f"{x / 2**20:.1f} MiB"
+
+
+def _seconds(row: dict[str, Any]) -> str:
+    return timing.TOO_SHORT if row["seconds"] is None else f"{row['seconds']:.3g} s"
 
 
 def render_distributed_bench(result: dict[str, Any]) -> str:
@@ -262,7 +307,7 @@ def render_distributed_bench(result: dict[str, Any]) -> str:
         ratio = "n/a" if r["peak_bytes"] is None or not first else f"{r['peak_bytes'] / first:.3f}"
         lines.append(
             f"| {r['world_size']} | {r['tokens_per_rank']} | {_mib(r['peak_bytes'])} | {ratio} | "
-            f"{_mib(r['input_bytes'])} | {r['seconds']:.2f} s | {_mib(r['sent_bytes'])} "
+            f"{_mib(r['input_bytes'])} | {_seconds(r)} | {_mib(r['sent_bytes'])} "
             f"({r['messages']} msgs) |"
         )
     return "\n".join(lines)

@@ -5,8 +5,9 @@ random weights, fp32, batch 1) built offline, once per attention implementation,
 process (``python -m multihead.bench.hf --worker IMPL``), so that one implementation's peak memory never
 hides behind another's freed pages:
 
-* prefill at every N of ``lengths``: wall time of ``model.model(input_ids)`` (median of ``repeats`` rounds,
-  the implementations interleaved inside each round), the peak resident set above the loaded model
+* prefill at every N of ``lengths``: wall time of ``model.model(input_ids)`` (median and spread of at
+  least ``repeats`` rounds, the implementations interleaved inside each round; a ratio whose spreads
+  overlap reads "same within noise"), the peak resident set above the loaded model
   (Linux ``VmHWM`` after a ``clear_refs`` reset, glibc's mmap threshold fixed), and the max |difference|
   of the last hidden state against "sdpa"; "multihead" against "sdpa", "eager" (skipped above
   ``eager_cap`` tokens: it holds (1, 8, N, N) fp32 scores per layer) and "flex_attention" (compiled per
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -30,11 +32,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import torch
+
+from . import timing
 
 __all__ = ["FLOOR", "IMPLS", "WINDOW", "build_model", "run", "tables", "to_json"]
 
@@ -111,20 +114,19 @@ def _worker(impl: str, max_len: int, threads: int) -> None:
                         model.model(input_ids=_ids(min(warm, n), 3), use_cache=False)
                         warmed.add(warm)
                     ids = _ids(n, 1)
-                    calls = counter.calls  # type: ignore[attr-defined]
                     gc.collect()
                     extra = peak_rss_tracker()
-                    start = time.perf_counter()
-                    h = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, n, d)
-                    seconds = time.perf_counter() - start
+                    forward = _counted(counter, functools.partial(_hidden, model, ids))  # (1, n, d)
+                    h, t = timing.first_call(forward)
                     peak = None if extra is None else extra()
                     if req.get("save"):
                         torch.save(h, req["save"])
                     res: dict[str, Any] = {
-                        "seconds": seconds,
+                        "seconds": t.median,
+                        "why": t.why,
                         "peak_bytes": peak,
                         "finite": bool(torch.isfinite(h).all()),
-                        "calls": counter.calls - calls,  # type: ignore[attr-defined]
+                        "calls": forward.first_calls,  # type: ignore[attr-defined]
                     }
                     del h
                 else:
@@ -132,17 +134,37 @@ def _worker(impl: str, max_len: int, threads: int) -> None:
                     if not decode_warm:
                         _generate(model, _ids(16, 2, low=1), 4)
                         decode_warm = True
-                    calls = counter.calls  # type: ignore[attr-defined]
-                    seconds, tokens = _generate(model, _ids(prompt, 2, low=1), new)
+                    gen = _counted(counter, functools.partial(_generate, model, _ids(prompt, 2, low=1), new))
+                    tokens, t = timing.first_call(gen)
                     res = {
-                        "seconds": seconds,
+                        "seconds": t.median,
+                        "why": t.why,
                         "tokens": tokens,
-                        "calls": counter.calls - calls,  # type: ignore[attr-defined]
+                        "calls": gen.first_calls,  # type: ignore[attr-defined]
                     }
         except Exception as e:  # reported in the table: flex refusing CPU shapes, out of memory, ...
             res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"}
         answer.write(json.dumps(res) + "\n")
         answer.flush()
+
+
+def _hidden(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The last hidden state (1, n, d) of a prefill of ``ids`` (1, n), without a cache."""
+    return model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, n, d)
+
+
+def _counted(counter: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` that keeps, as ``first_calls``, how many calls ``counter`` (our attention function) saw
+    during its first call: :func:`timing.first_call` may call it again where one call is too short."""
+
+    def call() -> Any:
+        before = counter.calls
+        out = fn()
+        if not hasattr(call, "first_calls"):
+            call.first_calls = counter.calls - before  # type: ignore[attr-defined]
+        return out
+
+    return call
 
 
 def _no_attention(
@@ -153,10 +175,9 @@ def _no_attention(
     return query.new_zeros(B, S, H, value.shape[-1]), None  # (B, Sq, Hq, Dv)
 
 
-def _generate(model: Any, prompt: torch.Tensor, new: int) -> tuple[float, list[int]]:
-    """Seconds of a greedy ``generate`` of exactly ``new`` tokens after ``prompt`` (1, P), and the tokens.
-    Token 0 is the pad id handed to generate, so prompts draw from 1..VOCAB-1."""
-    start = time.perf_counter()
+def _generate(model: Any, prompt: torch.Tensor, new: int) -> list[int]:
+    """The tokens of a greedy ``generate`` of exactly ``new`` tokens after ``prompt`` (1, P). Token 0 is
+    the pad id handed to generate, so prompts draw from 1..VOCAB-1."""
     out = model.generate(
         input_ids=prompt,
         attention_mask=torch.ones_like(prompt),
@@ -165,8 +186,7 @@ def _generate(model: Any, prompt: torch.Tensor, new: int) -> tuple[float, list[i
         do_sample=False,
         pad_token_id=0,
     )  # (1, P + new)
-    seconds = time.perf_counter() - start
-    return seconds, out[0, prompt.shape[1] :].tolist()
+    return list(out[0, prompt.shape[1] :].tolist())
 
 
 class _Worker:
@@ -224,6 +244,16 @@ def _med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _enough(runs: dict[str, list[dict[str, Any]]], skip: dict[str, str], repeats: int) -> bool:
+    """Whether every implementation still running has samples enough (:func:`timing.enough`: at least
+    ``repeats``, adding up to 0.2 s)."""
+    return all(
+        timing.enough([x["seconds"] for x in xs], min_samples=repeats)
+        for i, xs in runs.items()
+        if i not in skip
+    )
+
+
 def run(
     lengths: Sequence[int] = (4096, 8192, 16384),
     *,
@@ -240,7 +270,9 @@ def run(
 
     Args:
         lengths: prefill lengths N (tokens).
-        repeats: timed rounds; in each round every implementation runs once (interleaved).
+        repeats: timed rounds at least, more while an implementation's add up to under 0.2 s
+            (:func:`multihead.bench.timing.enough`); in each round every implementation runs once
+            (interleaved), timed in its worker by :func:`multihead.bench.timing.first_call`.
         new_tokens: tokens ``generate`` produces in the decode rows (0 skips decode).
         prompt: the decode prompt's length.
         impls: implementations to compare; "sdpa" (the reference of every ratio) is always added.
@@ -252,8 +284,11 @@ def run(
 
     Returns:
         ``{"setup": {...}, "prefill": [row, ...], "decode": {...} | None}``; a prefill row is
-        ``{"n", "impl", "seconds", "all_seconds", "speed_vs_sdpa", "peak_mib", "memory_vs_sdpa",
-        "max_abs_diff", "calls", "note"}`` (numbers None and ``note`` the reason when it did not run).
+        ``{"n", "impl", "seconds", "seconds_spread", "all_seconds", "speed_vs_sdpa",
+        "speed_within_noise", "peak_mib", "memory_vs_sdpa", "max_abs_diff", "calls" (through
+        multihead's attention function in one forward), "note"}`` (numbers None and ``note`` the
+        reason - an error, "too short to measure" - when it did not run); decode rows likewise have
+        "vs_sdpa_within_noise".
 
     Raises:
         ValueError: for a non-positive length, repeats, prompt or thread count, negative new_tokens, or
@@ -288,15 +323,17 @@ def run(
                     f"skipped: N > {eager_cap} (eager holds a few (1, {HEADS}, N, N) fp32 tensors per layer, "
                     f"{gib:.0f} GiB each at this N); raise --eager-cap to run it"
                 )
-            for r in range(repeats):
+            r = 0
+            while r < repeats or not _enough(runs, skip, repeats):
+                r += 1
                 for impl in names:
                     if impl in skip:
                         continue
-                    say(f"prefill N={n} {impl} ({r + 1}/{repeats})")
-                    save = os.path.join(tmp, f"{impl}-{n}.pt") if r == 0 and impl != FLOOR else None
+                    say(f"prefill N={n} {impl} (round {r}, at least {repeats})")
+                    save = os.path.join(tmp, f"{impl}-{n}.pt") if r == 1 and impl != FLOOR else None
                     res = workers[impl].ask({"op": "prefill", "n": n, "save": save})
-                    if "error" in res:
-                        skip[impl] = res["error"]
+                    if "error" in res or res["seconds"] is None:
+                        skip[impl] = res.get("error") or res["why"]
                     else:
                         runs[impl].append(res)
             rows += _prefill_rows(n, names, runs, skip, tmp)
@@ -327,13 +364,14 @@ def _prefill_rows(
     """One row per implementation at length n, with ratios against sdpa's medians."""
     ref_path = os.path.join(tmp, f"sdpa-{n}.pt")
     ref = torch.load(ref_path) if os.path.exists(ref_path) else None
-    base_s = _med([x["seconds"] for x in runs["sdpa"]])
+    base = timing.from_samples([x["seconds"] for x in runs["sdpa"]])
     peaks = {i: [x["peak_bytes"] / 2**20 for x in runs[i] if x["peak_bytes"] is not None] for i in names}
     base_m = _med(peaks["sdpa"])
     rows = []
     for impl in sorted(names, key=(*IMPLS, FLOOR).index):
         secs = [x["seconds"] for x in runs[impl]]
-        med, peak = _med(secs), _med(peaks[impl])
+        t, peak = timing.from_samples(secs), _med(peaks[impl])
+        speed = timing.compare(base, t)  # sdpa's time / this one's: > 1 faster
         diff = None
         path = os.path.join(tmp, f"{impl}-{n}.pt")
         if ref is not None and os.path.exists(path):
@@ -351,13 +389,15 @@ def _prefill_rows(
             {
                 "n": n,
                 "impl": impl,
-                "seconds": med,
+                "seconds": t.median,
+                "seconds_spread": [t.low, t.high],
                 "all_seconds": secs,
-                "speed_vs_sdpa": base_s / med if med and base_s else None,
+                "speed_vs_sdpa": speed.ratio,
+                "speed_within_noise": speed.same,
                 "peak_mib": peak,
                 "memory_vs_sdpa": peak / base_m if peak is not None and base_m else None,
                 "max_abs_diff": diff,
-                "calls": sum(x["calls"] for x in runs[impl]),
+                "calls": runs[impl][0]["calls"] if runs[impl] else 0,
                 "note": note,
             }
         )
@@ -369,45 +409,52 @@ def _prefill_rows(
 def _decode(
     workers: dict[str, _Worker], prompt: int, new: int, repeats: int, say: Callable[[str], None]
 ) -> dict[str, Any]:
-    """Interleaved ``generate`` rounds, multihead against sdpa."""
+    """Interleaved ``generate`` rounds, multihead against sdpa, at least ``repeats`` of them and more
+    while the samples add up to under 0.2 s (:func:`timing.enough`)."""
     impls = [i for i in ("multihead", "sdpa") if i in workers]
-    rates: dict[str, list[float]] = {i: [] for i in impls}
-    tokens: dict[str, list[list[int]]] = {i: [] for i in impls}
+    runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impls}
     errors: dict[str, str] = {}
-    calls: dict[str, int] = dict.fromkeys(impls, 0)
-    for r in range(repeats):
+    r = 0
+    while r < repeats or not _enough(runs, errors, repeats):
+        r += 1
         for impl in impls:
             if impl in errors:
                 continue
-            say(f"decode {new} tokens {impl} ({r + 1}/{repeats})")
+            say(f"decode {new} tokens {impl} (round {r}, at least {repeats})")
             res = workers[impl].ask({"op": "decode", "prompt": prompt, "new": new})
-            if "error" in res:
-                errors[impl] = res["error"]
-                continue
-            rates[impl].append(new / res["seconds"])
-            tokens[impl].append(res["tokens"])
-            calls[impl] += res["calls"]
-    base = _med(rates.get("sdpa", []))
+            if "error" in res or res["seconds"] is None:
+                errors[impl] = res.get("error") or res["why"]
+            else:
+                runs[impl].append(res)
+    times = {i: timing.from_samples([x["seconds"] for x in runs[i]]) for i in impls}
     rows = []
     for impl in impls:
-        med = _med(rates[impl])
+        vs = timing.compare(times["sdpa"], times[impl]) if "sdpa" in times else timing.Comparison(None, False)
         rows.append(
             {
                 "impl": impl,
-                "tok_s": med,
-                "all_tok_s": rates[impl],
-                "vs_sdpa": med / base if med and base else None,
-                "calls": calls[impl],
+                "tok_s": times[impl].rate(new),
+                "all_tok_s": [new / x["seconds"] for x in runs[impl]],
+                "vs_sdpa": vs.ratio,  # sdpa's time / this one's: this one's rate / sdpa's
+                "vs_sdpa_within_noise": vs.same,
+                "calls": runs[impl][0]["calls"] if runs[impl] else 0,
                 "note": errors.get(impl),
             }
         )
-    seqs = [tuple(t) for i in impls for t in tokens[i]]
+    seqs = [tuple(x["tokens"]) for i in impls for x in runs[i]]
     return {"prompt": prompt, "new_tokens": new, "rows": rows, "tokens_identical": len(set(seqs)) == 1}
 
 
 # -- output -----------------------------------------------------------------------------------------
 def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _vs(row: dict[str, Any], key: str, same: str) -> str:
+    """A ratio against sdpa: "1.23x", or "same within noise" where the spreads overlap (never a gain)."""
+    if row["impl"] != "sdpa" and row.get(same) and row[key] is not None:
+        return timing.SAME
+    return _num(row[key], ".2f") + "x"
 
 
 def tables(doc: dict[str, Any]) -> list[Any]:
@@ -418,7 +465,8 @@ def tables(doc: dict[str, Any]) -> list[Any]:
     pre = Table(
         title="prefill: multihead inside a Hugging Face model vs transformers' own attention",
         caption=f"{s['model']}; torch {s['torch']}, transformers {s['transformers']}, {s['threads']} "
-        f"thread(s), median of {s['repeats']} interleaved rounds, peak = resident set above the loaded model",
+        f"thread(s), median of >= {s['repeats']} interleaved rounds (more while under 0.2 s), "
+        "peak = resident set above the loaded model",
     )
     for col in ("N", "impl", "prefill s", "speed vs sdpa", "peak extra MiB", "memory vs sdpa", "max |diff|"):
         pre.add_column(col, justify="left" if col == "impl" else "right")
@@ -430,7 +478,7 @@ def tables(doc: dict[str, Any]) -> list[Any]:
             str(r["n"]),
             "floor (no attention)" if r["impl"] == FLOOR else r["impl"],
             _num(r["seconds"], ".3f"),
-            _num(r["speed_vs_sdpa"], ".2f") + "x",
+            _vs(r, "speed_vs_sdpa", "speed_within_noise"),
             _num(r["peak_mib"], ".0f"),
             _num(r["memory_vs_sdpa"], ".2f"),
             _num(r["max_abs_diff"], ".1e"),
@@ -449,7 +497,9 @@ def tables(doc: dict[str, Any]) -> list[Any]:
             if r["tok_s"] is None:
                 dec.add_row(r["impl"], r["note"] or "did not run", "", "")
             else:
-                dec.add_row(r["impl"], _num(r["tok_s"], ".1f"), _num(r["vs_sdpa"], ".2f") + "x", runs)
+                dec.add_row(
+                    r["impl"], _num(r["tok_s"], ".1f"), _vs(r, "vs_sdpa", "vs_sdpa_within_noise"), runs
+                )
         out.append(dec)
     return out
 

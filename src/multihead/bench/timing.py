@@ -1,295 +1,48 @@
-"""How every benchmark and the report time things: one helper, three rules.
-
-1. **Long enough, or no number.** A call is repeated (``inner`` calls per sample, doubled until one
-   sample lasts at least ``min_sample`` seconds: 50 ticks of the clock, so rounding to the clock costs
-   under 2%) and samples are taken until they add up to ``min_total`` seconds (0.2 s: many scheduler
-   time slices of 3-24 ms, so a sample that lost the CPU to another process is one of many and the
-   median does not read a time slice instead of the code). Where even ``max_inner`` calls do not
-   reach one clock-resolvable sample, the result says "too short to measure" instead of a number.
-2. **A spread with every median.** :class:`Timing` keeps the median and the quartiles of the
-   samples (the min and max with fewer than 4); :func:`compare` calls two timings "same within noise"
-   when their spreads overlap, and never reports such a ratio as a gain.
-3. **No fraction above the physical limit.** :func:`fraction_of_limit` refuses a measured rate above
-   its limit (a bandwidth or FLOP rate): such a figure means the probe of the limit, or the count of
-   bytes or FLOPs, is wrong, and that is what it says.
-
-The clock is a parameter, so tests drive every path with a fake one.
-"""
+"""The timing helper of every benchmark: :mod:`multihead.cost.timing` under the name the benchmarks and
+the report import (it lives in the library so that the library's own probes use it too)."""
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from ..cost.timing import (
+    ABOVE,
+    MIN_TOTAL,
+    SAME,
+    TOO_SHORT,
+    Comparison,
+    Timing,
+    clock_resolution,
+    compare,
+    difference,
+    enough,
+    first_call,
+    fraction_of_limit,
+    from_samples,
+    limit_text,
+    measure,
+    measure_all,
+    once,
+    rate_text,
+    time_text,
+)
 
 __all__ = [
+    "ABOVE",
+    "MIN_TOTAL",
+    "SAME",
+    "TOO_SHORT",
     "Comparison",
     "Timing",
     "clock_resolution",
     "compare",
     "difference",
+    "enough",
+    "first_call",
     "fraction_of_limit",
+    "from_samples",
     "limit_text",
     "measure",
     "measure_all",
+    "once",
     "rate_text",
     "time_text",
 ]
-
-Clock = Callable[[], float]
-
-TOO_SHORT = "too short to measure"
-ABOVE = "above limit: probe or byte count wrong"
-SAME = "same within noise"
-MIN_TOTAL = 0.2  # seconds of samples: ~16 scheduler slices of 12 ms
-MIN_TICKS = 50  # clock ticks per sample: rounding to the clock costs under 2%
-FLOOR_SAMPLE = 1e-4  # seconds: a sample shorter than this is mostly the timer's own cost
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Seconds per call: ``median`` with the spread ``low`` .. ``high`` (quartiles of the samples, or
-    min / max with fewer than 4 samples), over ``samples`` samples of ``inner`` calls each.
-
-    ``median`` is None when the call was too short to measure; ``why`` then says why.
-    """
-
-    median: float | None
-    low: float | None
-    high: float | None
-    samples: int
-    inner: int
-    why: str = ""
-    best: float | None = None  # the fastest sample per call: for a limit's probe, the best case counts
-
-    @property
-    def ok(self) -> bool:
-        return self.median is not None
-
-    def rate(self, work: float) -> float | None:
-        """``work`` per second (tokens, FLOPs, bytes) at the median; None when too short to measure."""
-        return None if self.median is None else work / self.median
-
-    def __str__(self) -> str:
-        return time_text(self)
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """``ratio`` = time of ``a`` / time of ``b`` (below 1: a is faster); ``same`` when the spreads
-    overlap (the difference is inside the noise); ``ratio`` None when either side has no number."""
-
-    ratio: float | None
-    same: bool
-
-    def __str__(self) -> str:
-        if self.ratio is None:
-            return TOO_SHORT
-        return SAME if self.same else f"{self.ratio:.2f}x"
-
-
-def clock_resolution(clock: Clock = time.perf_counter, reads: int = 100_000) -> float | None:
-    """The smallest step of ``clock`` seen in up to ``reads`` reads (three steps are watched), or None
-    when it never moved: a clock that does not advance by itself cannot time anything."""
-    steps: list[float] = []
-    last = clock()
-    for _ in range(reads):
-        now = clock()
-        if now != last:
-            steps.append(now - last)
-            last = now
-            if len(steps) == 3:
-                break
-    positive = [s for s in steps if s > 0]
-    return min(positive) if positive else None
-
-
-def _spread(xs: Sequence[float]) -> tuple[float, float]:
-    if len(xs) < 4:
-        return min(xs), max(xs)
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def _sample(fn: Callable[[], object], inner: int, clock: Clock) -> float:
-    start = clock()
-    for _ in range(inner):
-        fn()
-    return clock() - start
-
-
-def _calibrate(
-    fn: Callable[[], object], min_sample: float, max_inner: int, clock: Clock
-) -> tuple[int, float]:
-    """Calls per sample (doubled or scaled up until a sample lasts ``min_sample``) and that sample."""
-    inner, first = 1, _sample(fn, 1, clock)
-    while first < min_sample and inner < max_inner:
-        grow = 2 if first <= 0 else min(max(2, math.ceil(1.2 * min_sample / first)), 1 << 10)
-        inner = min(inner * grow, max_inner)
-        first = _sample(fn, inner, clock)
-    return inner, first
-
-
-def measure(fn: Callable[[], object], **options: Any) -> Timing:
-    """Time ``fn()``: seconds per call, median and spread, or "too short to measure". The options are
-    :func:`measure_all`'s."""
-    return measure_all({"fn": fn}, **options)["fn"]
-
-
-def measure_all(
-    fns: Mapping[str, Callable[[], object]],
-    *,
-    min_total: float = MIN_TOTAL,
-    min_samples: int = 5,
-    max_samples: int = 200,
-    max_inner: int = 1 << 12,
-    max_seconds: float = 10.0,
-    warmup: int = 1,
-    clock: Clock = time.perf_counter,
-    resolution: float | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, Timing]:
-    """Time every call of ``fns``, samples interleaved and rotated (a, b, c, b, c, a, c, a, b, ...) so
-    that a change of load on a shared machine hits them alike, and no call always runs right after the
-    same other one: name -> :class:`Timing`.
-
-    Args:
-        fns: name -> the call to time (its result is dropped).
-        min_total: seconds each call's samples must add up to (more samples are taken until they do).
-        min_samples: samples at least (fewer only when ``max_seconds`` runs out: a slow call).
-        max_samples: samples at most.
-        max_inner: calls per sample at most, while looking for a sample long enough for the clock.
-        max_seconds: a call stops taking samples after this many seconds of them, with at least
-            ``min(3, min_samples)`` (keeps slow calls affordable).
-        warmup: untimed calls of each first (threads, caches, lazy packing settle).
-        clock: seconds now; ``time.perf_counter`` (tests pass a fake one).
-        resolution: the clock's tick; measured with :func:`clock_resolution` when None.
-        progress: called with the name of each call before it is timed.
-
-    Raises:
-        ValueError: a count below 1 or a duration below 0.
-    """
-    for name, v in (("min_samples", min_samples), ("max_samples", max_samples), ("max_inner", max_inner)):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if min_total < 0 or max_seconds < 0 or warmup < 0:
-        raise ValueError(
-            f"min_total, max_seconds and warmup must be >= 0, got {min_total}, {max_seconds}, {warmup}"
-        )
-    tick = clock_resolution(clock) if resolution is None else resolution
-    if tick is None:
-        return {k: Timing(None, None, None, 0, 0, f"{TOO_SHORT}: the clock did not advance") for k in fns}
-    min_sample = max(MIN_TICKS * tick, FLOOR_SAMPLE)
-    inner: dict[str, int] = {}
-    samples: dict[str, list[float]] = {}
-    out: dict[str, Timing] = {}
-    say = progress or (lambda what: None)
-    for k, fn in fns.items():
-        say(k)
-        for _ in range(warmup):
-            fn()
-        inner[k], first = _calibrate(fn, min_sample, max_inner, clock)
-        if first >= min_sample:
-            samples[k] = [first]
-        else:
-            out[k] = Timing(
-                None, None, None, 1, inner[k],
-                f"{TOO_SHORT}: {inner[k]} calls took {first:.3g} s, under {min_sample:.3g} s "
-                f"({MIN_TICKS} ticks of a {tick:.3g} s clock)",
-            )  # fmt: skip
-
-    def done(xs: list[float]) -> bool:
-        total = sum(xs)
-        return (
-            len(xs) >= max_samples
-            or (len(xs) >= min_samples and total >= min_total)
-            or (total >= max_seconds and len(xs) >= min(3, min_samples))
-        )
-
-    rounds = 0
-    while todo := [k for k in samples if not done(samples[k])]:
-        # each round starts one further along, so no call always follows the same one (a call that
-        # frees a lot of memory or evicts the caches would otherwise always slow the same next one)
-        shift = rounds % len(todo)
-        for k in todo[shift:] + todo[:shift]:
-            say(k)
-            samples[k].append(_sample(fns[k], inner[k], clock))
-        rounds += 1
-    for k, xs in samples.items():
-        per_call = [s / inner[k] for s in xs]
-        low, high = _spread(per_call)
-        out[k] = Timing(statistics.median(per_call), low, high, len(xs), inner[k], best=min(per_call))
-    return {k: out[k] for k in fns}
-
-
-def difference(longer: Timing, shorter: Timing) -> Timing:
-    """``longer`` - ``shorter`` (e.g. generating n tokens minus generating 1: the decode steps alone),
-    with the widest spread the two allow; "too short to measure" when that spread reaches zero, since
-    then the difference is inside the noise of its two terms."""
-    if longer.median is None or shorter.median is None:
-        return Timing(None, None, None, 0, 0, f"{TOO_SHORT}: {longer.why or shorter.why}")
-    assert longer.low is not None and longer.high is not None
-    assert shorter.low is not None and shorter.high is not None
-    low, high = longer.low - shorter.high, longer.high - shorter.low
-    med = longer.median - shorter.median
-    if low <= 0 or med <= 0:
-        return Timing(
-            None, None, None, 0, 0,
-            f"{TOO_SHORT}: the difference {med:.3g} s is inside the noise ({low:.3g} .. {high:.3g} s); "
-            "time more work per call",
-        )  # fmt: skip
-    return Timing(med, low, high, min(longer.samples, shorter.samples), 1)
-
-
-def compare(a: Timing, b: Timing) -> Comparison:
-    """Time ratio a / b, and whether the spreads overlap ("same within noise": never a gain)."""
-    if a.median is None or b.median is None or b.median <= 0:
-        return Comparison(None, False)
-    assert a.low is not None and a.high is not None and b.low is not None and b.high is not None
-    same = a.low <= b.high and b.low <= a.high
-    return Comparison(a.median / b.median, same)
-
-
-def fraction_of_limit(rate: float | None, limit: float | None) -> float | None:
-    """``rate / limit``, or None where either is missing.
-
-    Raises:
-        ValueError: the fraction is above 1: a rate above its physical limit means the limit's probe
-            or the count of bytes / FLOPs per unit of work is wrong, and no figure is printed for it.
-    """
-    if rate is None or limit is None or not math.isfinite(rate) or limit <= 0:
-        return None
-    frac = rate / limit
-    if frac > 1.0:
-        raise ValueError(
-            f"a measured rate of {rate:.4g} is {frac:.0%} of its limit {limit:.4g}: above 100% means "
-            "the probe of the limit or the bytes/FLOPs counted per unit of work is wrong"
-        )
-    return frac
-
-
-def limit_text(rate: float | None, limit: float | None, refusal: str = ABOVE) -> str:
-    """The fraction of :func:`fraction_of_limit` as text: "92%", "-" without a number, or the refusal
-    (default "above limit: probe or byte count wrong") instead of a figure above 100%."""
-    try:
-        frac = fraction_of_limit(rate, limit)
-    except ValueError:
-        return refusal
-    return "-" if frac is None else f"{frac:.0%}"
-
-
-def time_text(t: Timing, unit: str = "ms") -> str:
-    """``"12.3 ms (11.9-12.8)"`` or ``"too short to measure"``."""
-    if t.median is None or t.low is None or t.high is None:
-        return TOO_SHORT
-    k = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
-    return f"{t.median * k:.3g} {unit} ({t.low * k:.3g}-{t.high * k:.3g})"
-
-
-def rate_text(t: Timing, work: float, spec: str = ".1f") -> str:
-    """``work`` per second at the median, formatted with ``spec``, or "too short to measure"."""
-    r = t.rate(work)
-    return TOO_SHORT if r is None else format(r, spec)

@@ -47,20 +47,30 @@ def register(sub) -> None:
 
 
 def _cmd_decode(args) -> int:
-    """Run the decode benchmark with a status line; print the table (or JSON)."""
+    """Run the decode benchmark with a progress bar and the time left; print the table (or JSON)."""
     from rich.console import Console
+
+    from .progress import eta_progress
 
     console = Console(highlight=False, stderr=args.json)
     if not console.is_terminal:
         console.width = 160
-    with console.status("decode benchmark") as status:
+    with eta_progress() as bar:
+        task = bar.add_task("decode benchmark", total=None)
+
+        def step(what: str) -> None:
+            t = bar.tasks[task]
+            total = None if t.total is None else max(t.total, t.completed + 2)  # short calls: more samples
+            bar.update(task, description=what, advance=0 if t.total is None else 1, total=total)
+
         doc = decode.run(
             args.preset,
             threads=args.threads,
             rounds=args.rounds,
             new_tokens=args.new_tokens,
             prompt=args.prompt,
-            progress=lambda what: status.update(what),
+            progress=step,
+            plan=lambda units: bar.update(task, total=units, completed=0),
         )
     if args.json:
         print(decode.to_json(doc))

@@ -8,7 +8,9 @@
     multihead generate --preset llama-155m --weights bf16 an inference copy in bf16 with native decode
                                                           steps where the model allows them
 
-Prints the new tokens and the speed: prefill time and decode tokens/s (one-token steps on the KV cache).
+Prints the new tokens and the speed: prefill time and decode tokens/s (one-token steps on the KV cache),
+each the median of generations repeated until they are long enough to time (a few times the one run
+the tokens need), with its spread, or "too short to measure".
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .console import check_input_dir
 from .threads import threads_option
+
+if TYPE_CHECKING:
+    from ..bench.timing import Timing
 
 __all__ = ["register"]
 
@@ -70,8 +76,16 @@ def _prompt(args: argparse.Namespace, vocab: int, tokenizer: Any) -> torch.Tenso
     return torch.tensor([ids] * args.batch)  # (batch, N)
 
 
-def _timed(lm: Any, ids: torch.Tensor, args: argparse.Namespace) -> tuple[torch.Tensor, float, float]:
-    """Generate; return the ids, the prefill seconds (prompt + first token) and the total seconds."""
+def _timed(
+    lm: Any, ids: torch.Tensor, args: argparse.Namespace, clock: Callable[[], float] = time.perf_counter
+) -> tuple[torch.Tensor, Timing, Timing]:
+    """Generate; return the ids, the time of the prefill (prompt + first token) and of the decode steps
+    after it. Both through :func:`multihead.bench.timing.measure_all`: ``generate(ids, 1)`` and
+    ``generate(ids, n)`` repeated, interleaved, until their samples are long enough for ``clock`` and
+    the scheduler; the decode steps are their difference, "too short to measure" inside the noise.
+    """
+    from ..bench import timing
+
     kw: dict[str, Any] = {"cache": args.cache}
     if not args.sample and (args.temperature != 1.0 or args.top_k is not None or args.top_p is not None):
         raise ValueError("--temperature, --top-k and --top-p apply only with --sample")
@@ -82,15 +96,21 @@ def _timed(lm: Any, ids: torch.Tensor, args: argparse.Namespace) -> tuple[torch.
         )
     if args.sample:
         kw.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    lm.generate(ids, 2, **kw)  # warm-up, not timed: first-call costs (kernel set-up, allocations)
-    torch.manual_seed(args.seed)
-    start = time.perf_counter()
-    lm.generate(ids, 1, **kw)
-    prefill = time.perf_counter() - start
-    torch.manual_seed(args.seed)
-    start = time.perf_counter()
-    out = lm.generate(ids, args.max_new_tokens, **kw)
-    return out, prefill, time.perf_counter() - start
+    last: list[torch.Tensor] = []
+
+    def run(n: int) -> Callable[[], None]:
+        def call() -> None:
+            torch.manual_seed(args.seed)  # every call samples the same tokens
+            out = lm.generate(ids, n, **kw)  # (batch, N + n)
+            if n == args.max_new_tokens:
+                last[:] = [out]
+
+        return call
+
+    t = timing.measure_all({"prefill": run(1), "all": run(args.max_new_tokens)}, min_samples=3, clock=clock)
+    if not last:  # a clock that never moved: nothing was timed, but the tokens are still wanted
+        run(args.max_new_tokens)()
+    return last[0], t["prefill"], timing.difference(t["all"], t["prefill"])
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -107,10 +127,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         what = f"{what}, {args.weights} weights"
     ids = _prompt(args, lm.vocab_size, tokenizer)
     with Console(stderr=True).status(f"generating {args.max_new_tokens} tokens with {what}"):
-        out, prefill, total = _timed(lm, ids, args)
+        out, prefill, decode = _timed(lm, ids, args)
     new = out[:, ids.shape[1] :]  # (batch, new)
     steps = new.shape[1] - 1  # decode steps after the first token (which the prefill gives)
-    decode_rate = steps * args.batch / (total - prefill) if steps > 0 and total > prefill else None
+    decode_rate = decode.rate(steps * args.batch) if steps > 0 else None
+    why = "one token" if steps <= 0 else decode.why
     doc: dict[str, Any] = {
         "model": what,
         "params": sum(p.numel() for p in lm.parameters()),
@@ -120,9 +141,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "prompt_tokens": ids.shape[1],
         "new_tokens": new.shape[1],
-        "prefill_s": prefill,
-        "total_s": total,
+        "prefill_s": prefill.median,
+        "prefill_spread_s": [prefill.low, prefill.high],
+        "decode_s": decode.median,
         "decode_tokens_per_s": decode_rate,
+        "decode_note": None if decode_rate is not None else why,
         "tokens": new.tolist(),
     }
     if tokenizer is not None:
@@ -130,17 +153,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
+    from ..bench.timing import time_text
     from .console import make_console
 
     console = make_console()
     for r, row in enumerate(doc.get("text") or new.tolist()):
         console.print(f"[{r}] {row}", markup=False)
-    rate = "n/a (one token)" if decode_rate is None else f"{decode_rate:.1f} tokens/s"
+    rate = f"n/a ({why})" if decode_rate is None else f"{decode_rate:.1f} tokens/s"
     if native_steps is not None:
         rate += f" (native steps: {native_steps})"
     console.print(
         f"{what}: {doc['params'] / 1e6:.1f}M params, {args.cache} cache, batch {args.batch}; prefill of "
-        f"{ids.shape[1]} tokens + first token {prefill:.2f} s; decode {rate}",
+        f"{ids.shape[1]} tokens + first token {time_text(prefill)}; decode {rate}",
         markup=False,
     )
     return 0
@@ -156,7 +180,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate tokens from a checkpoint directory or a random-weights preset; prints tokens/s",
         description="Prefill the prompt in one pass, then decode one token per step on a preallocated KV "
-        "cache. --model takes a save_pretrained() directory (config.json + model.safetensors) of GPT-2, "
+        "cache; the speed is the median of repeated generations, with its spread. --model takes a "
+        "save_pretrained() directory (config.json + model.safetensors) of GPT-2, "
         "LLaMA, Mistral or Qwen2; without it a preset with random weights runs.",
     )
     src = p.add_mutually_exclusive_group()

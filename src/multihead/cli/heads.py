@@ -42,20 +42,19 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError: a --head outside the model, a negative --texts, and what the head tools raise.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .. import heads
     from ..heads import plots
     from ..pretrained import minilm, stdlib_docstrings
+    from .progress import eta_progress
 
     if args.texts < 0:
         raise ValueError(f"--texts must be >= 0, got {args.texts}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("loading all-MiniLM-L6-v2", total=4)
+    with eta_progress() as bar:
+        # units: loading, each text's maps, the roles, the two grids, each --head, the table
+        units = 4 + len(args.head)
+        task = bar.add_task("loading all-MiniLM-L6-v2", total=units + 1 + args.texts)
         model = minilm()
         attns = [layer.self_attn for layer in heads.layers_of(model)]
         L, H = len(attns), attns[0].n_heads
@@ -63,8 +62,13 @@ def run(args: argparse.Namespace) -> int:
             if not (0 <= layer < L and 0 <= head < H):
                 raise ValueError(f"--head {layer}.{head} is outside the model's {L} layers x {H} heads")
         texts = [args.text, *(stdlib_docstrings(args.texts, max_chars=600) if args.texts else [])]
-        bar.update(task, advance=1, description=f"attention maps of {len(texts)} texts")
-        maps = heads.attention_maps(model, texts)
+        bar.update(
+            task, advance=1, total=units + len(texts), description=f"attention maps of {len(texts)} texts"
+        )
+        maps = []
+        for text in texts:  # one at a time, as attention_maps runs them: each a unit of the ETA
+            maps += heads.attention_maps(model, [text])
+            bar.update(task, advance=1)
         tokens = heads.token_strings(model, texts)
         table = heads.roles(maps, tokens)
         bar.update(task, advance=1, description="drawing")
@@ -72,11 +76,12 @@ def run(args: argparse.Namespace) -> int:
             plots.plot_maps(maps[0], out / "maps.png", table, title=args.text[:100]),
             plots.plot_roles(table, out / "roles.png"),
         ]
+        bar.update(task, advance=1)
         for layer, head in args.head:
             name = out / f"head_{layer}_{head}.png"
             title = f"layer {layer} head {head}"
             files.append(plots.plot_head(maps[0][layer, head], tokens[0], name, title=title))
-        bar.update(task, advance=1)
+            bar.update(task, advance=1)
         md = out / "roles.md"
         where = f"the text and {args.texts} docstrings" if args.texts else "the text"
         with atomic_write(md) as tmp:
@@ -85,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{heads.roles_table(table)}\n"
             )
         files.append(md)
+        bar.update(task, advance=1)
     if args.json:
         doc = {"text": args.text, "texts": len(texts), "roles": [r.as_dict() for r in table]}
         print(json.dumps({**doc, "files": [str(f) for f in files]}, indent=1))

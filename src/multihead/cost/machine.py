@@ -9,35 +9,44 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["machine", "machine_rates", "median_time"]
+from . import timing
+
+__all__ = ["machine", "machine_rates", "probe_time"]
 
 
-def median_time(fn: Callable[[], object], repeats: int = 3) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+def probe_time(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of the fastest call of ``fn`` (:func:`multihead.cost.timing.measure`: samples long
+    enough for ``clock`` and the scheduler, after a warm-up call): a probe of a limit, whose best case
+    is the limit.
+
+    Raises:
+        RuntimeError: the call was too short to measure with ``clock`` (its rate would be invented).
+    """
+    t = timing.measure(fn, clock=clock, min_samples=3)
+    if t.best is None:
+        raise RuntimeError(f"the machine's probe could not be timed: {t.why}")
+    return t.best
 
 
 def machine_rates(dtypes: set[str]) -> dict[str, float]:
-    """GFLOP/s of a 2048^3 matmul per dtype, and GB/s of a sum over 512 MiB, measured now."""
+    """GFLOP/s of a 2048^3 matmul per dtype, and GB/s of a sum over 512 MiB, measured now (the fastest
+    sample of each: :func:`probe_time`).
+
+    Raises:
+        RuntimeError: a probe was too short to measure.
+    """
     rates = {}
     for name in dtypes:
         dt = getattr(torch, name.replace("torch.", ""))
         a, b = torch.randn(2048, 2048).to(dt), torch.randn(2048, 2048).to(dt)
-        rates[name] = 2 * 2048**3 / median_time(functools.partial(torch.matmul, a, b)) / 1e9
+        rates[name] = 2 * 2048**3 / probe_time(functools.partial(torch.matmul, a, b)) / 1e9
     x = torch.ones(128 << 20)  # 512 MiB fp32
-    rates["bandwidth"] = x.numel() * 4 / median_time(x.sum) / 1e9
+    rates["bandwidth"] = x.numel() * 4 / probe_time(x.sum) / 1e9
     return rates
 
 

@@ -27,7 +27,7 @@ def distributed(ctx: StudyContext) -> Section:
             str(r["tokens_per_rank"]),
             f"{r['peak_bytes'] / 2**20:.1f}",
             f"{r['peak_bytes'] / base:.3f}",
-            f"{r['seconds']:.2f}",
+            "too short to measure" if r["seconds"] is None else f"{r['seconds']:.2f}",
             f"{r['sent_bytes'] / 2**20:.1f}",
         ]
         for r in doc["rows"]

@@ -13,6 +13,8 @@ weight (``mh.quant.PackedLinear``, fp32 and bf16), and ``multihead.native.gemv``
 checked against ``F.linear`` first. The int8 rows: ``multihead.native.int8.gemv_q8`` with one scale per
 output channel and per group of 64 and 32 inputs (the bytes read count the fp32 scales; the activation's
 rounding to int8 is inside the timed call), checked against ``F.linear`` on the dequantized weight.
+Weights and the probe lie in 2 MiB pages (``multihead.native.hugepages``), as
+``quantize(kernel="native")`` keeps a model's weights.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from multihead import native
 from multihead.bench import timing
 from multihead.models import quant
 from multihead.models.int8_gemv_linear import dequantize_groups, quantize_groups
+from multihead.native import hugepages
 from multihead.native import int8 as native_int8
 
 
@@ -48,6 +51,7 @@ def _rows_of(dtype: torch.dtype, count: int, rows: int, cols: int, rounds: int, 
     """One row per kernel for ``dtype``: its GB/s and the sum's, measured in turn."""
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(rows, cols, generator=g).to(dtype) for _ in range(count)]  # count x (O, I)
+    hugepages.move_to_huge_pages(ws)  # as quantize(kernel="native") holds them
     x = torch.randn(cols, generator=g).to(dtype)  # (I,)
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     packed = []
@@ -83,6 +87,7 @@ def _int8_rows(count: int, rows: int, cols: int, rounds: int, probe) -> list[dic
     out = []
     for group in (None, 64, 32):
         ws = [quantize_groups(torch.randn(rows, cols, generator=g), group) for _ in range(count)]
+        hugepages.move_to_huge_pages(t for pair in ws for t in pair)
         nbytes = sum(w.numel() + s.numel() * 4 for w, s in ws)
         want = F.linear(x, dequantize_groups(*ws[0], group, torch.float32))  # (O,)
         got = native_int8.gemv_q8(*ws[0], x, None, group)  # (O,): x rounded to int8 per 32-block
@@ -103,6 +108,7 @@ def run(threads: int, count: int, rows: int, cols: int, rounds: int) -> dict:
     """GB/s of each kernel and of the sum; see the module docstring."""
     torch.set_num_threads(threads)
     probe = torch.ones(1 << 26)  # 256 MiB of fp32
+    hugepages.move_to_huge_pages([probe])  # the limit: memory read with the fewest TLB misses
     found = [
         r
         for dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -220,12 +220,14 @@ class TransformerLM(nn.Module):
         if memo is None or memo[0]() is not cache[0]:
             memo = (weakref.ref(cache[0]), native_step.why_not_model(self))
             self.__dict__["_native_memo"] = memo
+            if memo[1] is None:  # weights this model's steps stream: 2 MiB pages, once per storage
+                native_step.huge_pages(self)
         return memo[1] is None and native_step.why_not_call(self, ids, attention_mask, cache) is None
 
     def __getstate__(self) -> dict[str, Any]:
         """The pickled state, without the native step's memos (weak references to the last caches)."""
         state = dict(self.__dict__)
-        for memo in ("_native_memo", "_native_caches"):
+        for memo in ("_native_memo", "_native_caches", "_native_hugepages"):
             state.pop(memo, None)
         return state
 

@@ -93,6 +93,7 @@ from ..backends import registry
 from ..backends.auto import first_fit
 from ..core.numerics import acc_dtype
 from ..core.problem import AttentionOutput, Problem
+from ..native import hugepages
 from ..nn.kv_cache import KVCache, dequantize_int8, int8_rounded, quantize_int8
 from . import native_step
 from .gemv_linear import GemvLinear
@@ -469,6 +470,9 @@ def quantize(
         float_dtype = _FLOAT_WEIGHTS[weights]
         out.to(float_dtype).requires_grad_(False)
         _pack(out, float_dtype, kernel)
+    if kernel == "native":  # a decode step streams these weights: 2 MiB pages (see native.hugepages)
+        gemvs = [m for m in out.modules() if isinstance(m, (GemvLinear, Int8GemvLinear))]
+        hugepages.move_to_huge_pages(t for m in gemvs for t in [*m.parameters(), *m.buffers()])
     if type(out) is TransformerLM:
         out.__class__ = _QuantizedLM
         assert isinstance(out, _QuantizedLM)

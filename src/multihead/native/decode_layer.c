@@ -21,23 +21,11 @@
 #include <string.h>
 
 #include "native.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline float hsum16(v16 v) { /* a tree of halves: 4 vector adds instead of 15 dependent ones */
-    v8 a, b;
-    memcpy(&a, &v, sizeof a);
-    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
-    a += b;
-    v4 c, d;
-    memcpy(&c, &a, sizeof c);
-    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
 
 
 static inline float bf_to_f(uint16_t h) {
@@ -180,14 +168,38 @@ static void silu(float *a, int64_t n) {
     for (; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i]));
 }
 
+/* n bf16 values -> fp32: the bits move to the high half (a loop the compiler vectorizes) */
+static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
+/* n fp16 values -> fp32, 16 (AVX512F) or 8 (F16C) per conversion instruction: a cached row is widened
+ * for every head group at every step, so one value at a time would cost more than the row's read */
+static inline void widen_f16(float *dst, const uint16_t *src, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = get(src, i, MH_F16);
+}
+
 /* one cached key or value row as fp32: of the storage dtype, or int8 times its scale (cache kind MH_I8) */
 static inline void load_row(float *dst, const void *src, int64_t D, int kind, float scale) {
     if (kind == MH_F32)
         memcpy(dst, src, (size_t)D * sizeof(float));
     else if (kind == MH_I8)
         for (int64_t i = 0; i < D; i++) dst[i] = (float)((const int8_t *)src)[i] * scale;
+    else if (kind == MH_BF16)
+        widen_bf16(dst, (const uint16_t *)src, D);
     else
-        for (int64_t i = 0; i < D; i++) dst[i] = get(src, i, kind);
+        widen_f16(dst, (const uint16_t *)src, D);
 }
 
 static inline float dot(const float *a, const float *b, int64_t D) {

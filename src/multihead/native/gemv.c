@@ -33,7 +33,6 @@
 #define MH_DPBF16 0
 #endif
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
@@ -50,12 +49,6 @@ static inline v16 load_bf16(const uint16_t *p) { /* 16 bf16 -> 16 fp32: the bf16
     v16 v;
     memcpy(&v, &w, sizeof v);
     return v;
-}
-
-static inline float hsum(v16 v) {
-    float s = 0.0f;
-    for (int k = 0; k < 16; k++) s += v[k];
-    return s;
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -92,7 +85,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
                 a3 += LOAD_W(r + i + 48) * LOAD_X((X) + i + 48);                                             \
             }                                                                                                \
             for (; i < c16_; i += 16) a0 += LOAD_W(r + i) * LOAD_X((X) + i);                                 \
-            float s = hsum((a0 + a1) + (a2 + a3));                                                           \
+            float s = hsum16((a0 + a1) + (a2 + a3));                                                         \
             for (; i < cols; i++) s += ONE_W(r[i]) * ONE_X((X)[i]);                                          \
             STORE(o, s);                                                                                     \
         }                                                                                                    \

@@ -13,7 +13,8 @@ addresses and views unchanged): a plain model's weights at its first native deco
 :func:`move_to_huge_pages` copies tensors into one anonymous mapping that asks Linux for transparent huge
 pages (``madvise(MADV_HUGEPAGE)``, honoured when ``/sys/kernel/mm/transparent_hugepage/enabled`` is
 ``always`` or ``madvise``) and re-points the tensors at it in place, so every module holding them (a
-tied head included) reads the new memory: ``quantize(kernel="native")``'s own copy of the weights. Where the platform has no ``MADV_HUGEPAGE`` nothing moves.
+tied head included) reads the new memory: ``quantize(kernel="native")``'s own copy of the weights.
+Where the platform has no ``MADV_HUGEPAGE`` nothing moves.
 """
 
 from __future__ import annotations

@@ -86,3 +86,16 @@ def test_a_plain_model_keeps_its_storage_when_its_steps_run_natively():
     assert all(torch.equal(p, w) for p, w in zip(lm.parameters(), want))
     if lm.why_not_native_steps is None:
         assert lm.__dict__["_native_hugepages"]  # each streamed storage asked for once
+
+
+def test_the_next_generation_reads_a_weight_given_new_memory():
+    lm = _lm().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        lm.generate(ids, 3)  # builds and keeps the native step's plan
+        w1 = lm.layers[0].ffn.w1
+        w1.weight.data = w1.weight.data * 3  # new memory, new values
+        got = lm.generate(ids, 4)
+        lm.native_steps = False
+        want = lm.generate(ids, 4)
+    assert torch.equal(got, want)

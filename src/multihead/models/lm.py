@@ -227,7 +227,7 @@ class TransformerLM(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         """The pickled state, without the native step's memos (weak references to the last caches)."""
         state = dict(self.__dict__)
-        for memo in ("_native_memo", "_native_caches", "_native_hugepages"):
+        for memo in ("_native_memo", "_native_caches", "_native_hugepages", "_native_plan"):
             state.pop(memo, None)
         return state
 

@@ -266,48 +266,97 @@ def huge_pages(model: Any) -> int:
     return hugepages.collapse(fresh)
 
 
+class _Plan:
+    """The arguments every step of one generation passes the native layers, gathered once per list of
+    caches (as the model's structure is checked once per generation): per layer the call, its fixed
+    arguments before and after the step's own (x, position, cos, sin), and its rotary table's owner. The
+    weight tensors are held, so their memory outlives the plan; a step checks their addresses."""
+
+    def __init__(self, model: Any, cache: list[KVCache], lib: ctypes.CDLL):
+        self.cache = weakref.ref(cache[0])
+        self.dtype = model.final_norm.weight.dtype
+        kind = native.KIND[self.dtype]
+        self.layers: list[tuple[Any, tuple, Any, tuple]] = []
+        self.keep: list[Any] = []  # ctypes arrays the int8 calls point at
+        self.weights: list[Tensor] = [model.final_norm.weight]
+        for layer, kv in zip(model.layers, cache):
+            attn, ffn = layer.self_attn, layer.ffn
+            D, rotary = attn.head_dim, attn.rotary
+            d = layer.attn_norm.weight.shape[0]
+            tail: tuple[Any, ...] = (int(rotary.interleaved), d, attn.n_heads, attn.n_kv_heads, D, ffn.d_ff)
+            tail += (layer.attn_norm.eps, 1.0 / math.sqrt(D), kind)
+            norms = (layer.attn_norm.weight, layer.ffn_norm.weight)
+            self.weights += norms
+            if isinstance(attn.qkv_proj, Int8GemvLinear) or kv.kind == "int8":
+                head = self._int8_head(layer, kv, norms)
+                self.layers.append((lib.mh_decode_layer_q8, head, rotary, tail))
+                continue
+            ws = [m.weight for m in _projections(layer)]  # qkv, o, w1, w3, w2
+            self.weights += ws
+            w = [t.data_ptr() for t in ws]
+            k_v = (kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(1), kv.v.stride(1))
+            head = (norms[0].data_ptr(), *w[:2], norms[1].data_ptr(), *w[2:], *k_v)
+            self.layers.append((lib.mh_decode_layer, head, rotary, tail))
+        self.addresses = [t.data_ptr() for t in self.weights]
+        self.eps = model.final_norm.eps
+
+    def _int8_head(self, layer: Any, kv: KVCache, norms: tuple[Tensor, Tensor]) -> tuple:
+        """The fixed arguments of one ``mh_decode_layer_q8`` call before the step's own: int8 weights (or
+        float ones) with an int8 (or dense) cache."""
+        projections = _projections(layer)
+        int8 = [isinstance(m, Int8GemvLinear) for m in projections]
+        ws = [m.weight_int8 if q else m.weight for m, q in zip(projections, int8)]
+        scales = [m.scale if q else None for m, q in zip(projections, int8)]
+        self.weights += ws + [t for t in scales if t is not None]
+        w = (ctypes.c_void_p * 5)(*[t.data_ptr() for t in ws])
+        s = (ctypes.c_void_p * 5)(*[None if t is None else t.data_ptr() for t in scales])
+        self.keep += [w, s]
+        group = getattr(projections[0], "group_size", None) or 1 << 62  # one scale per row: G >= any width
+        kv_scales = (kv.k_scale, kv.v_scale) if kv.kind == "int8" else (None, None)
+        k_scale, v_scale = (None if t is None else t.data_ptr() for t in kv_scales)
+        s_stride = 0 if kv_scales[0] is None else kv_scales[0].stride(1)
+        k_v = (kv.k.data_ptr(), kv.v.data_ptr(), k_scale, v_scale, kv.k.stride(1), kv.v.stride(1), s_stride)
+        g_attn, g_ffn = (t.data_ptr() for t in norms)
+        return (g_attn, g_ffn, ctypes.addressof(w), ctypes.addressof(s), group, *k_v)
+
+    def fits(self, cache: list[KVCache]) -> bool:
+        """Whether this plan is of these caches and every weight still lies where it did."""
+        return self.cache() is cache[0] and [t.data_ptr() for t in self.weights] == self.addresses
+
+
+def _plan(model: Any, cache: list[KVCache], lib: ctypes.CDLL) -> _Plan:
+    plan = model.__dict__.get("_native_plan")
+    if plan is None or not plan.fits(cache):
+        plan = model.__dict__["_native_plan"] = _Plan(model, cache, lib)
+    return plan
+
+
 def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
     """The final-normed hidden state (1, 1, d) of token ``ids`` (1, 1) at position ``cache[0].position``,
     every layer's key and value written into ``cache`` at that position (and the caches advanced).
 
-    The caller checked :func:`why_not_model` and :func:`why_not_call`.
+    The caller checked :func:`why_not_model` and :func:`why_not_call`. The layers' arguments are
+    gathered at the first step of each list of caches (a few microseconds a layer, every step, otherwise).
 
     Raises:
         ValueError: the native library cannot allocate its scratch memory.
     """
     lib = native.library()
     assert lib is not None
-    dtype = model.final_norm.weight.dtype
-    kind = native.KIND[dtype]
+    plan = _plan(model, cache, lib)
     pos = int(cache[0].position)
-    x = _embedding(model, ids, dtype)  # (d,) the residual stream, updated in place
-    d = x.shape[0]
-    tables: dict[int, tuple[Tensor, Tensor]] = {}  # layers usually share one RotaryEmbedding
-    for layer, kv in zip(model.layers, cache):
-        attn, ffn = layer.self_attn, layer.ffn
-        rotary = attn.rotary
+    x = _embedding(model, ids, plan.dtype)  # (d,) the residual stream, updated in place
+    xp, d = x.data_ptr(), x.shape[0]
+    tables: dict[int, tuple[int, int]] = {}  # layers usually share one RotaryEmbedding
+    for (call, head, rotary, tail), kv in zip(plan.layers, cache):
         if id(rotary) not in tables:
-            tables[id(rotary)] = rotary._table(pos, 1, torch.float32, x.device)  # 2 x (1, D/2)
-        cos, sin = tables[id(rotary)]
-        D, Hq, Hkv = attn.head_dim, attn.n_heads, attn.n_kv_heads
-        shape = (pos, cos.data_ptr(), sin.data_ptr(), int(rotary.interleaved), d, Hq, Hkv, D, ffn.d_ff)
-        eps, scale = layer.attn_norm.eps, 1.0 / math.sqrt(D)
-        g_attn, g_ffn = layer.attn_norm.weight.data_ptr(), layer.ffn_norm.weight.data_ptr()
-        if isinstance(attn.qkv_proj, Int8GemvLinear) or kv.kind == "int8":
-            rc = _int8_layer(lib, x, g_attn, g_ffn, layer, kv, shape, eps, scale, kind)
-        else:
-            w = [m.weight.data_ptr() for m in _projections(layer)]  # qkv, o, w1, w3, w2
-            k_v = (kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(1), kv.v.stride(1))
-            rc = lib.mh_decode_layer(
-                x.data_ptr(), g_attn, *w[:2], g_ffn, *w[2:], *k_v, *shape, eps, scale, kind
-            )
-        if rc != 0:
+            cos, sin = rotary._table(pos, 1, torch.float32, x.device)  # 2 x (1, D/2), rows of a kept table
+            tables[id(rotary)] = (cos.data_ptr(), sin.data_ptr())
+        if call(xp, *head, pos, *tables[id(rotary)], *tail) != 0:
             raise ValueError("the native decode layer could not allocate its scratch memory")
         kv.advance(1)
-    h = torch.empty(d, dtype=dtype)  # (d,)
-    lib.mh_rms_norm(
-        x.data_ptr(), model.final_norm.weight.data_ptr(), h.data_ptr(), d, model.final_norm.eps, kind
-    )
+    h = torch.empty(d, dtype=plan.dtype)  # (d,)
+    lib.mh_rms_norm(xp, plan.weights[0].data_ptr(), h.data_ptr(), d, plan.eps, native.KIND[plan.dtype])
     return h.view(1, 1, d)  # (1, 1, d)
 
 
@@ -323,31 +372,3 @@ def _embedding(model: Any, ids: Tensor, dtype: torch.dtype) -> Tensor:
     row = table.stride(0) * table.element_size()
     ctypes.memmove(x.data_ptr(), table.data_ptr() + int(ids) * row, d * table.element_size())
     return x
-
-
-def _int8_layer(
-    lib: ctypes.CDLL,
-    x: Tensor,
-    g_attn: int,
-    g_ffn: int,
-    layer: Any,
-    kv: KVCache,
-    shape: tuple,
-    eps: float,
-    scale: float,
-    kind: int,
-) -> int:
-    """One ``mh_decode_layer_q8`` call: int8 weights (or float ones) with an int8 (or dense) cache."""
-    projections = _projections(layer)
-    int8 = [isinstance(m, Int8GemvLinear) for m in projections]
-    w = (ctypes.c_void_p * 5)(
-        *[(m.weight_int8 if q else m.weight).data_ptr() for m, q in zip(projections, int8)]
-    )
-    s = (ctypes.c_void_p * 5)(*[m.scale.data_ptr() if q else None for m, q in zip(projections, int8)])
-    group = getattr(projections[0], "group_size", None) or 1 << 62  # one scale per row: G >= every width
-    scales = (kv.k_scale, kv.v_scale) if kv.kind == "int8" else (None, None)
-    k_scale, v_scale = (None if t is None else t.data_ptr() for t in scales)
-    s_stride = 0 if scales[0] is None else scales[0].stride(1)
-    k_v = (kv.k.data_ptr(), kv.v.data_ptr(), k_scale, v_scale, kv.k.stride(1), kv.v.stride(1), s_stride)
-    arrays = (ctypes.addressof(w), ctypes.addressof(s))
-    return lib.mh_decode_layer_q8(x.data_ptr(), g_attn, g_ffn, *arrays, group, *k_v, *shape, eps, scale, kind)

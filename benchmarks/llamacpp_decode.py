@@ -20,6 +20,9 @@ says how to build one offline. Steps:
    generated after a CONTEXT-token context: decode only) against ours generating NEW tokens after a
    CONTEXT-token prompt, ``(NEW - 1) / (t(NEW) - t(1))`` (the prefill excluded; each time the fastest
    of 3). Medians.
+5. Ours against our bandwidth limit (the bytes a step reads, ``multihead.bench.decode.step_bytes``, over
+   ``read_bandwidth`` of as many bytes at the same thread count), and our greedy tokens in each
+   precision against our fp32 model's: where they part and the fp32 logit margin there.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 import torch
 
 import multihead as mh
+from multihead.bench import decode, timing, tokens
 from multihead.models import quant
 
 #: GGUF type -> (our quantize arguments, the row's name on our side)
@@ -172,6 +176,12 @@ def run(args: argparse.Namespace) -> dict:
                 0, len(check_prompt) :
             ].tolist()  # type: ignore[operator]
         got = llamacpp_tokens(bin_dir, gguf, check_prompt, args.check_tokens, vocab)
+        prompt = torch.tensor([check_prompt])  # (1, P)
+        with torch.inference_mode():
+            fp32 = ours32.generate(prompt, args.check_tokens)  # type: ignore[operator]
+        mine_seq = prompt.new_tensor([check_prompt + want])  # (1, P + new)
+        vs_fp32 = tokens.parting(mine_seq, fp32, len(check_prompt), ours32)
+        nbytes = decode.step_bytes(ours, "embed")
         for threads in args.threads:
             torch.set_num_threads(threads)
             theirs, mine = [], []
@@ -179,6 +189,7 @@ def run(args: argparse.Namespace) -> dict:
                 for _ in range(args.runs):  # interleaved: a load change hits both sides
                     theirs.append(llamacpp_rate(bin_dir, gguf, threads, args.new_tokens, args.context))
                     mine.append(our_rate(ours, context, args.new_tokens))
+            limit = decode.read_bandwidth(nbytes) / nbytes  # tokens/s if a step only read its bytes
             doc["rows"].append(
                 {
                     "gguf": outtype,
@@ -187,7 +198,10 @@ def run(args: argparse.Namespace) -> dict:
                     "llamacpp_tok_s": statistics.median(theirs),
                     "multihead_tok_s": statistics.median(mine),
                     "ratio": statistics.median(mine) / statistics.median(theirs),
+                    "multihead_step_bytes": nbytes,
+                    "multihead_of_limit": timing.limit_text(statistics.median(mine), limit),
                     "tokens_first_difference": _first_difference(want, got),
+                    "ours_vs_fp32": tokens.parting_text(vs_fp32),
                 }
             )
             print(json.dumps(doc["rows"][-1]), file=sys.stderr)
@@ -219,15 +233,18 @@ def main() -> None:
     )
     print(
         f"{'GGUF':6s} {'ours':16s} {'threads':>7s} {'llama.cpp':>10s} {'multihead':>10s} {'ratio':>6s}"
-        "  tokens"
+        f" {'of limit':>8s}  tokens (llama.cpp vs ours)"
     )
     for r in doc["rows"]:
         diff = r["tokens_first_difference"]
         same = "identical" if diff is None else f"part at token {diff}"
         print(
             f"{r['gguf']:6s} {r['ours']:16s} {r['threads']:7d} {r['llamacpp_tok_s']:10.1f} "
-            f"{r['multihead_tok_s']:10.1f} {r['ratio']:5.2f}x  {same}"
+            f"{r['multihead_tok_s']:10.1f} {r['ratio']:5.2f}x {r['multihead_of_limit']:>8s}  {same}"
         )
+    print("ours against our fp32 model, greedy:")
+    for r in doc["rows"][:: len(set(x["threads"] for x in doc["rows"]))]:
+        print(f"  {r['ours']}: {r['ours_vs_fp32']}")
 
 
 if __name__ == "__main__":

@@ -66,26 +66,22 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
     return (uint16_t)(u >> 16);
 }
 
-/* The row loop the widening kernels share: row o of W against x with four independent accumulators of
- * 16 lanes, then the tails. LOAD_W(p) / LOAD_X(p) widen 16 values at p to fp32 lanes, ONE_W(v) / ONE_X(v)
- * one value; STORE(o, s) writes output o from the row's fp32 sum s. Reads rows, cols, ldw of the
- * enclosing kernel. */
+/* The row loop the widening kernels share: row o of W against x with eight independent accumulators of
+ * 16 lanes (128 values of the row in flight per pass: fewer passes wait on the memory), then the tails.
+ * LOAD_W(p) / LOAD_X(p) widen 16 values at p to fp32 lanes, ONE_W(v) / ONE_X(v) one value; STORE(o, s)
+ * writes output o from the row's fp32 sum s. Reads rows, cols, ldw of the enclosing kernel. */
 #define MH_STREAM_ROWS(W, X, LOAD_W, LOAD_X, ONE_W, ONE_X, STORE)                                            \
     do {                                                                                                     \
-        const int64_t c64_ = cols & ~(int64_t)63, c16_ = cols & ~(int64_t)15;                               \
+        const int64_t c128_ = cols & ~(int64_t)127, c16_ = cols & ~(int64_t)15;                             \
         MH_PARALLEL_ROWS                                                                                     \
         for (int64_t o = 0; o < rows; o++) {                                                                 \
             const __typeof__(&(W)[0]) r = (W) + o * ldw;                                                     \
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                                      \
+            v16 a[8] = {{0}};                                                                                \
             int64_t i = 0;                                                                                   \
-            for (; i < c64_; i += 64) {                                                                      \
-                a0 += LOAD_W(r + i) * LOAD_X((X) + i);                                                       \
-                a1 += LOAD_W(r + i + 16) * LOAD_X((X) + i + 16);                                             \
-                a2 += LOAD_W(r + i + 32) * LOAD_X((X) + i + 32);                                             \
-                a3 += LOAD_W(r + i + 48) * LOAD_X((X) + i + 48);                                             \
-            }                                                                                                \
-            for (; i < c16_; i += 16) a0 += LOAD_W(r + i) * LOAD_X((X) + i);                                 \
-            float s = hsum16((a0 + a1) + (a2 + a3));                                                         \
+            for (; i < c128_; i += 128)                                                                      \
+                for (int k = 0; k < 8; k++) a[k] += LOAD_W(r + i + 16 * k) * LOAD_X((X) + i + 16 * k);       \
+            for (; i < c16_; i += 16) a[0] += LOAD_W(r + i) * LOAD_X((X) + i);                               \
+            float s = hsum16(((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])));             \
             for (; i < cols; i++) s += ONE_W(r[i]) * ONE_X((X)[i]);                                          \
             STORE(o, s);                                                                                     \
         }                                                                                                    \
@@ -153,24 +149,21 @@ void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16
 void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
                   int64_t cols, int64_t ldw) {
 #if MH_DPBF16
-    const int64_t c128 = cols & ~(int64_t)127, c32 = cols & ~(int64_t)31;
+    const int64_t c256 = cols & ~(int64_t)255, c32 = cols & ~(int64_t)31;
     MH_PARALLEL_ROWS
-    for (int64_t o = 0; o < rows; o++) {
+    for (int64_t o = 0; o < rows; o++) { /* 8 accumulators: 512 bytes of the row in flight per pass */
         const uint16_t *r = w + o * ldw;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m512 a[8];
+        for (int k = 0; k < 8; k++) a[k] = _mm512_setzero_ps();
         int64_t i = 0;
-        for (; i < c128; i += 128) {
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(r + i), (__m512bh)_mm512_loadu_si512(x + i));
-            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(r + i + 32),
-                                  (__m512bh)_mm512_loadu_si512(x + i + 32));
-            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(r + i + 64),
-                                  (__m512bh)_mm512_loadu_si512(x + i + 64));
-            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(r + i + 96),
-                                  (__m512bh)_mm512_loadu_si512(x + i + 96));
-        }
+        for (; i < c256; i += 256)
+            for (int k = 0; k < 8; k++)
+                a[k] = _mm512_dpbf16_ps(a[k], (__m512bh)_mm512_loadu_si512(r + i + 32 * k),
+                                        (__m512bh)_mm512_loadu_si512(x + i + 32 * k));
         for (; i < c32; i += 32)
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(r + i), (__m512bh)_mm512_loadu_si512(x + i));
-        float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+            a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_loadu_si512(r + i), (__m512bh)_mm512_loadu_si512(x + i));
+        for (int k = 0; k < 4; k++) a[k] = _mm512_add_ps(a[k], a[k + 4]);
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
         for (; i < cols; i++) s += bf16_to_f32(r[i]) * bf16_to_f32(x[i]);
         y[o] = f32_to_bf16(b ? s + bf16_to_f32(b[o]) : s);
     }

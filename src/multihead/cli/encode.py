@@ -170,8 +170,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     console = make_console()
     mode = {None: "packed where padding would cost more", True: "packed", False: "padded"}[args.packing]
     console.print(
-        f"{len(texts)} texts ({source}) -> ({len(texts)}, {emb.shape[1]}) embeddings{said} "
-        f"({mode})",
+        f"{len(texts)} texts ({source}) -> ({len(texts)}, {emb.shape[1]}) embeddings{said} ({mode})",
         markup=False,
     )
     if args.out:

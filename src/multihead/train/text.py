@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import threads
+from ..core.checks import check_int
 from ..cost import timing
 from ..cost.timing import Timing
-from ..core.checks import check_int
 from ..models.generation import generate
 from ..models.lm import TransformerLM
 
@@ -209,7 +209,12 @@ def train_text_lm(cfg: TextConfig) -> TextResult:
 
 
 def decode_timing(
-    model: nn.Module, prompt: Tensor, new: int, cache: str | None, *, clock: Callable[[], float] = time.perf_counter
+    model: TransformerLM,
+    prompt: Tensor,
+    new: int,
+    cache: str | None,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Timing:
     """Seconds per greedy ``generate(model, prompt, new)`` of ``prompt`` (1, N): after a warm-up, the
     median of repeated runs (at least 3, long enough for ``clock``), or "too short to measure"."""

@@ -10,16 +10,15 @@ differential heads with 2D-wide values), causal, rotary, ``backend="auto"``.
     forward   one causal self-attention pass over (batch, N, d_model) without autograd: batch*N / seconds
     decode    prefill N tokens into a KVCache, then ``--steps`` one-token steps: batch*steps / seconds
 
-Each figure is the median of ``--repeats`` runs, the designs interleaved within every repeat so that a
-busy machine slows them alike.
+Each figure is the median of at least ``--repeats`` samples, each long enough for the clock (or "too
+short to measure"), the designs interleaved so that a busy machine slows them alike; a ratio to MHA
+inside the spread reads "same within noise".
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import statistics
 import time
 from collections.abc import Callable
 
@@ -44,21 +43,59 @@ def designs(d: int, h: int) -> dict[str, Callable[[], torch.nn.Module]]:
     }
 
 
-def forward_seconds(m: torch.nn.Module, x: torch.Tensor) -> float:
-    start = time.perf_counter()
-    m(x, mask=mh.causal())
-    return time.perf_counter() - start
+def forward_call(m: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    """One causal self-attention pass over ``x`` (B, N, d)."""
+    return lambda: m(x, mask=mh.causal())
 
 
-def decode_seconds(m: torch.nn.Module, x: torch.Tensor, steps: int, n_kv: int, head_dim: int) -> float:
+def decode_call(
+    m: torch.nn.Module, x: torch.Tensor, steps: int, n_kv: int, head_dim: int
+) -> Callable[[], None]:
+    """``steps`` one-token steps after an N-token prefill of ``x`` (B, N, d): the prefill runs once, here;
+    every call rewinds the cache to it (its storage is kept), so the calls can repeat."""
     B, N, _ = x.shape
     cache = mh.KVCache(B, n_kv, head_dim, N + steps)
     m(x, mask=mh.causal(), cache=cache)  # prefill (not timed)
     tokens = x[:, -1:]  # (B, 1, d): any input; the cost does not depend on it
-    start = time.perf_counter()
-    for _ in range(steps):
-        m(tokens, mask=mh.causal(), cache=cache)
-    return time.perf_counter() - start
+
+    def steps_after_prefill() -> None:
+        cache.reset()
+        cache.advance(N)  # back to the prefill's end: the same positions, the same work every call
+        for _ in range(steps):
+            m(tokens, mask=mh.causal(), cache=cache)
+
+    return steps_after_prefill
+
+
+def timings(
+    modules: dict[str, torch.nn.Module],
+    x: torch.Tensor,
+    steps: int,
+    heads: int,
+    repeats: int,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[dict[str, timing.Timing], dict[str, timing.Timing]]:
+    """(forward, decode) :class:`~multihead.bench.timing.Timing` per design: interleaved samples, each
+    long enough for ``clock`` (or "too short to measure"), median and spread."""
+    hd = x.shape[-1] // heads
+    options = {"min_samples": repeats, "clock": clock, "resolution": timing.clock_resolution(clock)}
+    with torch.no_grad():
+        fwd = timing.measure_all({k: forward_call(m, x) for k, m in modules.items()}, **options)
+        dec = timing.measure_all(
+            {k: decode_call(m, x, steps, heads, hd) for k, m in modules.items()}, **options
+        )
+    return fwd, dec
+
+
+def _vs(t: timing.Timing, base: timing.Timing) -> str:
+    """Rate ratio to MHA (MHA's time / this one's), "same within noise" or "too short to measure"."""
+    return str(timing.compare(base, t))
+
+
+def _rate(t: timing.Timing, work: float) -> str:
+    r = t.rate(work)
+    return timing.TOO_SHORT if r is None else f"{r:,.0f}"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -78,15 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     d, h = args.d_model, args.heads
     modules = {name: make().eval() for name, make in designs(d, h).items()}
     x = torch.randn(args.batch, args.n, d)
-    dec: dict[str, list[float]] = {n: [] for n in modules}
-    with torch.no_grad():
-        calls = {name: functools.partial(forward_seconds, m, x) for name, m in modules.items()}
-        fwd = timing.measure_all(calls, min_samples=args.repeats)  # interleaved, median and spread
-        for m in modules.values():  # warm-up
-            decode_seconds(m, x, 2, h, d // h)
-        for _ in range(args.repeats):  # each sample decodes args.steps tokens: long enough
-            for name, m in modules.items():
-                dec[name].append(decode_seconds(m, x, args.steps, h, d // h))
+    fwd, dec = timings(modules, x, args.steps, h, args.repeats)
     rows = {
         name: {
             "params": sum(p.numel() for p in modules[name].parameters()),
@@ -94,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
             "forward_ms_spread": None
             if fwd[name].low is None
             else [1e3 * fwd[name].low, 1e3 * fwd[name].high],
-            "decode_tokens_per_s": args.batch * args.steps / statistics.median(dec[name]),
+            "decode_tokens_per_s": dec[name].rate(args.batch * args.steps),
+            "why_no_rate": fwd[name].why or dec[name].why,
         }
         for name in modules
     }
@@ -103,18 +133,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(result, indent=2))
         return result
-    base = rows["mha"]
     print(
         f"d_model {d}, {h} heads, N {args.n}, batch {args.batch}, decode {args.steps} steps after an "
-        f"{args.n}-token prefill, float32 CPU, {torch.get_num_threads()} threads, median of {args.repeats}\n"
+        f"{args.n}-token prefill, float32 CPU, {torch.get_num_threads()} threads, median of at least "
+        f"{args.repeats} interleaved samples; a ratio inside the spread reads {timing.SAME!r}\n"
     )
     print("| design | attention params | forward tokens/s | vs MHA | decode tokens/s | vs MHA |")
     print("|---|---:|---:|---:|---:|---:|")
+    tokens = (args.batch * args.n, args.batch * args.steps)
     for name, r in rows.items():
-        f, dd = r["forward_tokens_per_s"], r["decode_tokens_per_s"]
         print(
-            f"| {name} | {r['params']:,} | {f:,.0f} | {f / base['forward_tokens_per_s']:.2f} | "
-            f"{dd:,.0f} | {dd / base['decode_tokens_per_s']:.2f} |"
+            f"| {name} | {r['params']:,} | {_rate(fwd[name], tokens[0])} | {_vs(fwd[name], fwd['mha'])} | "
+            f"{_rate(dec[name], tokens[1])} | {_vs(dec[name], dec['mha'])} |"
         )
     return result
 

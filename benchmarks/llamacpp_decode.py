@@ -28,13 +28,16 @@ says how to build one offline. Steps:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -138,17 +141,33 @@ def llamacpp_rate(bin_dir: Path, gguf: Path, threads: int, new: int, context: in
     return float(json.loads(done.stdout)[0]["avg_ts"])
 
 
-def our_rate(model: torch.nn.Module, prompt: torch.Tensor, new: int, reps: int = 3) -> float:
+def our_rate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    new: int,
+    reps: int = 3,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Our decode tokens/s after ``prompt`` (1, context): ``(new - 1) / (t(new) - t(1))``, each time the
-    fastest of ``reps`` (load only ever adds time); NaN when the difference is not positive."""
-    best = {1: float("inf"), new: float("inf")}
-    for _ in range(reps):
-        for n in best:
-            start = time.perf_counter()
-            model.generate(prompt, n)  # type: ignore[operator]
-            best[n] = min(best[n], time.perf_counter() - start)
-    diff = best[new] - best[1]
-    return (new - 1) / diff if diff > 0 else float("nan")
+    fastest of at least ``reps`` interleaved samples (:func:`multihead.bench.timing.measure_all`: load
+    only ever adds time); NaN when either is too short to measure or the difference is not positive."""
+    calls = {str(n): functools.partial(model.generate, prompt, n) for n in (1, new)}
+    t = timing.measure_all(calls, min_samples=reps, clock=clock)  # type: ignore[arg-type]
+    one, many = t["1"].best, t[str(new)].best
+    if one is None or many is None or many - one <= 0:
+        return float("nan")
+    return (new - 1) / (many - one)
+
+
+def _median_rate(rates: list[float]) -> float | None:
+    """The median of the measurable rates (NaN: too short to measure), None when there is none."""
+    ok = [r for r in rates if math.isfinite(r)]
+    return statistics.median(ok) if ok else None
+
+
+def _cell(x: float | None, spec: str, unit: str = "") -> str:
+    return timing.TOO_SHORT if x is None else format(x, spec) + unit
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -190,16 +209,17 @@ def run(args: argparse.Namespace) -> dict:
                     theirs.append(llamacpp_rate(bin_dir, gguf, threads, args.new_tokens, args.context))
                     mine.append(our_rate(ours, context, args.new_tokens))
             limit = decode.read_bandwidth(nbytes) / nbytes  # tokens/s if a step only read its bytes
+            ours_tok_s = _median_rate(mine)  # None: too short to measure
             doc["rows"].append(
                 {
                     "gguf": outtype,
                     "ours": name,
                     "threads": threads,
                     "llamacpp_tok_s": statistics.median(theirs),
-                    "multihead_tok_s": statistics.median(mine),
-                    "ratio": statistics.median(mine) / statistics.median(theirs),
+                    "multihead_tok_s": ours_tok_s,
+                    "ratio": None if ours_tok_s is None else ours_tok_s / statistics.median(theirs),
                     "multihead_step_bytes": nbytes,
-                    "multihead_of_limit": timing.limit_text(statistics.median(mine), limit),
+                    "multihead_of_limit": timing.limit_text(ours_tok_s, limit),
                     "tokens_first_difference": _first_difference(want, got),
                     "ours_vs_fp32": tokens.parting_text(vs_fp32),
                 }
@@ -240,7 +260,8 @@ def main() -> None:
         same = "identical" if diff is None else f"part at token {diff}"
         print(
             f"{r['gguf']:6s} {r['ours']:16s} {r['threads']:7d} {r['llamacpp_tok_s']:10.1f} "
-            f"{r['multihead_tok_s']:10.1f} {r['ratio']:5.2f}x {r['multihead_of_limit']:>8s}  {same}"
+            f"{_cell(r['multihead_tok_s'], '10.1f')} {_cell(r['ratio'], '5.2f', 'x')} "
+            f"{r['multihead_of_limit']:>8s}  {same}"
         )
     print("ours against our fp32 model, greedy:")
     for r in doc["rows"][:: len(set(x["threads"] for x in doc["rows"]))]:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 import multihead as mh
 import multihead.core.functional as functional
+from multihead.bench import timing
 from multihead.core.dead_keys import clear_dead_keys
 from multihead.models.padding import TrailingKeyPadding
 
@@ -46,11 +47,41 @@ def _cases() -> dict[str, tuple]:
     }
 
 
-def _time(q, k, v, mask, clear: bool) -> float:
-    functional.clear_dead_keys = clear_dead_keys if clear else (lambda p: p)
-    t0 = time.perf_counter()
-    mh.attention(q, k, v, mask=mask)
-    return time.perf_counter() - t0
+def _call(q, k, v, mask, clear: bool) -> Callable[[], object]:
+    """One ``mh.attention`` call with the clearing of dead keys on or off."""
+
+    def call():
+        functional.clear_dead_keys = clear_dead_keys if clear else (lambda p: p)
+        return mh.attention(q, k, v, mask=mask)
+
+    return call
+
+
+def timings(cases: dict[str, tuple], repeats: int, *, clock=time.perf_counter) -> dict[str, dict]:
+    """Per case: the clearing on and off timed interleaved (a drift of a shared machine hits both
+    alike), each median long enough for ``clock`` or "too short to measure"; on/off as a ratio, or
+    "same within noise" where the spreads overlap."""
+    rows = {}
+    try:
+        for name, (q, k, v, mask) in cases.items():
+            calls = {"on": _call(q, k, v, mask, True), "off": _call(q, k, v, mask, False)}
+            t = timing.measure_all(calls, min_samples=repeats, clock=clock)
+            vs = timing.compare(t["on"], t["off"])
+            rows[name] = {
+                "on_ms": None if t["on"].median is None else 1e3 * t["on"].median,
+                "off_ms": None if t["off"].median is None else 1e3 * t["off"].median,
+                "ratio": vs.ratio,
+                "within_noise": vs.same,
+                "text": str(vs),
+                "why": t["on"].why or t["off"].why,
+            }
+    finally:
+        functional.clear_dead_keys = clear_dead_keys
+    return rows
+
+
+def _ms(x: float | None) -> str:
+    return f"{'-':>9s}" if x is None else f"{x:9.3f}"
 
 
 def main() -> None:
@@ -59,27 +90,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = {}
     with torch.inference_mode():
-        for name, (q, k, v, mask) in _cases().items():
-            for clear in (True, False):  # warm-up
-                _time(q, k, v, mask, clear)
-            on, off = [], []
-            for _ in range(args.repeats):  # interleaved, so drift of a shared machine hits both alike
-                on.append(_time(q, k, v, mask, True))
-                off.append(_time(q, k, v, mask, False))
-            rows[name] = {
-                "on_ms": 1e3 * statistics.median(on),
-                "off_ms": 1e3 * statistics.median(off),
-                "ratio": statistics.median(on) / statistics.median(off),
-            }
-    functional.clear_dead_keys = clear_dead_keys
+        rows = timings(_cases(), args.repeats)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'case':40s} {'on ms':>9s} {'off ms':>9s} {'on/off':>7s}")
+    print(f"{'case':40s} {'on ms':>9s} {'off ms':>9s} on/off")
     for name, r in rows.items():
-        print(f"{name:40s} {r['on_ms']:9.3f} {r['off_ms']:9.3f} {r['ratio']:7.3f}")
+        print(f"{name:40s} {_ms(r['on_ms'])} {_ms(r['off_ms'])} {r['text']}")
 
 
 if __name__ == "__main__":

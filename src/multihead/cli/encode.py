@@ -13,11 +13,14 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ..cost import timing
+from ..cost.timing import Timing
 from ..pretrained.files import atomic_write
 from .console import check_input_file, check_output_file, progress_columns
 from .threads import threads_option
@@ -25,7 +28,9 @@ from .threads import threads_option
 if TYPE_CHECKING:
     from ..pretrained import SentenceEncoder
 
-__all__ = ["register"]
+__all__ = ["register", "speed"]
+
+Clock = Callable[[], float]
 
 DEFAULT_DOCS = 256
 
@@ -58,9 +63,10 @@ def _texts(args: argparse.Namespace) -> tuple[list[str], str]:
 
 
 def _embed(
-    args: argparse.Namespace, encoder: SentenceEncoder, texts: list[str]
-) -> tuple[torch.Tensor, float]:
-    """(n, 384) unit embeddings and the seconds they took, with a progress bar on long inputs."""
+    args: argparse.Namespace, encoder: SentenceEncoder, texts: list[str], clock: Clock = time.perf_counter
+) -> tuple[torch.Tensor, Timing]:
+    """(n, 384) unit embeddings and the :class:`Timing` of the one call that made them (never repeated:
+    "too short to measure" where ``clock`` cannot tell it), with a progress bar on long inputs."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -68,16 +74,26 @@ def _embed(
     show = len(texts) > 2 * args.batch_size
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=not show) as bar:
         task = bar.add_task("encode", total=len(texts))
-        start = time.perf_counter()
-        emb = encoder.encode(
-            texts,
-            batch_size=args.batch_size,
-            packed=args.packing,
-            progress=lambda done: bar.update(task, completed=done),
+        emb, took = timing.once(
+            lambda: encoder.encode(
+                texts,
+                batch_size=args.batch_size,
+                packed=args.packing,
+                progress=lambda done: bar.update(task, completed=done),
+            ),
+            clock=clock,
         )
-        seconds = time.perf_counter() - start
     assert isinstance(emb, torch.Tensor)
-    return emb, seconds
+    return emb, took
+
+
+def speed(n: int, took: Timing) -> tuple[dict[str, float | None], str]:
+    """``{"seconds", "docs_per_s"}`` (None when too short to measure) and their text for ``n`` texts
+    (" in 0.52 s, 492.3 texts/s", or "; texts/s: too short to measure")."""
+    rate = took.rate(n)
+    if took.median is None or rate is None:
+        return {"seconds": None, "docs_per_s": None}, f"; texts/s: {timing.TOO_SHORT}"
+    return {"seconds": took.median, "docs_per_s": rate}, f" in {took.median:.2f} s, {rate:.1f} texts/s"
 
 
 def _check_out(path: str) -> None:
@@ -132,21 +148,15 @@ def _cmd_encode(args: argparse.Namespace) -> int:
             # to rounding (min cosine 0.9999999 to the plain model)
             encoder = quant.quantize(minilm(), weights="fp32", kv=None, kernel="onednn")
         assert isinstance(encoder, Encoder)  # quantize returns a copy of the model's own class
-        emb, seconds = _embed(args, encoder, texts)
+        emb, took = _embed(args, encoder, texts)
         hits = _search(args, encoder, emb, texts) if args.search else None
     except ImportError as e:  # the weights package is missing: the message says what to install
         print(f"multihead encode: error: {e}", file=sys.stderr)
         return 2
     if args.out:
         _write(args.out, emb, texts)
-    rate = len(texts) / seconds if seconds > 0 else float("inf")
-    summary = {
-        "texts": len(texts),
-        "source": source,
-        "dim": emb.shape[1],
-        "seconds": seconds,
-        "docs_per_s": rate,
-    }
+    fields, said = speed(len(texts), took)
+    summary = {"texts": len(texts), "source": source, "dim": emb.shape[1], **fields}
     if args.json:
         doc: dict = {**summary, "packing": {None: "auto", True: "packed", False: "padded"}[args.packing]}
         if hits is not None:
@@ -160,8 +170,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     console = make_console()
     mode = {None: "packed where padding would cost more", True: "packed", False: "padded"}[args.packing]
     console.print(
-        f"{len(texts)} texts ({source}) -> ({len(texts)}, {emb.shape[1]}) embeddings in {seconds:.2f} s, "
-        f"{rate:.1f} texts/s ({mode})",
+        f"{len(texts)} texts ({source}) -> ({len(texts)}, {emb.shape[1]}) embeddings{said} ({mode})",
         markup=False,
     )
     if args.out:

@@ -10,7 +10,9 @@ Measured per design (:class:`TextResult`):
 
     bits_per_byte      held-out cross-entropy in bits per byte (lower is better)
     decode_tok_s       tokens/s of greedy KV-cached generation, batch 1, after a seq_len prompt
-                       (``decode_cached`` False: the design cannot use a KV cache and recomputes)
+                       (``decode_cached`` False: the design cannot use a KV cache and recomputes):
+                       the median of repeated runs (:func:`multihead.cost.timing.measure`), None
+                       when too short to measure (``decode_why`` says why)
     kv_bytes_per_token what one token adds to the KV cache of all layers (model dtype)
     first_token_share  mean attention weight on the first position of each held-out window, over the
                        layers, heads and query rows past the first quarter (None when the design's
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,10 +36,12 @@ from torch import Tensor, nn
 
 from .. import threads
 from ..core.checks import check_int
+from ..cost import timing
+from ..cost.timing import Timing
 from ..models.generation import generate
 from ..models.lm import TransformerLM
 
-__all__ = ["TextConfig", "TextResult", "byte_corpus", "train_text_lm"]
+__all__ = ["TextConfig", "TextResult", "byte_corpus", "decode_timing", "train_text_lm"]
 
 #: Bytes are the tokens.
 VOCAB = 256
@@ -78,12 +83,13 @@ class TextResult:
     bits_per_byte: float
     losses: list[float]
     seconds: float
-    decode_tok_s: float
+    decode_tok_s: float | None
     decode_cached: bool
     kv_bytes_per_token: int
     first_token_share: float | None
     params: int
     config: dict[str, Any] = field(default_factory=dict)
+    decode_why: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -187,18 +193,32 @@ def train_text_lm(cfg: TextConfig) -> TextResult:
     prompt = w[:1, :-1]  # (1, N)
     cached = not any(getattr(layer.self_attn, "no_cache", None) for layer in model.layers)
     cache = "dense" if cached else None  # a design that cannot cache recomputes the whole prefix
-    generate(model, prompt, 2, cache=cache)  # warm-up
-    t0 = time.perf_counter()
-    generate(model, prompt, cfg.decode_tokens, cache=cache)
-    decode_s = time.perf_counter() - t0
+    decode = decode_timing(model, prompt, cfg.decode_tokens, cache)
     return TextResult(
         bits_per_byte=nats / math.log(2),
         losses=losses,
         seconds=seconds,
-        decode_tok_s=cfg.decode_tokens / decode_s,
+        decode_tok_s=decode.rate(cfg.decode_tokens),
         decode_cached=cached,
         kv_bytes_per_token=kv_cache_bytes_per_token(model),
         first_token_share=share,
         params=sum(p.numel() for p in model.parameters()),
         config=asdict(cfg),
+        decode_why=decode.why,
     )
+
+
+def decode_timing(
+    model: TransformerLM,
+    prompt: Tensor,
+    new: int,
+    cache: str | None,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timing:
+    """Seconds per greedy ``generate(model, prompt, new)`` of ``prompt`` (1, N): after a warm-up, the
+    median of repeated runs (at least 3, long enough for ``clock``), or "too short to measure"."""
+    generate(model, prompt, 2, cache=cache)  # warm-up
+    run = lambda: generate(model, prompt, new, cache=cache)  # noqa: E731
+    # a generate of tens of tokens is never microseconds: 64 calls per sample are plenty
+    return timing.measure(run, min_samples=3, max_inner=64, max_seconds=5.0, warmup=0, clock=clock)

@@ -28,6 +28,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ...cost.designs import DesignCost, design_costs
+from ...cost.timing import TOO_SHORT
 from ...train.text import TextConfig, train_text_lm
 from ...train.trainer import TrainConfig, train_mqar
 from ...variants import NAMES
@@ -132,6 +133,9 @@ def _train_text(
 def _text_table(rows: list[dict[str, Any]], cfg: TextConfig) -> Table:
     from ..context import Table
 
+    def rate(tok_s: float | None) -> str:
+        return TOO_SHORT if tok_s is None else f"{tok_s:,.0f}"
+
     def share(r: dict[str, Any]) -> str:
         return "n/a" if r["first_token_share"] is None else f"{100 * r['first_token_share']:.2f}%"
 
@@ -139,7 +143,7 @@ def _text_table(rows: list[dict[str, Any]], cfg: TextConfig) -> Table:
         [
             r["design"],
             f"{r['bits_per_byte']:.3f}",
-            f"{r['decode_tok_s']:,.0f}" + ("" if r["decode_cached"] else " (no cache)"),
+            rate(r["decode_tok_s"]) + ("" if r["decode_cached"] else " (no cache)"),
             f"{r['kv_bytes_per_token']:,}",
             share(r),
             f"{r['params']:,}",

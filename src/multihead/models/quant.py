@@ -472,7 +472,8 @@ def quantize(
         _pack(out, float_dtype, kernel)
     if kernel == "native":  # a decode step streams these weights: 2 MiB pages (see native.hugepages)
         gemvs = [m for m in out.modules() if isinstance(m, (GemvLinear, Int8GemvLinear))]
-        hugepages.move_to_huge_pages(t for m in gemvs for t in [*m.parameters(), *m.buffers()])
+        tensors = (t for m in gemvs for t in [*m.parameters(), *m.buffers()])
+        hugepages.move_to_huge_pages(tensors, min_bytes=0)  # small ones too: one arena holds them all
     if type(out) is TransformerLM:
         out.__class__ = _QuantizedLM
         assert isinstance(out, _QuantizedLM)

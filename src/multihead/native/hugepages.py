@@ -121,14 +121,11 @@ def move_to_huge_pages(tensors: Iterable[Tensor], min_bytes: int = HUGE_PAGE) ->
         offsets[ptr] = total
         total += -(-s.nbytes() // _ALIGN) * _ALIGN
     mm, start = _mapping(total)
-    arena = torch.frombuffer(mm, dtype=torch.uint8, count=total, offset=start)  # (total,), keeps mm alive
     with torch.no_grad():
-        for ptr, s in storages.items():
-            new = arena[offsets[ptr] : offsets[ptr] + s.nbytes()]  # (nbytes,) uint8
-            new.copy_(torch.empty(0, dtype=torch.uint8).set_(s))  # the storage's bytes, as they are
-            fresh = new.untyped_storage()  # the whole arena's
-            base = new.data_ptr() - fresh.data_ptr()  # bytes, a multiple of _ALIGN
+        for ptr, s in storages.items():  # each its own storage of exactly its bytes, inside the mapping
+            new = torch.frombuffer(mm, dtype=torch.uint8, count=s.nbytes(), offset=start + offsets[ptr])
+            new.copy_(torch.empty(0, dtype=torch.uint8).set_(s))  # (nbytes,): the storage's bytes as they are
+            fresh = new.untyped_storage()  # keeps the mapping alive
             for t in groups[ptr]:
-                offset = base // t.element_size() + t.storage_offset()  # elements
-                t.data = torch.empty(0, dtype=t.dtype).set_(fresh, offset, t.shape, t.stride())
+                t.data = torch.empty(0, dtype=t.dtype).set_(fresh, t.storage_offset(), t.shape, t.stride())
     return sum(s.nbytes() for s in storages.values())

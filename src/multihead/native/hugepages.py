@@ -86,7 +86,7 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
 
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: shared
     # anonymous memory is shmem, whose huge pages another switch (usually off) governs
-    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))  # the export keeps the mapping open for good
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))  # where the mapping starts
     start = -base % HUGE_PAGE
     mm.madvise(mmap.MADV_HUGEPAGE, start, (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE)
     return mm, start
@@ -111,7 +111,7 @@ def move_to_huge_pages(tensors: Iterable[Tensor], min_bytes: int = HUGE_PAGE) ->
         if t.device.type != "cpu":
             raise ValueError(f"move_to_huge_pages takes CPU tensors, got one on {t.device}")
         s = t.untyped_storage()
-        if s.nbytes() >= min_bytes:
+        if s.nbytes() >= max(min_bytes, 1):  # an empty storage has nothing to move
             groups.setdefault(s.data_ptr(), []).append(t)
             storages[s.data_ptr()] = s
     if not storages:

@@ -88,7 +88,10 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     # anonymous memory is shmem, whose huge pages another switch (usually off) governs
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))  # where the mapping starts
     start = -base % HUGE_PAGE
-    mm.madvise(mmap.MADV_HUGEPAGE, start, (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE, start, (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # a kernel built without transparent huge pages: plain pages, the same values
+        pass
     return mm, start
 
 

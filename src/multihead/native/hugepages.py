@@ -19,6 +19,7 @@ Where the platform has no ``MADV_HUGEPAGE`` nothing moves.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from collections.abc import Iterable
 from typing import Any
@@ -88,10 +89,8 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     # anonymous memory is shmem, whose huge pages another switch (usually off) governs
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))  # where the mapping starts
     start = -base % HUGE_PAGE
-    try:
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages: plain pages, same values
         mm.madvise(mmap.MADV_HUGEPAGE, start, (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE)
-    except OSError:  # a kernel built without transparent huge pages: plain pages, the same values
-        pass
     return mm, start
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "cores",
     "limited",
     "threads_for",
+    "training",
 ]
 
 #: one thread per this many FLOPs of a call (about 1 ms of one AVX-512 core's matmul)
@@ -74,6 +75,14 @@ def limited(n: int) -> Iterator[int]:
     finally:
         if use != before:
             torch.set_num_threads(before)
+
+
+def training(model: torch.nn.Module, tokens: int) -> contextlib.AbstractContextManager[int]:
+    """:func:`limited` to the threads a training step of ``model`` on ``tokens`` tokens (batch x length)
+    pays for: about 6 FLOPs per parameter per token (forward and backward), so a small run steps on one
+    thread."""
+    params = sum(p.numel() for p in model.parameters())
+    return limited(threads_for(6.0 * params * tokens))
 
 
 def busy_hint(threads: int | None = None) -> str | None:

@@ -178,8 +178,7 @@ def train_text_lm(cfg: TextConfig) -> TextResult:
     losses: list[float] = []
     t0 = time.perf_counter()
     model.train()
-    params = sum(p.numel() for p in model.parameters())
-    with threads.limited(threads.threads_for(6.0 * params * cfg.batch * cfg.seq_len)):  # small: 1 thread
+    with threads.training(model, cfg.batch * cfg.seq_len):  # small: 1 thread
         _train_steps(model, opt, cfg, train_ids, g, losses)
     seconds = time.perf_counter() - t0
     model.eval()

@@ -244,8 +244,7 @@ def train_mqar(
     losses: list[float] = []
     start = time.perf_counter()
     model.train()
-    params = sum(p.numel() for p in model.parameters())
-    with threads.limited(threads.threads_for(6.0 * params * cfg.batch * cfg.seq_len)):  # small: 1 thread
+    with threads.training(model, cfg.batch * cfg.seq_len):  # small: 1 thread
         _steps(model, opt, cfg, mask, losses, progress)
     seconds = time.perf_counter() - start
     acc = accuracy(model, test_x, test_y, mask=mask)

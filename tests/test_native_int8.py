@@ -48,6 +48,26 @@ def test_int8_gemv_matches_float64_on_the_same_int8_numbers(rows, cols, group, b
 
 
 @needs_native
+@pytest.mark.parametrize(
+    ("rows", "cols", "group"),
+    [
+        (6, 1000, 128),  # a power of two: each scale serves 4 blocks
+        (5, 700, 192),  # no power of two: scales gathered
+        (3, 1500, 512),
+        (4, 33000, 32),  # past the widths whose lane starts live on the stack
+        (3, 40000, None),
+    ],
+)
+def test_int8_gemv_other_groups_and_wide_rows(rows, cols, group):
+    g = torch.Generator().manual_seed(cols)
+    w8, scale = quantize_groups(torch.randn(rows, cols, generator=g), group)
+    x = torch.randn(cols, generator=g)  # (I,)
+    y = native_int8.gemv_q8(w8, scale, x, None, group)
+    ref, size = _reference(w8, scale, group, *native_int8.quantize_activations(x))
+    assert float(((y.double() - ref).abs() / size).max()) < 1e-6
+
+
+@needs_native
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 1024])
 def test_activation_rounding_is_torchs(n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 5  # (I,)

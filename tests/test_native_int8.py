@@ -259,3 +259,24 @@ def test_the_portable_and_avx2_int8_paths_pass_the_self_check(march, flag, isa, 
         assert float(((native_int8.gemv_q8(w8, scale, x, None, 64).double() - ref).abs() / size).max()) < 1e-6
     finally:
         native._load.cache_clear()
+
+
+@needs_native
+@pytest.mark.parametrize(("d", "n_heads", "n_kv_heads"), [(216, 3, 1), (480, 6, 1)])
+def test_int8_cache_attention_every_head_dim_and_group_tail(d, n_heads, n_kv_heads):
+    """The native attention over an int8 cache (scales on the scores and the weights, not the rows) at
+    head dims 72 and 80 and 3 or 6 query heads a kv head, past 64 keys: as the eager step."""
+    torch.manual_seed(0)
+    lm = mh.TransformerLM(300, d, 1, n_heads, 64, n_kv_heads=n_kv_heads).eval()
+    fast = quant.quantize(lm, weights="int8", kv="int8", kernel="native", group_size=32)
+    slow = copy.deepcopy(fast)
+    slow.native_steps = False
+    prompt = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 300, (4,), generator=torch.Generator().manual_seed(2))
+    hs = []
+    with torch.no_grad():
+        for model in (fast, slow):
+            cache = model.make_cache(1, 80)
+            model.hidden_states(prompt, cache=cache)
+            hs.append(torch.stack([model.hidden_states(t.view(1, 1), cache=cache)[0, 0] for t in tokens]))
+    torch.testing.assert_close(hs[0], hs[1], rtol=1e-4, atol=1e-4)

@@ -246,3 +246,23 @@ def test_the_plain_model_takes_native_steps_in_its_own_dtype(dtype, monkeypatch)
         lm.hidden_states(prompt[:, 4:5], cache=cache)
     assert len(calls) == 11
     assert pickle.loads(pickle.dumps(lm)).why_not_native_steps is None  # the memos do not travel
+
+
+@pytest.mark.parametrize(
+    ("d", "n_heads", "n_kv_heads"),
+    [
+        (216, 3, 1),  # head dim 72: the 64-lane loop and an 8-value tail; 3 query heads a kv head
+        (480, 6, 1),  # head dim 80: 64 + 16 lanes; 6 heads: a group of 4 and one of 2
+        (320, 10, 2),  # head dim 32: only 16-lane steps; 5 heads: one left over
+    ],
+)
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_native_attention_head_dim_and_group_tails_follow_the_eager_step(d, n_heads, n_kv_heads, weights):
+    torch.manual_seed(0)
+    lm = mh.TransformerLM(300, d, 1, n_heads, 64, n_kv_heads=n_kv_heads, norm_eps=1e-6).eval()
+    prompt = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(1))  # keys past 64
+    tokens = torch.randint(0, 300, (4,), generator=torch.Generator().manual_seed(2))
+    got, _ = _steps(_native(lm, weights), prompt, tokens, max_len=80)
+    want, _ = _steps(_eager(lm, weights), prompt, tokens, max_len=80)
+    tol = 1e-5 if weights == "fp32" else 2e-2
+    assert float((got.double() - want.double()).abs().max()) <= tol * float(want.abs().max())

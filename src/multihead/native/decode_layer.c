@@ -168,97 +168,177 @@ static void silu(float *a, int64_t n) {
     for (; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i]));
 }
 
-/* n bf16 values -> fp32: the bits move to the high half (a loop the compiler vectorizes) */
-static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t u = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &u, sizeof u);
-    }
-}
+typedef int8_t mh_i8x16 __attribute__((vector_size(16)));
+typedef uint16_t mh_u16x16 __attribute__((vector_size(32)));
+typedef uint32_t mh_u32x16 __attribute__((vector_size(64)));
 
-/* n fp16 values -> fp32, 16 (AVX512F) or 8 (F16C) per conversion instruction: a cached row is widened
- * for every head group at every step, so one value at a time would cost more than the row's read */
-static inline void widen_f16(float *dst, const uint16_t *src, int64_t n) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-#elif defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+/* 16 cached values p[i .. i + 15] of kind (int8 unscaled) as fp32 lanes, straight from the cache */
+static inline v16 load16(const void *p, int64_t i, int kind) {
+    v16 r;
+    if (kind == MH_F32) {
+        memcpy(&r, (const float *)p + i, sizeof r);
+        return r;
+    }
+#if defined(__AVX512F__) /* one widening instruction and one conversion (compilers scalarise the generic) */
+    if (kind == MH_I8) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)p + i));
+        return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    }
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    if (kind == MH_F16) return (v16)_mm512_cvtph_ps(h);
+    return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); /* bf16: the high half */
+#elif defined(__AVX2__) /* two halves of 8 */
+    __m256 lo, hi;
+    if (kind == MH_I8) {
+        const int8_t *b = (const int8_t *)p + i;
+        lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b)));
+        hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8))));
+    } else {
+        const __m128i h0 = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        const __m128i h1 = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i + 8));
+        if (kind == MH_BF16) {
+            lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h0), 16));
+            hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h1), 16));
+        } else {
+#if defined(__F16C__)
+            lo = _mm256_cvtph_ps(h0), hi = _mm256_cvtph_ps(h1);
+#else
+            for (int t = 0; t < 16; t++) r[t] = get(p, i + t, MH_F16);
+            return r;
 #endif
-    for (; i < n; i++) dst[i] = get(src, i, MH_F16);
-}
-
-/* one cached key or value row as fp32: of the storage dtype, or int8 times its scale (cache kind MH_I8) */
-static inline void load_row(float *dst, const void *src, int64_t D, int kind, float scale) {
-    if (kind == MH_F32)
-        memcpy(dst, src, (size_t)D * sizeof(float));
-    else if (kind == MH_I8)
-        for (int64_t i = 0; i < D; i++) dst[i] = (float)((const int8_t *)src)[i] * scale;
-    else if (kind == MH_BF16)
-        widen_bf16(dst, (const uint16_t *)src, D);
-    else
-        widen_f16(dst, (const uint16_t *)src, D);
-}
-
-static inline float dot(const float *a, const float *b, int64_t D) {
-    v16 acc = {0};
-    int64_t i = 0;
-    for (; i + 16 <= D; i += 16) {
-        v16 x, y;
-        memcpy(&x, a + i, sizeof x);
-        memcpy(&y, b + i, sizeof y);
-        acc += x * y;
+        }
     }
-    float s = hsum16(acc);
-    for (; i < D; i++) s += a[i] * b[i];
-    return s;
+    memcpy(&r, &lo, sizeof lo);
+    memcpy((char *)&r + sizeof lo, &hi, sizeof hi);
+    return r;
+#else
+    if (kind == MH_I8) {
+        mh_i8x16 b;
+        memcpy(&b, (const int8_t *)p + i, sizeof b);
+        return __builtin_convertvector(__builtin_convertvector(b, i32x16), v16);
+    }
+    if (kind == MH_BF16) { /* the bits move to the high half */
+        mh_u16x16 h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        const mh_u32x16 u = __builtin_convertvector(h, mh_u32x16) << 16;
+        memcpy(&r, &u, sizeof r);
+        return r;
+    }
+    for (int t = 0; t < 16; t++) r[t] = get(p, i + t, MH_F16);
+    return r;
+#endif
 }
 
-/* attention of the G query heads sharing one kv head over keys 0..L-1; q (G, D) fp32, out (G, D) fp32;
- * K, V (L, D) of cache kind ckind, with per-position scales ks, vs (L,) for MH_I8 (else NULL);
- * scratch: scores (G, L), rows (L, D) (the values widened to fp32 once, then read by every head) */
+/* one cached value p[i] of kind (int8 unscaled) as fp32 */
+static inline float cached(const void *p, int64_t i, int kind) {
+    return kind == MH_I8 ? (float)((const int8_t *)p)[i] : get(p, i, kind);
+}
+
+/* the four sums of a, b, c, d into s[0..3] */
+static inline void hsum4(v16 a, v16 b, v16 c, v16 d, float *s) {
+#if defined(__clang__) || __GNUC__ >= 12 /* a tree of shuffles: 13 vector operations for 4 sums */
+    const mh_v8 a8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    const mh_v8 b8 = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
+    const mh_v8 c8 = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
+    const mh_v8 d8 = __builtin_shufflevector(d, d, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(d, d, 8, 9, 10, 11, 12, 13, 14, 15);
+    const mh_v8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                     __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15); /* a: 0-3, b: 4-7 */
+    const mh_v8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                     __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+    const mh_v8 z = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                    __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15); /* a, a, b, b, c, c, d, d */
+    const mh_v4 r = __builtin_shufflevector(z, z, 0, 2, 4, 6) + __builtin_shufflevector(z, z, 1, 3, 5, 7);
+    memcpy(s, &r, sizeof r);
+#else
+    s[0] = hsum16(a), s[1] = hsum16(b), s[2] = hsum16(c), s[3] = hsum16(d);
+#endif
+}
+
+/* Attention of the G query heads sharing one kv head over keys 0..L-1: q (G, D) fp32, out (G, D) fp32;
+ * K, V (L, D) of cache kind ckind, with per-position scales ks, vs (L,) for MH_I8 (else NULL); scratch
+ * scores (G, L). Each cached row is read and widened once for four query heads, straight from the cache
+ * into registers; an int8 row's scale multiplies its score (keys) or its weights (values), not its D
+ * values. */
 static void attend(const float *q, const void *K, const void *V, const float *ks, const float *vs, int64_t L,
-                   int64_t D, int64_t G, float scale, int ckind, float *out, float *scores, float *rows) {
+                   int64_t D, int64_t G, float scale, int ckind, float *out, float *scores) {
     const int64_t esz = ckind == MH_F32 ? 4 : ckind == MH_I8 ? 1 : 2;
-    for (int64_t l = 0; l < L; l++) { /* each key read once for the G rows */
-        float *row = rows + l * D;
-        load_row(row, (const char *)K + l * D * esz, D, ckind, ks ? ks[l] : 1.f);
-        for (int64_t g = 0; g < G; g++) scores[g * L + l] = dot(q + g * D, row, D) * scale;
+    float peak[G]; /* each head's largest score */
+    for (int64_t g0 = 0; g0 < G; g0 += 4) { /* scores, four query heads at a time */
+        const int n = G - g0 < 4 ? (int)(G - g0) : 4;
+        const float *q0 = q + g0 * D, *q1 = q + (g0 + (n > 1)) * D; /* past the last head: the last again */
+        const float *q2 = q + (g0 + (n > 2 ? 2 : n - 1)) * D, *q3 = q + (g0 + n - 1) * D;
+        float top[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        for (int64_t l = 0; l < L; l++) {
+            const char *k = (const char *)K + l * D * esz;
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            int64_t i = 0;
+            for (; i + 16 <= D; i += 16) {
+                const v16 kv = load16(k, i, ckind);
+                v16 x0, x1, x2, x3;
+                memcpy(&x0, q0 + i, sizeof x0);
+                memcpy(&x1, q1 + i, sizeof x1);
+                memcpy(&x2, q2 + i, sizeof x2);
+                memcpy(&x3, q3 + i, sizeof x3);
+                a0 += x0 * kv, a1 += x1 * kv, a2 += x2 * kv, a3 += x3 * kv;
+            }
+            float s4[4];
+            hsum4(a0, a1, a2, a3, s4);
+            for (; i < D; i++) {
+                const float kv = cached(k, i, ckind);
+                s4[0] += q0[i] * kv, s4[1] += q1[i] * kv, s4[2] += q2[i] * kv, s4[3] += q3[i] * kv;
+            }
+            const float f = ks ? scale * ks[l] : scale;
+            for (int t = 0; t < n; t++) {
+                const float v = s4[t] * f;
+                scores[(g0 + t) * L + l] = v;
+                top[t] = v > top[t] ? v : top[t]; /* the running max of each head (NaN: left to exp) */
+            }
+        }
+        for (int t = 0; t < n; t++) peak[g0 + t] = top[t];
     }
     for (int64_t g = 0; g < G; g++) {
-        float *s = scores + g * L, m = -INFINITY;
-        for (int64_t l = 0; l < L; l++) m = s[l] > m ? s[l] : m;
+        float *s = scores + g * L, m = peak[g];
         for (int64_t l = 0; l < L; l++) s[l] -= m;
         const float inv = 1.0f / exp_sum(s, L);
-        for (int64_t l = 0; l < L; l++) s[l] *= inv;
+        for (int64_t l = 0; l < L; l++) s[l] *= vs ? inv * vs[l] : inv; /* an int8 row's scale joins its weight */
     }
-    for (int64_t l = 0; l < L; l++) load_row(rows + l * D, (const char *)V + l * D * esz, D, ckind, vs ? vs[l] : 1.f);
-    for (int64_t g = 0; g < G; g++) { /* one output row at a time: its 16-lane blocks stay in registers */
-        const float *p = scores + g * L;
-        float *o = out + g * D;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) { /* outputs, four query heads at a time, 64 lanes each */
+        const int n = G - g0 < 4 ? (int)(G - g0) : 4;
+        const float *p0 = scores + g0 * L, *p1 = scores + (g0 + (n > 1)) * L;
+        const float *p2 = scores + (g0 + (n > 2 ? 2 : n - 1)) * L, *p3 = scores + (g0 + n - 1) * L;
         int64_t i = 0;
         for (; i + 64 <= D; i += 64) {
+            v16 a[4][4] = {{{0}}};
+            for (int64_t l = 0; l < L; l++) {
+                const char *v = (const char *)V + l * D * esz;
+                const v16 v0 = load16(v, i, ckind), v1 = load16(v, i + 16, ckind);
+                const v16 v2 = load16(v, i + 32, ckind), v3 = load16(v, i + 48, ckind);
+                const float w[4] = {p0[l], p1[l], p2[l], p3[l]};
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++) a[t][0] += w[t] * v0, a[t][1] += w[t] * v1, a[t][2] += w[t] * v2, a[t][3] += w[t] * v3;
+            }
+            for (int t = 0; t < n; t++) memcpy(out + (g0 + t) * D + i, a[t], sizeof a[t]);
+        }
+        for (; i + 16 <= D; i += 16) {
             v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t l = 0; l < L; l++) {
-                const float *v = rows + l * D + i;
-                v16 x0, x1, x2, x3;
-                memcpy(&x0, v, sizeof x0);
-                memcpy(&x1, v + 16, sizeof x1);
-                memcpy(&x2, v + 32, sizeof x2);
-                memcpy(&x3, v + 48, sizeof x3);
-                a0 += p[l] * x0, a1 += p[l] * x1, a2 += p[l] * x2, a3 += p[l] * x3;
+                const v16 v0 = load16((const char *)V + l * D * esz, i, ckind);
+                a0 += p0[l] * v0, a1 += p1[l] * v0, a2 += p2[l] * v0, a3 += p3[l] * v0;
             }
-            memcpy(o + i, &a0, sizeof a0);
-            memcpy(o + i + 16, &a1, sizeof a1);
-            memcpy(o + i + 32, &a2, sizeof a2);
-            memcpy(o + i + 48, &a3, sizeof a3);
+            const v16 *a4[4] = {&a0, &a1, &a2, &a3};
+            for (int t = 0; t < n; t++) memcpy(out + (g0 + t) * D + i, a4[t], sizeof a0);
         }
         for (; i < D; i++) {
-            float a = 0.f;
-            for (int64_t l = 0; l < L; l++) a += p[l] * rows[l * D + i];
-            o[i] = a;
+            float a4[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int64_t l = 0; l < L; l++) {
+                const float v0 = cached((const char *)V + l * D * esz, i, ckind);
+                a4[0] += p0[l] * v0, a4[1] += p1[l] * v0, a4[2] += p2[l] * v0, a4[3] += p3[l] * v0;
+            }
+            for (int t = 0; t < n; t++) out[(g0 + t) * D + i] = a4[t];
         }
     }
 }
@@ -310,7 +390,7 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
     const int64_t esz = kind == MH_F32 ? 4 : 2, cesz = ckind == MH_I8 ? 1 : esz;
     const int64_t G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
     /* activations in the storage dtype (4-byte slots), then fp32 scratch, then the int8 input */
-    const int64_t per_head = G * D * 2 + G * L + L * D; /* q, out, scores, rows of one kv head's attention */
+    const int64_t per_head = G * D * 2 + G * L; /* q, out, scores of one kv head's attention */
     const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = Hkv * per_head + F;
     const int64_t widest = d > Hq * D ? (d > F ? d : F) : (Hq * D > F ? Hq * D : F);
     const int64_t nq = (widest + 63) & ~(int64_t)63;
@@ -338,11 +418,11 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
 #pragma omp parallel for schedule(static) if (Hkv > 1 && G * L * D >= (1 << 15))
 #endif
     for (int64_t j = 0; j < Hkv; j++) { /* kv heads in parallel, each with its own scratch */
-        float *qf = heads + j * per_head, *of = qf + G * D, *scores = of + G * D, *rows = scores + G * L;
+        float *qf = heads + j * per_head, *of = qf + G * D, *scores = of + G * D;
         for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, kind);
         attend(qf, (char *)k_cache + j * k_head_stride * cesz, (char *)v_cache + j * v_head_stride * cesz,
                ks ? ks + j * s_head_stride : NULL, vs ? vs + j * s_head_stride : NULL, L, D, G, scale, ckind,
-               of, scores, rows);
+               of, scores);
         for (int64_t i = 0; i < G * D; i++) put(att, j * G * D + i, of[i], kind);
     }
     project(W, P_O, att, h, d, Hq * D, kind, 1);

@@ -45,6 +45,11 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float mh_v8 __attribute__((vector_size(32)));
 typedef float mh_v4 __attribute__((vector_size(16)));
 static inline float hsum16(v16 v) {
+#if defined(__clang__) || __GNUC__ >= 12 /* halves by shuffles: v stays in registers */
+    const mh_v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const mh_v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#else /* halves through memory: older compilers keep v on the stack */
     mh_v8 a, b;
     __builtin_memcpy(&a, &v, sizeof a);
     __builtin_memcpy(&b, (const char *)&v + sizeof a, sizeof b);
@@ -53,6 +58,7 @@ static inline float hsum16(v16 v) {
     __builtin_memcpy(&c, &a, sizeof c);
     __builtin_memcpy(&d, (const char *)&a + sizeof c, sizeof d);
     c += d;
+#endif
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 

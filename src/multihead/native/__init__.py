@@ -155,7 +155,7 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
     lib.mh_quantize_q8.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR]  # x, kind, n, xq, xs
     lib.mh_quantize_q8.restype = None
     lib.mh_gemv_q8.argtypes = [*[_PTR] * 6, _I64, _I64, _I64, _I64]  # w, ws, xq, xs, b, y, O, I, ldw, G
-    lib.mh_gemv_q8.restype = None
+    lib.mh_gemv_q8.restype = ctypes.c_int  # 0, or -1: a row over 32768 wide found no scratch memory
     lib.mh_decode_layer_q8.argtypes = [
         *[_PTR] * 5,  # x, g_attn, g_ffn, the array of 5 weights, the array of their scales (NULL: float)
         _I64,  # group size G

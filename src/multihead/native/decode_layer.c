@@ -351,6 +351,7 @@ typedef struct {
     int64_t group;
     int8_t *xq; /* int8 weights: the quantized input of the last product (mh_quantize_q8) */
     float *xs;
+    void *scratch; /* int8 weights: mh_gemv_q8_into's, 64-aligned */
 } weights;
 
 /* y = W_p x; int8 weights quantize x first, unless fresh == 0 (x was the last product's input too) */
@@ -361,7 +362,8 @@ static void project(const weights *W, int p, const void *x, void *y, int64_t row
         return;
     }
     if (fresh) mh_quantize_q8(x, kind, cols, W->xq, W->xs);
-    mh_gemv_q8((const int8_t *)W->w[p], W->s[p], W->xq, W->xs, NULL, (float *)y, rows, cols, cols, W->group);
+    mh_gemv_q8_into((const int8_t *)W->w[p], W->s[p], W->xq, W->xs, NULL, (float *)y, rows, cols, cols, W->group,
+                    W->scratch);
 }
 
 /* write the rotated key or the value of one kv head (D values of kind) at cache row dst: a copy, or for
@@ -394,12 +396,13 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
     const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = Hkv * per_head + F;
     const int64_t widest = d > Hq * D ? (d > F ? d : F) : (Hq * D > F ? Hq * D : F);
     const int64_t nq = (widest + 63) & ~(int64_t)63;
-    char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4 + nq / MH_Q8_BLOCK * 4 + nq));
+    char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4 + nq / MH_Q8_BLOCK * 4 + nq + 64 + nq)); /* + scratch */
     if (!buf) return -1;
     char *h = buf, *qkv = h + d * 4, *att = qkv + nqkv * 4, *gate = att + Hq * D * 4, *up = gate + F * 4;
     float *heads = (float *)(buf + n_act * 4), *act = heads + Hkv * per_head;
     W->xs = act + F;
     W->xq = (int8_t *)(W->xs + nq / MH_Q8_BLOCK);
+    W->scratch = (void *)(((uintptr_t)(W->xq + nq) + 63) & ~(uintptr_t)63); /* nq bytes at 64 */
 
     /* attention block */
     mh_rms_norm(x, g_attn, h, d, eps, kind);
@@ -448,7 +451,7 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
                     int64_t k_head_stride, int64_t v_head_stride, int64_t pos, const float *cos,
                     const float *sin, int interleaved, int64_t d, int64_t Hq, int64_t Hkv, int64_t D,
                     int64_t F, float eps, float scale, int kind) {
-    weights W = {{w_qkv, w_o, w1, w3, w2}, {NULL, NULL, NULL, NULL, NULL}, 0, NULL, NULL};
+    weights W = {{w_qkv, w_o, w1, w3, w2}, {NULL, NULL, NULL, NULL, NULL}, 0, NULL, NULL, NULL};
     return layer(x, g_attn, g_ffn, &W, k_cache, v_cache, NULL, NULL, k_head_stride, v_head_stride, 0, pos, cos,
                  sin, interleaved, d, Hq, Hkv, D, F, eps, scale, kind, kind);
 }
@@ -463,7 +466,7 @@ int mh_decode_layer_q8(void *x, const void *g_attn, const void *g_ffn, const voi
                        float *v_scale, int64_t k_head_stride, int64_t v_head_stride, int64_t s_head_stride,
                        int64_t pos, const float *cos, const float *sin, int interleaved, int64_t d, int64_t Hq,
                        int64_t Hkv, int64_t D, int64_t F, float eps, float scale, int kind) {
-    weights W = {{w[0], w[1], w[2], w[3], w[4]}, {s[0], s[1], s[2], s[3], s[4]}, G, NULL, NULL};
+    weights W = {{w[0], w[1], w[2], w[3], w[4]}, {s[0], s[1], s[2], s[3], s[4]}, G, NULL, NULL, NULL};
     for (int i = 0; i < 5; i++)
         if (s[i] && kind != MH_F32) return -2;
     const int ckind = k_scale && v_scale ? MH_I8 : kind;

@@ -43,6 +43,8 @@
 
 int mh_q8_isa(void) { return MH_Q8_ISA; }
 
+#define MH_Q8_STACK_BYTES 32768 /* mh_gemv_q8's scratch on the stack: rows up to 32768 wide */
+
 /* x (n values of the storage dtype kind) -> xq (ceil64(n) int8, zeros past n) and xs (ceil64(n) / 32
  * fp32 block scales, zeros past the last block). */
 void mh_quantize_q8(const void *x, int kind, int64_t n, int8_t *xq, float *xs) {
@@ -80,8 +82,6 @@ static float row_blocks(const int8_t *r, const float *wsr, const int8_t *xq, con
 #endif
 
 #if MH_Q8_ISA == 3
-#define MH_Q8_STACK_STEPS 512 /* 64-column steps whose lane starts live on the stack (32 KiB) */
-
 /* lanes 0-7: block 2k of a 16-block scale vector, lanes 8-15: block 2k + 1 */
 static inline __m512i pair_index(int k) {
     const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -112,7 +112,7 @@ static inline __m512i offset_start(const int8_t *x) {
 }
 
 /* One row, 64 columns a step: the weights offset to u8 (w + 128: the sign bit flipped) dotted with x as
- * s8 by VPDPBUSD, each lane starting at -128 * (its four x) (start[c], or made here when start is NULL), so
+ * s8 by VPDPBUSD, each lane starting at -128 * (its four x) (start[c], made once for every row), so
  * the int32 lane sums are exactly w . x. The scales of 16 blocks are multiplied once (xs[b] * ws[o, b]
  * in one vector) and each step permutes its two blocks' scales out of it; four accumulators. The last
  * partial step reads the row with a masked load: nothing past the row is touched. */
@@ -129,9 +129,8 @@ static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, 
         const int8_t *rj = r + 512 * j, *xj = xq + 512 * j;
 #define MH_Q8_STEP(k, acc)                                                                                \
     {                                                                                                     \
-        const __m512i s0 = start ? start[8 * j + k] : offset_start(xj + 64 * k);                          \
         const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(rj + 64 * k), flip);                      \
-        const __m512i d = _mm512_dpbusd_epi32(s0, wu, _mm512_loadu_si512(xj + 64 * k));                  \
+        const __m512i d = _mm512_dpbusd_epi32(start[8 * j + k], wu, _mm512_loadu_si512(xj + 64 * k));    \
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pair_index(k), sc), acc);      \
     }
         MH_Q8_STEP(0, a0) MH_Q8_STEP(1, a1) MH_Q8_STEP(2, a2) MH_Q8_STEP(3, a3)
@@ -145,9 +144,8 @@ static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, 
         if (!per_row) sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, bm));
         for (int64_t c = 8 * j; c < nc; c++) {
             const __mmask64 lm = c < full ? ~(__mmask64)0 : tail;
-            const __m512i s0 = start ? start[c] : offset_start(xq + 64 * c);
             const __m512i wu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(lm, r + 64 * c), flip);
-            const __m512i d = _mm512_dpbusd_epi32(s0, wu, _mm512_loadu_si512(xq + 64 * c)); /* x zero-padded */
+            const __m512i d = _mm512_dpbusd_epi32(start[c], wu, _mm512_loadu_si512(xq + 64 * c)); /* x 0-padded */
             a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pair_index((int)(c - 8 * j)), sc), a0);
         }
     }
@@ -195,21 +193,18 @@ static float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, const f
 #endif
 
 /* y (rows fp32) = W8 x + b: ws (rows, ldws) fp32 group scales (ldws = ceil(cols / G), 1 per row when
- * G >= cols), xq / xs from mh_quantize_q8 of x, b (rows fp32) or NULL. G: a multiple of 32, or >= cols. */
-void mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
-                int64_t rows, int64_t cols, int64_t ldw, int64_t G) {
+ * G >= cols), xq / xs from mh_quantize_q8 of x, b (rows fp32) or NULL. G: a multiple of 32, or >= cols.
+ * scratch: ceil64(cols) bytes aligned to 64 (each lane's start for the AVX-512 rows; unused elsewhere). */
+void mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
+                     int64_t rows, int64_t cols, int64_t ldw, int64_t G, void *scratch) {
     const int per_row = G >= cols;
     const int64_t ldws = per_row ? 1 : (cols + G - 1) / G;
 #if MH_Q8_ISA == 3
     int shift = -1; /* G = 32 << shift up to 512; -1: scales gathered */
     for (int e = 0; e <= 4; e++)
         if (G == ((int64_t)32 << e)) shift = e;
-    /* each lane's start, made once for every row: on the stack up to 32768 columns, else allocated (and
-     * without memory, made again at every step of every row) */
-    const int64_t nc = (cols + 63) / 64;
-    __m512i local[nc <= MH_Q8_STACK_STEPS ? nc : 1];
-    __m512i *start = nc <= MH_Q8_STACK_STEPS ? local : aligned_alloc(64, (size_t)nc * sizeof(__m512i));
-    for (int64_t c = 0; start && c < nc; c++) start[c] = offset_start(xq + 64 * c);
+    __m512i *start = scratch; /* made once for every row */
+    for (int64_t c = 0; c < (cols + 63) / 64; c++) start[c] = offset_start(xq + 64 * c);
     MH_PARALLEL_ROWS
     for (int64_t o = 0; o < rows; o++) {
         const float *wsr = ws + o * ldws;
@@ -217,8 +212,8 @@ void mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float 
         if (per_row) s *= wsr[0];
         y[o] = b ? s + b[o] : s;
     }
-    if (start != local) free(start);
 #else
+    (void)scratch;
     MH_PARALLEL_ROWS
     for (int64_t o = 0; o < rows; o++) {
         const float *wsr = ws + o * ldws;
@@ -227,4 +222,17 @@ void mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float 
         y[o] = b ? s + b[o] : s;
     }
 #endif
+}
+
+/* mh_gemv_q8_into with its scratch on the stack up to 32768 columns, else allocated. Returns 0, or -1
+ * when that allocation fails (y then unwritten). */
+int mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
+               int64_t rows, int64_t cols, int64_t ldw, int64_t G) {
+    const int64_t bytes = (cols + 63) & ~(int64_t)63;
+    _Alignas(64) int8_t local[MH_Q8_STACK_BYTES];
+    void *scratch = bytes <= MH_Q8_STACK_BYTES ? local : aligned_alloc(64, (size_t)bytes);
+    if (!scratch) return -1;
+    mh_gemv_q8_into(w, ws, xq, xs, b, y, rows, cols, ldw, G, scratch);
+    if (scratch != (void *)local) free(scratch);
+    return 0;
 }

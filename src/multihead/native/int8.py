@@ -77,6 +77,7 @@ def gemv_q8(
     Raises:
         ValueError: the kernels are unavailable; dtypes, devices or shapes that do not match; a group size
             other than 32 or a multiple of 64; an input that requires grad with grad enabled.
+        MemoryError: a row wider than 32768 and no memory for the product's scratch (its width in bytes).
     """
     lib = _checked_library()
     tensors = [weight, scale, x] if bias is None else [weight, scale, x, bias]
@@ -112,7 +113,7 @@ def run_q8(
     y = torch.empty(rows)  # (O,)
     group = cols if group_size is None else group_size
     b = None if bias is None else bias.data_ptr()
-    lib.mh_gemv_q8(
+    status = lib.mh_gemv_q8(
         weight.data_ptr(),
         scale.data_ptr(),
         xq.data_ptr(),
@@ -124,4 +125,6 @@ def run_q8(
         cols,
         group,
     )
+    if status != 0:
+        raise MemoryError(f"the int8 GEMV could not allocate {-(-cols // 64) * 64} bytes of scratch")
     return y

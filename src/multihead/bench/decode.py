@@ -133,21 +133,21 @@ def step_bytes(model: nn.Module, embedding: str) -> int:
 
 def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
     """Read bandwidth (bytes/s) over ``nbytes`` of fp32, read again and again: the faster of a sum (a
-        pure streaming read) and a matrix-vector product (what decoding repeats) over the same matrix, each
-        timed by :func:`multihead.bench.timing.measure_all` (the fastest sample counts: the limit is the best
-        the memory system allows).
+    pure streaming read) and a matrix-vector product (what decoding repeats) over the same matrix, each
+    timed by :func:`multihead.bench.timing.measure_all` (the fastest sample counts: the limit is the best
+    the memory system allows).
 
-        A decode step reads its weights once per token, again and again, so the limit of a step that reads
-        ``nbytes`` is this probe over ``nbytes``: from memory for a model larger than the caches, from the
-        caches for a small one (a probe over 256 MiB would put a small model's rate above its limit). The
-        sum sets the figure where torch's fp32 matrix-vector kernel reads slower than memory allows (on an
-        AVX-512 CPU, one thread: ~43 GB/s for the sum and for oneDNN's packed products, ~29 GB/s for
-        ``torch.mv``), so the limit is the memory system's, not one kernel's. The matrix lies in 2 MiB pages
+    A decode step reads its weights once per token, again and again, so the limit of a step that reads
+    ``nbytes`` is this probe over ``nbytes``: from memory for a model larger than the caches, from the
+    caches for a small one (a probe over 256 MiB would put a small model's rate above its limit). The
+    sum sets the figure where torch's fp32 matrix-vector kernel reads slower than memory allows (on an
+    AVX-512 CPU, one thread: ~43 GB/s for the sum and for oneDNN's packed products, ~29 GB/s for
+    ``torch.mv``), so the limit is the memory system's, not one kernel's. The matrix lies in 2 MiB pages
     (:mod:`multihead.native.hugepages`), as the native kernels' weights do: with 4 KiB pages the TLB misses
     cost a third of the rate on some machines, and the limit would sit below what those kernels reach.
 
-        Raises:
-            ValueError: ``nbytes`` under 64 KiB, ``reps`` < 1, or the reads too short to measure.
+    Raises:
+        ValueError: ``nbytes`` under 64 KiB, ``reps`` < 1, or the reads too short to measure.
     """
     check_int("nbytes", nbytes, 1 << 16)
     check_int("reps", reps, 1)

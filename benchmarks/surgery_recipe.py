@@ -4,12 +4,15 @@ recovered for a few minutes per seed, human-judged against the original with boo
     OMP_WAIT_POLICY=PASSIVE python benchmarks/surgery_recipe.py                 # 3 seeds x 8 minutes
     python benchmarks/surgery_recipe.py --minutes 0.2 --seeds 0 --texts 64      # a smoke run
     python benchmarks/surgery_recipe.py --json out.json                         # and the rows as JSON
+    python benchmarks/surgery_recipe.py --embedding-weight 4                    # an experiment (below)
 
 Per seed: ``student = mh.heads.to_mla(minilm(), kv_rank=128)`` (default calibration: 256 docstrings) and
 ``mh.heads.recover(student, teacher, mh.pretrained.stdlib_docstrings(2000), minutes=M, seed=s)`` (default
 recipe: mixed lengths, lr 2e-5 warmed up and cosine-decayed, held-out stop keeping the best state). The
 goal it checks: on every seed Lee and WordSim-353 >= 98% and polarity >= 97.5% of the original's score.
 Wall-clock minutes buy steps only on a quiet machine: the numbers mean something with 2 otherwise idle cores.
+``--embedding-weight K`` weights the loss's sentence-embedding term (1 - cosine of the pooled outputs) K
+times instead of once, for this run only: an experiment on the recipe, not a library option.
 """
 
 from __future__ import annotations
@@ -35,6 +38,29 @@ def _cell(s: dict) -> str:
     return f"{s['score']:.3f}" if s["low"] is None else f"{s['score']:.3f} [{s['low']:.3f}, {s['high']:.3f}]"
 
 
+def weight_embedding_term(k: float) -> None:
+    """Make recover's distillation loss (and its held-out check) count an encoder's sentence-embedding
+    term k times: the library's loss plus (k - 1) x (1 - cosine of the mean-pooled outputs)."""
+    import importlib
+
+    import torch.nn.functional as F
+
+    distill = importlib.import_module("multihead.heads.distill")
+    recover = importlib.import_module("multihead.heads.recover")
+    plain = distill.distillation_loss
+
+    def weighted(s_layers, t_layers, s_out, t_out, real, *, lm):
+        loss = plain(s_layers, t_layers, s_out, t_out, real, lm=lm)
+        if lm:
+            return loss
+        w = real.unsqueeze(-1).to(s_out.dtype)  # (B, N, 1)
+        pooled_s, pooled_t = (s_out * w).sum(1) / w.sum(1), (t_out * w).sum(1) / w.sum(1)  # (B, d) each
+        return loss + (k - 1) * (1 - F.cosine_similarity(pooled_s, pooled_t, dim=-1)).mean()
+
+    distill.distillation_loss = weighted  # the held-out check's
+    recover.distillation_loss = weighted  # the training step's
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=8.0, help="recover wall time per seed (default 8)")
@@ -44,7 +70,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--bootstrap", type=int, default=200, help="resamples per interval (default 200)")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--embedding-weight", type=float, default=1.0, help="its loss term's weight (default 1)")
     args = p.parse_args()
+    if args.embedding_weight != 1.0:
+        weight_embedding_term(args.embedding_weight)
     torch.set_num_threads(args.threads)
     teacher = mh.pretrained.minilm()
     texts = mh.pretrained.stdlib_docstrings(args.texts, max_chars=600)

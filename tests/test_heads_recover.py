@@ -148,3 +148,54 @@ def test_mixed_lengths_keeps_the_texts_and_adds_sentences_and_word_spans():
     assert len(spans) >= 2 and all(s in " ".join(texts) for s in spans)  # adjacent words of a text
     with pytest.raises(ValueError, match="mixed_lengths takes a list of texts"):
         mh.heads.mixed_lengths([[1, 2, 3]])
+
+
+def test_encoder_loss_is_the_layers_term_plus_the_sentence_embeddings_cosine():
+    """Encoders: the layers' scale-free mean term plus (1 - cosine) of the mean-pooled outputs over real
+    tokens (pads left out of the pooling)."""
+    from multihead.heads.distill import distillation_loss
+
+    g = torch.Generator().manual_seed(0)
+    real = torch.tensor([[True, True, True, False], [True, True, False, False]])  # (B, N)
+    t_out = torch.randn(2, 4, 8, generator=g)  # (B, N, d)
+    s_out = t_out + 0.3 * torch.randn(2, 4, 8, generator=g)
+    s_out[:, -1] += 100.0  # a pad position: must not count
+    same = [torch.randn(2, 4, 8, generator=g)]
+    loss = distillation_loss(same, same, s_out, t_out, real, lm=False)  # equal layers: no layer term
+    w = real.unsqueeze(-1).float()
+    pool = lambda h: (h * w).sum(1) / w.sum(1)  # noqa: E731  (B, d)
+    cos = torch.nn.functional.cosine_similarity(pool(s_out), pool(t_out), dim=-1)  # (B,)
+    torch.testing.assert_close(loss, (1 - cos).mean())
+    layered = distillation_loss([same[0] + 1.0], same, t_out, t_out, real, lm=False)  # equal outputs
+    scale = (same[0].square() * w).sum() / (w.sum() * 8)
+    torch.testing.assert_close(layered, 1 / scale)  # every real value off by 1: the mean square over scale
+
+
+def test_surgery_recipe_embedding_weight_experiment_adds_k_minus_one_cosines(monkeypatch):
+    """benchmarks/surgery_recipe.py --embedding-weight K: recover's loss and its held-out check both count the
+    embedding term K times; LMs are left alone."""
+    import importlib
+    from pathlib import Path
+
+    distill = importlib.import_module("multihead.heads.distill")
+    recover_module = importlib.import_module("multihead.heads.recover")
+    plain = distill.distillation_loss
+    monkeypatch.setattr(distill, "distillation_loss", plain)  # restored after the test
+    monkeypatch.setattr(recover_module, "distillation_loss", plain)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import surgery_recipe
+
+    surgery_recipe.weight_embedding_term(3.0)
+    assert distill.distillation_loss is recover_module.distillation_loss is not plain
+    g = torch.Generator().manual_seed(1)
+    real = torch.ones(2, 3, dtype=torch.bool)  # (B, N)
+    t_out, s_out = torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g)  # (B, N, d)
+    layers = [torch.randn(2, 3, 6, generator=g)]
+    cos = torch.nn.functional.cosine_similarity(s_out.mean(1), t_out.mean(1), dim=-1)  # (B,)
+    got = distill.distillation_loss(layers, layers, s_out, t_out, real, lm=False)
+    torch.testing.assert_close(got, 3 * (1 - cos).mean())
+    logits = torch.randn(2, 3, 5, generator=g)  # (B, N, V)
+    torch.testing.assert_close(
+        distill.distillation_loss(layers, layers, logits, logits, real, lm=True),
+        plain(layers, layers, logits, logits, real, lm=True),
+    )

@@ -86,8 +86,10 @@ def main() -> None:
 
         def step(which: str, at: int) -> None:
             model.__dict__["_native_plan"] = plans[which]
-            for kv in cache:
-                kv._seen = at  # the step writes position `at` again
+            for kv in cache:  # back to `at` positions: the step writes position `at` again
+                kv.reset()
+                if at:
+                    kv.advance(at)
             native_step.decode_step(model, ids, cache)
 
         for at in (args.context, 0):

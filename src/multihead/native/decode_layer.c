@@ -258,6 +258,12 @@ static inline void hsum4(v16 a, v16 b, v16 c, v16 d, float *s) {
 #endif
 }
 
+/* the rows of heads g0 .. g0 + 3 of a (G, stride) array into r[0..3]; past the last head (G - g0 < 4)
+ * the last head's row again, so four-wide loops need no tail (their extra sums are dropped) */
+static inline void four_rows(const float *base, int64_t g0, int64_t G, int64_t stride, const float *r[4]) {
+    for (int t = 0; t < 4; t++) r[t] = base + (g0 + t < G ? g0 + t : G - 1) * stride;
+}
+
 /* Attention of the G query heads sharing one kv head over keys 0..L-1: q (G, D) fp32, out (G, D) fp32;
  * K, V (L, D) of cache kind ckind, with per-position scales ks, vs (L,) for MH_I8 (else NULL); scratch
  * scores (G, L). Each cached row is read and widened once for four query heads, straight from the cache
@@ -269,8 +275,9 @@ static void attend(const float *q, const void *K, const void *V, const float *ks
     float peak[G]; /* each head's largest score */
     for (int64_t g0 = 0; g0 < G; g0 += 4) { /* scores, four query heads at a time */
         const int n = G - g0 < 4 ? (int)(G - g0) : 4;
-        const float *q0 = q + g0 * D, *q1 = q + (g0 + (n > 1)) * D; /* past the last head: the last again */
-        const float *q2 = q + (g0 + (n > 2 ? 2 : n - 1)) * D, *q3 = q + (g0 + n - 1) * D;
+        const float *qr[4];
+        four_rows(q, g0, G, D, qr);
+        const float *q0 = qr[0], *q1 = qr[1], *q2 = qr[2], *q3 = qr[3];
         float top[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
         for (int64_t l = 0; l < L; l++) {
             const char *k = (const char *)K + l * D * esz;
@@ -308,8 +315,9 @@ static void attend(const float *q, const void *K, const void *V, const float *ks
     }
     for (int64_t g0 = 0; g0 < G; g0 += 4) { /* outputs, four query heads at a time, 64 lanes each */
         const int n = G - g0 < 4 ? (int)(G - g0) : 4;
-        const float *p0 = scores + g0 * L, *p1 = scores + (g0 + (n > 1)) * L;
-        const float *p2 = scores + (g0 + (n > 2 ? 2 : n - 1)) * L, *p3 = scores + (g0 + n - 1) * L;
+        const float *pr[4];
+        four_rows(scores, g0, G, L, pr);
+        const float *p0 = pr[0], *p1 = pr[1], *p2 = pr[2], *p3 = pr[3];
         int64_t i = 0;
         for (; i + 64 <= D; i += 64) {
             v16 a[4][4] = {{{0}}};

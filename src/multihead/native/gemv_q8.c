@@ -205,23 +205,19 @@ void mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const f
         if (G == ((int64_t)32 << e)) shift = e;
     __m512i *start = scratch; /* made once for every row */
     for (int64_t c = 0; c < (cols + 63) / 64; c++) start[c] = offset_start(xq + 64 * c);
-    MH_PARALLEL_ROWS
-    for (int64_t o = 0; o < rows; o++) {
-        const float *wsr = ws + o * ldws;
-        float s = row_q8(w + o * ldw, wsr, xq, xs, start, cols, G, shift, per_row);
-        if (per_row) s *= wsr[0];
-        y[o] = b ? s + b[o] : s;
-    }
+#define MH_Q8_ROW(r, wsr) row_q8(r, wsr, xq, xs, start, cols, G, shift, per_row)
 #else
     (void)scratch;
+#define MH_Q8_ROW(r, wsr) row_q8(r, wsr, xq, xs, cols, G, per_row)
+#endif
     MH_PARALLEL_ROWS
     for (int64_t o = 0; o < rows; o++) {
         const float *wsr = ws + o * ldws;
-        float s = row_q8(w + o * ldw, wsr, xq, xs, cols, G, per_row);
+        float s = MH_Q8_ROW(w + o * ldw, wsr);
         if (per_row) s *= wsr[0];
         y[o] = b ? s + b[o] : s;
     }
-#endif
+#undef MH_Q8_ROW
 }
 
 /* mh_gemv_q8_into with its scratch on the stack up to 32768 columns, else allocated. Returns 0, or -1

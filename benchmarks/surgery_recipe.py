@@ -39,26 +39,25 @@ def _cell(s: dict) -> str:
 
 
 def weight_embedding_term(k: float) -> None:
-    """Make recover's distillation loss (and its held-out check) count an encoder's sentence-embedding
-    term k times: the library's loss plus (k - 1) x (1 - cosine of the mean-pooled outputs)."""
+    """Make recover's distillation loss (its training steps and its held-out check, both of which add up
+    :func:`multihead.heads.distill.loss_part`) count an encoder's sentence-embedding term k times: the
+    library's loss plus (k - 1) x (1 - cosine of the mean-pooled outputs), averaged over the batch."""
     import importlib
 
     import torch.nn.functional as F
 
     distill = importlib.import_module("multihead.heads.distill")
-    recover = importlib.import_module("multihead.heads.recover")
-    plain = distill.distillation_loss
+    plain = distill.loss_part
 
-    def weighted(s_layers, t_layers, s_out, t_out, real, *, lm):
-        loss = plain(s_layers, t_layers, s_out, t_out, real, lm=lm)
+    def weighted(s_layers, t_layers, s_out, t_out, real, totals, *, lm):
+        loss = plain(s_layers, t_layers, s_out, t_out, real, totals, lm=lm)
         if lm:
             return loss
-        w = real.unsqueeze(-1).to(s_out.dtype)  # (B, N, 1)
-        pooled_s, pooled_t = (s_out * w).sum(1) / w.sum(1), (t_out * w).sum(1) / w.sum(1)  # (B, d) each
-        return loss + (k - 1) * (1 - F.cosine_similarity(pooled_s, pooled_t, dim=-1)).mean()
+        w = real.unsqueeze(-1).to(s_out.dtype)  # (b, n, 1)
+        pooled_s, pooled_t = (s_out * w).sum(1) / w.sum(1), (t_out * w).sum(1) / w.sum(1)  # (b, d) each
+        return loss + (k - 1) * (1 - F.cosine_similarity(pooled_s, pooled_t, dim=-1)).sum() / totals.seqs
 
-    distill.distillation_loss = weighted  # the held-out check's
-    recover.distillation_loss = weighted  # the training step's
+    distill.loss_part = weighted  # what batch_loss and distillation_loss call
 
 
 def main() -> None:

@@ -178,24 +178,149 @@ def test_surgery_recipe_embedding_weight_experiment_adds_k_minus_one_cosines(mon
     from pathlib import Path
 
     distill = importlib.import_module("multihead.heads.distill")
-    recover_module = importlib.import_module("multihead.heads.recover")
-    plain = distill.distillation_loss
-    monkeypatch.setattr(distill, "distillation_loss", plain)  # restored after the test
-    monkeypatch.setattr(recover_module, "distillation_loss", plain)
+    plain = distill.loss_part
+    monkeypatch.setattr(distill, "loss_part", plain)  # restored after the test
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import surgery_recipe
 
     surgery_recipe.weight_embedding_term(3.0)
-    assert distill.distillation_loss is recover_module.distillation_loss is not plain
+    assert distill.loss_part is not plain
     g = torch.Generator().manual_seed(1)
     real = torch.ones(2, 3, dtype=torch.bool)  # (B, N)
     t_out, s_out = torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g)  # (B, N, d)
     layers = [torch.randn(2, 3, 6, generator=g)]
     cos = torch.nn.functional.cosine_similarity(s_out.mean(1), t_out.mean(1), dim=-1)  # (B,)
-    got = distill.distillation_loss(layers, layers, s_out, t_out, real, lm=False)
+    got = distill.distillation_loss(layers, layers, s_out, t_out, real, lm=False)  # through loss_part
     torch.testing.assert_close(got, 3 * (1 - cos).mean())
+    totals = distill.Totals(distill.layer_norms(layers, real), 6.0, 2)
+    half = distill.loss_part(layers, layers, s_out[:1], t_out[:1], real[:1], totals, lm=False)  # one input
+    torch.testing.assert_close(half, 3 * (1 - cos[0]) / 2)
     logits = torch.randn(2, 3, 5, generator=g)  # (B, N, V)
     torch.testing.assert_close(
         distill.distillation_loss(layers, layers, logits, logits, real, lm=True),
-        plain(layers, layers, logits, logits, real, lm=True),
-    )
+        plain(layers, layers, logits, logits, real, distill.Totals(distill.layer_norms(layers, real), 6.0, 2),
+              lm=True),
+    )  # fmt: skip
+
+
+def test_length_groups_partition_the_batch_at_the_cheapest_cuts():
+    """length_groups: every index once, each part a run of the lengths in sorted order, and the total cost
+    (overhead + count x longest per part) no more than any other split of the sorted order (all 2^(n-1)
+    splits of 9 lengths checked)."""
+    import itertools
+
+    from multihead.heads.distill import length_groups
+
+    lengths = [3, 128, 7, 14, 120, 2, 45, 9, 128]
+    for overhead in (0, 16, 64, 1000):
+        parts = length_groups(lengths, overhead)
+        assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+        flat = [lengths[i] for p in parts for i in p]
+        assert flat == sorted(lengths)
+
+        def cost(ps, overhead=overhead):
+            return sum(overhead + len(p) * max(p) for p in ps)
+
+        got = cost([[lengths[i] for i in p] for p in parts])
+        srt = sorted(lengths)
+        for cuts in itertools.product([0, 1], repeat=len(srt) - 1):
+            split, cur = [], [srt[0]]
+            for c, x in zip(cuts, srt[1:]):
+                if c:
+                    split.append(cur)
+                    cur = []
+                cur.append(x)
+            assert got <= cost([*split, cur])
+    assert len(length_groups(lengths, 0)) == len(set(lengths))  # no overhead: one part a length
+    assert len(length_groups(lengths, 10**6)) == 1  # a huge overhead: one pass
+    assert length_groups([], 64) == []
+
+
+@pytest.mark.parametrize("lm", [True, False])
+def test_batch_loss_in_parts_equals_one_padded_pass_with_its_gradient(lm):
+    """batch_loss runs a mixed-length batch in parts of similar length; the loss and the gradient it leaves
+    equal those of the whole batch padded into one pass (distillation_loss), for an LM and an encoder."""
+    from multihead.heads.distill import batch_loss, distillation_loss, length_groups
+
+    torch.manual_seed(0)
+    if lm:
+        teacher = _lm()
+        student = heads.to_mla(copy.deepcopy(teacher), 6)
+    else:
+        from multihead.pretrained.bert import Bert
+
+        config = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, max_position_embeddings=40)  # fmt: skip
+        teacher = Bert(config).eval()
+        student = heads.to_gqa(copy.deepcopy(teacher), 2)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(1, 50, (n,), generator=g).tolist() for n in (2, 17, 3, 30, 5, 29, 1, 8)]
+    assert len(length_groups([len(s) for s in seqs])) > 1  # the batch really is split
+    hooks = (Layers(student), Layers(teacher))
+    params = [p for n, p in student.named_parameters() if n in heads.changed_parameters(student, teacher)]
+    try:
+        for p in params:
+            p.grad = None
+        got = batch_loss(student, teacher, hooks, seqs, None, lm=lm, backward=True)
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        ids, real = access.pad_batch(seqs)  # (B, N) each
+        with torch.no_grad():
+            t_out = access.forward_ids(teacher, ids, real)
+            t_layers = hooks[1].take()
+        s_out = access.forward_ids(student, ids, real)
+        want = distillation_loss(hooks[0].take(), t_layers, s_out, t_out, real, lm=lm)
+        want.backward()
+    finally:
+        for h in hooks:
+            h.close()
+    assert got == pytest.approx(float(want.detach()), rel=1e-5)
+    assert got > 1e-4  # the surgery changed something
+    for a, p in zip(grads, params):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_teacher_cache_replaces_the_teacher_pass_within_its_budget():
+    """batch_loss with a TeacherCache: the first call runs the teacher and keeps its outputs, the second
+    runs no teacher pass and gives the same loss and gradient; a budget smaller than the batch keeps only
+    what fits (and the teacher runs again for the parts not wholly kept)."""
+    from multihead.heads.distill import TeacherCache, batch_loss
+
+    teacher = _lm()
+    student = heads.to_mla(copy.deepcopy(teacher), 6)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(1, 50, (n,), generator=g).tolist() for n in (2, 17, 3, 30, 5, 29)]
+    calls = []
+    handle = teacher.register_forward_hook(lambda *_: calls.append(1))
+    hooks = (Layers(student), Layers(teacher))
+    params = [p for n, p in student.named_parameters() if n in heads.changed_parameters(student, teacher)]
+
+    def run(cache):
+        for p in params:
+            p.grad = None
+        loss = batch_loss(student, teacher, hooks, seqs, None, lm=True, backward=True, keys=range(6),
+                          cache=cache)  # fmt: skip
+        return loss, [p.grad.clone() for p in params]
+
+    try:
+        plain, plain_grads = run(None)
+        cache = TeacherCache(2**30)
+        calls.clear()
+        first, _ = run(cache)
+        assert calls and all(k in cache for k in range(6))
+        calls.clear()
+        second, grads = run(cache)
+        assert not calls  # every part from the cache
+        small = TeacherCache(cache.used // 3)
+        run(small)
+        assert 0 < small.used <= small.budget and not all(k in small for k in range(6))
+    finally:
+        handle.remove()
+        for h in hooks:
+            h.close()
+    assert first == pytest.approx(plain, rel=1e-6) and second == pytest.approx(plain, rel=1e-5)
+    for a, b in zip(grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="teacher_cache_mb"):
+        heads.recover(student, teacher, _ids(), steps=1, teacher_cache_mb=-1, progress=False)

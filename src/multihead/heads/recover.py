@@ -24,6 +24,13 @@ keeps quality"), so that ``recover(student, teacher, texts, minutes=8)`` is the 
   over the budget; the student ends with the parameters of the best check (the unrecovered one
   included), and training stops after 6 checks without improvement.
 
+Minutes buy steps, so a step wastes nothing: a batch of mixed lengths (a word beside a 128-token
+docstring, most of one padded pass being padding) runs as a few parts of similar length, each padded to its
+own longest, with the loss written as sums over inputs normalised by the whole batch's totals, so the loss
+and the gradient are those of the one padded pass; and the frozen teacher's outputs are kept (up to
+``teacher_cache_mb``) so that later passes over the inputs skip it. Together: 1.9x the steps of one padded
+pass in the same minutes on MiniLM (BENCHMARKS.md, "Head surgery that keeps quality").
+
 Shape legend: B batch, N tokens, d width, V vocabulary.
 """
 

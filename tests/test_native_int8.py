@@ -257,6 +257,9 @@ def test_the_portable_and_avx2_int8_paths_pass_the_self_check(march, flag, isa, 
         x = torch.randn(200)
         ref, size = _reference(w8, scale, 64, *native_int8.quantize_activations(x))
         assert float(((native_int8.gemv_q8(w8, scale, x, None, 64).double() - ref).abs() / size).max()) < 1e-6
+        assert not native_int8.reads_blocked() and not quant.Int8GemvLinear(torch.nn.Linear(600, 3)).blocked
+        with pytest.raises(ValueError, match="blocked=True needs the AVX512-VNNI kernel"):
+            native_int8.gemv_q8(w8, scale, x, None, 64, blocked=True)
     finally:
         native._load.cache_clear()
 
@@ -280,3 +283,108 @@ def test_int8_cache_attention_every_head_dim_and_group_tail(d, n_heads, n_kv_hea
             model.hidden_states(prompt, cache=cache)
             hs.append(torch.stack([model.hidden_states(t.view(1, 1), cache=cache)[0, 0] for t in tokens]))
     torch.testing.assert_close(hs[0], hs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_blocked_layout_permutes_each_rows_columns_within_every_512():
+    """Stored byte 64 v + 4 l + t of every whole 512 columns is column 32 l + 4 v + t; the columns past the
+    last whole 512 stay; from_blocked undoes it (any leading dims)."""
+    from multihead.native.layout import from_blocked, to_blocked
+
+    cols = torch.arange(1100).expand(2, 3, 1100)  # (2, 3, I): each value its column
+    b = to_blocked(cols)
+    for j in (0, 1):
+        for v, l, t in ((0, 0, 0), (0, 1, 0), (1, 0, 2), (7, 15, 3), (3, 9, 1)):
+            assert int(b[1, 2, 512 * j + 64 * v + 4 * l + t]) == 512 * j + 32 * l + 4 * v + t
+    assert torch.equal(b[..., 1024:], cols[..., 1024:])
+    assert sorted(b[0, 0].tolist()) == list(range(1100))
+    assert torch.equal(from_blocked(b), cols)
+    assert torch.equal(to_blocked(cols[..., :300]), cols[..., :300])  # no whole 512: as it is
+
+
+needs_blocked = pytest.mark.skipif(
+    REASON is not None or not native_int8.reads_blocked(),
+    reason=f"the blocked layout is the AVX512-VNNI kernel's; here: {native_int8.isa() or REASON}",
+)
+
+
+@needs_blocked
+@pytest.mark.parametrize(
+    ("rows", "cols", "group"),
+    [(3, 512, 32), (5, 1024, None), (4, 1100, 32), (3, 1100, 64), (2, 2816, 128), (3, 1600, 192),
+     (6, 2048, 512), (2, 33000, 32)],
+)  # fmt: skip
+def test_int8_gemv_on_blocked_rows_matches_float64(rows, cols, group):
+    """The kernel on rows in the blocked layout (whole 512s and a tail; scales of every group size, per
+    row; past the stack's scratch) against float64 on the same int8 numbers in column order."""
+    from multihead.native.layout import to_blocked
+
+    g = torch.Generator().manual_seed(cols + rows)
+    w8, scale = quantize_groups(torch.randn(rows, cols, generator=g), group)
+    x = torch.randn(cols, generator=g) * 2  # (I,)
+    b = torch.randn(rows, generator=g)  # (O,)
+    y = native_int8.gemv_q8(to_blocked(w8), scale, x, b, group, blocked=True)
+    ref, size = _reference(w8, scale, group, *native_int8.quantize_activations(x), b)
+    assert float(((y.double() - ref).abs() / size).max()) < 1e-6
+
+
+@needs_blocked
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_gemv_linear_keeps_blocked_rows_and_a_state_dict_in_column_order(group, monkeypatch):
+    """Where the kernel reads the blocked layout an Int8GemvLinear keeps its rows so; int8_weight, the
+    dequantized weight and the state dict are in column order, and the state dict loads into a module
+    of either layout with the same outputs."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1100, 40)
+    layer = quant.Int8GemvLinear(lin, group)
+    w8, scale = quantize_groups(lin.weight, group)
+    assert layer.blocked and not torch.equal(layer.weight_int8, w8)
+    assert torch.equal(layer.int8_weight, w8) and torch.equal(layer.state_dict()["weight_int8"], w8)
+    torch.testing.assert_close(layer.dequantized(), dequantize_groups(w8, scale, group, torch.float32))
+    x = torch.randn(1100)
+    with torch.no_grad():
+        y = layer(x)
+        ref, size = _reference(w8, scale, group, *native_int8.quantize_activations(x), layer.bias)
+        assert float(((y.double() - ref).abs() / size).max()) < 1e-6
+        other = quant.Int8GemvLinear(torch.nn.Linear(1100, 40), group)
+        other.load_state_dict(layer.state_dict())
+        assert torch.equal(other.weight_int8, layer.weight_int8) and torch.equal(other(x), y)
+        monkeypatch.setattr(native_int8, "reads_blocked", lambda: False)  # a machine without the layout
+        plain = quant.Int8GemvLinear(torch.nn.Linear(1100, 40), group)
+        plain.load_state_dict(layer.state_dict())
+        assert not plain.blocked and torch.equal(plain.weight_int8, w8)
+        torch.testing.assert_close(plain(x), y, rtol=1e-5, atol=1e-5)
+    assert "blocked rows" in repr(layer)
+
+
+@needs_blocked
+@pytest.mark.parametrize("group", [None, 32])
+def test_native_steps_on_blocked_rows_follow_eager_steps_on_rows_in_order(group):
+    """A model wide enough for whole 512s (d 512, d_ff 1088): the native decode layer on blocked rows
+    follows the eager steps of the same model (1e-4), and those follow the eager steps with every row put
+    back in column order (the kernel's plain layout): the same numbers but for the fp32 order of the
+    block sums, which may move an activation's int8 rounding by one step (a few 1e-4 at most);
+    the tied embedding reads its blocked rows back in order."""
+    torch.manual_seed(0)
+    lm = mh.TransformerLM(300, 512, 2, 4, 1088, n_kv_heads=2).eval()
+    fast = quant.quantize(lm, weights="int8", kv=None, kernel="native", group_size=group)
+    eager = copy.deepcopy(fast)
+    eager.native_steps = False
+    plain = copy.deepcopy(eager)
+    for m in plain.modules():
+        if isinstance(m, quant.Int8GemvLinear):
+            assert m.blocked
+            m.weight_int8, m.blocked = m.int8_weight, False  # buffers: a new tensor in column order
+    plain.embed.weight_int8, plain.embed.blocked = plain.lm_head.weight_int8, False
+    ids = torch.tensor([[3, 299, 17]])
+    torch.testing.assert_close(fast.embed(ids), plain.embed(ids), rtol=0, atol=0)
+    prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 300, (5,), generator=torch.Generator().manual_seed(3))
+    hs = []
+    with torch.no_grad():
+        for model in (fast, eager, plain):
+            cache = model.make_cache(1, 32)
+            model.hidden_states(prompt, cache=cache)
+            hs.append(torch.stack([model.hidden_states(t.view(1, 1), cache=cache)[0, 0] for t in tokens]))
+    torch.testing.assert_close(hs[0], hs[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hs[1], hs[2], rtol=0, atol=3e-3)
+    assert float((hs[1] - hs[2]).abs().median()) < 1e-5

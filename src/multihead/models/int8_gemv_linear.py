@@ -13,6 +13,11 @@ where the CPU has it). Every other call (a prefill, a batch, training, another d
 kernels) is ``F.linear`` on the weight dequantized to the input's dtype: the same weights, the activation
 unrounded. ``mh.quant.quantize(model, weights="int8", kernel="native", group_size=...)`` builds it.
 
+Where the kernels are AVX512-VNNI's, the int8 rows are kept in the blocked layout they read fastest
+(:mod:`multihead.native.layout`: a permutation of each row's columns within every 512); ``blocked`` says
+so, :attr:`Int8GemvLinear.int8_weight` gives the rows in column order, and the state dict holds them in
+column order whatever the layout in memory, so a saved model loads on any machine.
+
 Shape legend: I input features, O output features, Gr = ceil(I / group_size) groups, ... leading dims.
 """
 
@@ -24,8 +29,11 @@ from torch import Tensor, nn
 
 from .. import native
 from ..native import int8 as native_int8
+from ..native import layout
 
-__all__ = ["Int8GemvLinear", "check_group_size", "dequantize_groups", "quantize_groups"]
+__all__ = [
+    "BlockedRows", "Int8GemvLinear", "check_group_size", "dequantize_groups", "quantize_groups",
+]  # fmt: skip
 
 
 def check_group_size(group_size: int | None) -> None:
@@ -72,7 +80,31 @@ def dequantize_groups(q: Tensor, scale: Tensor, group_size: int | None, dtype: t
     return (q.float() * per_value).to(dtype)  # (..., I)
 
 
-class Int8GemvLinear(nn.Module):
+class BlockedRows(nn.Module):
+    """A module whose int8 rows ``weight_int8`` (O, I) may lie in the blocked layout (``blocked``): the
+    rows in column order as :attr:`int8_weight`, and a state dict in column order both ways."""
+
+    weight_int8: Tensor
+    blocked: bool = False
+
+    @property
+    def int8_weight(self) -> Tensor:
+        """The int8 rows (O, I) in column order (a copy when blocked)."""
+        return layout.from_blocked(self.weight_int8) if self.blocked else self.weight_int8
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.blocked and prefix + "weight_int8" in destination:
+            destination[prefix + "weight_int8"] = self.int8_weight
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
+        key = prefix + "weight_int8"
+        if self.blocked and key in state_dict:
+            state_dict = {**state_dict, key: layout.to_blocked(state_dict[key])}
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class Int8GemvLinear(BlockedRows):
     """``y = x W^T + b`` with int8 W and fp32 scales per group (see the module doc).
 
     Args:
@@ -95,7 +127,8 @@ class Int8GemvLinear(nn.Module):
             group_size,
         )
         w8, scale = quantize_groups(linear.weight, group_size)
-        self.register_buffer("weight_int8", w8)  # (O, I) int8
+        self.blocked = native_int8.reads_blocked()  # the kernels' fastest layout, where they have one
+        self.register_buffer("weight_int8", layout.to_blocked(w8) if self.blocked else w8)  # (O, I) int8
         self.register_buffer("scale", scale)  # (O, Gr) or (O,) fp32
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
@@ -111,7 +144,7 @@ class Int8GemvLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight the int8 numbers stand for, (O, I) in ``dtype``."""
-        return dequantize_groups(self.weight_int8, self.scale, self.group_size, dtype)
+        return dequantize_groups(self.int8_weight, self.scale, self.group_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight_int8
@@ -126,13 +159,15 @@ class Int8GemvLinear(nn.Module):
             lib = native.library()
             if lib is not None:
                 x32 = x.reshape(-1).float().contiguous()  # (I,)
-                y = native_int8.run_q8(lib, w, self.scale, x32, self.bias, self.group_size)  # (O,)
+                args = (self.scale, x32, self.bias, self.group_size, self.blocked)
+                y = native_int8.run_q8(lib, w, *args)  # (O,)
                 return y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., O)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype), b)  # (..., O)
 
     def extra_repr(self) -> str:
         groups = "per output channel" if self.group_size is None else f"group_size={self.group_size}"
+        groups += ", blocked rows" if self.blocked else ""
         reason = self.why_not_native
         how = "native int8 GEMV for one row" if reason is None else f"F.linear ({reason})"
         return f"in_features={self.in_features}, out_features={self.out_features}, {groups}, {how}"

@@ -69,6 +69,8 @@ def _linear_weight(m: nn.Module, name: str, group: Any) -> tuple[Tensor | None, 
     if isinstance(m, Int8GemvLinear):
         if m.group_size != group[0]:
             return None, f"{name} has group size {m.group_size}, another layer {group[0]}"
+        if m.blocked != group[1]:
+            return None, f"{name} has {'blocked' if m.blocked else 'in-order'} int8 rows, another layer not"
         return m.weight_int8, None
     return m.weight, None
 
@@ -165,7 +167,7 @@ def why_not_model(model: Any, kv_approx: type | None = None, *, hooks: bool = Tr
     if getattr(model, "sliding_window", None) is not None:
         return "the model attends through a sliding window"
     first = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None)
-    group = (first.group_size,) if isinstance(first, Int8GemvLinear) else None
+    group = (first.group_size, first.blocked) if isinstance(first, Int8GemvLinear) else None
     emb = getattr(model, "embed", None)
     if getattr(model, "pos_embed", None) is not None:
         return "the model adds position embeddings"
@@ -312,12 +314,13 @@ class _Plan:
         s = (ctypes.c_void_p * 5)(*[None if t is None else t.data_ptr() for t in scales])
         self.keep += [w, s]
         group = getattr(projections[0], "group_size", None) or 1 << 62  # one scale per row: G >= any width
+        blocked = int(any(m.blocked for m, q in zip(projections, int8) if q))
         kv_scales = (kv.k_scale, kv.v_scale) if kv.kind == "int8" else (None, None)
         k_scale, v_scale = (None if t is None else t.data_ptr() for t in kv_scales)
         s_stride = 0 if kv_scales[0] is None else kv_scales[0].stride(1)
         k_v = (kv.k.data_ptr(), kv.v.data_ptr(), k_scale, v_scale, kv.k.stride(1), kv.v.stride(1), s_stride)
         g_attn, g_ffn = (t.data_ptr() for t in norms)
-        return (g_attn, g_ffn, ctypes.addressof(w), ctypes.addressof(s), group, *k_v)
+        return (g_attn, g_ffn, ctypes.addressof(w), ctypes.addressof(s), group, blocked, *k_v)
 
     def fits(self, cache: list[KVCache]) -> bool:
         """Whether this plan is of these caches and every weight still lies where it did."""

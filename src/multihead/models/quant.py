@@ -94,10 +94,11 @@ from ..backends.auto import first_fit
 from ..core.numerics import acc_dtype
 from ..core.problem import AttentionOutput, Problem
 from ..native import hugepages
+from ..native.layout import from_blocked
 from ..nn.kv_cache import KVCache, dequantize_int8, int8_rounded, quantize_int8
 from . import native_step
 from .gemv_linear import GemvLinear
-from .int8_gemv_linear import Int8GemvLinear, check_group_size, dequantize_groups
+from .int8_gemv_linear import BlockedRows, Int8GemvLinear, check_group_size, dequantize_groups
 from .lm import TransformerLM
 from .packed_linear import (
     PACKED_DTYPES,
@@ -243,7 +244,7 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel!r}"
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(BlockedRows):
     """Embedding rows stored as int8 with one fp32 scale per row; lookup dequantizes the rows it reads.
 
     Built from an ``nn.Embedding``, or from an :class:`Int8Linear` / :class:`Int8GemvLinear` whose
@@ -262,6 +263,7 @@ class Int8Embedding(nn.Module):
         if isinstance(source, (Int8Linear, Int8GemvLinear)):
             w8, scale = source.weight_int8, source.scale  # shared storage, not a copy
             self.group_size = getattr(source, "group_size", None)
+            self.blocked = getattr(source, "blocked", False)  # the head's layout: rows read back in order
         else:
             w8, scale = _per_channel(source.weight.detach())
         self.register_buffer("weight_int8", w8)  # (V, d) int8
@@ -270,6 +272,8 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         rows = F.embedding(ids, self.weight_int8)  # (..., d) int8
+        if self.blocked:
+            rows = from_blocked(rows)  # (..., d) in column order
         if self.group_size is not None:
             return dequantize_groups(rows, self.scale[ids], self.group_size, self.dtype)  # (..., d)
         return dequantize_int8(rows, self.scale[ids].unsqueeze(-1), self.dtype)  # (..., d)

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
-from . import build, cache, first_load
+from . import build, cache, first_load, layout
 
 __all__ = [
     "DTYPES",
@@ -154,11 +154,14 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
     lib.mh_q8_isa.restype = ctypes.c_int
     lib.mh_quantize_q8.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR]  # x, kind, n, xq, xs
     lib.mh_quantize_q8.restype = None
-    lib.mh_gemv_q8.argtypes = [*[_PTR] * 6, _I64, _I64, _I64, _I64]  # w, ws, xq, xs, b, y, O, I, ldw, G
-    lib.mh_gemv_q8.restype = ctypes.c_int  # 0, or -1: a row over 32768 wide found no scratch memory
+    # w, ws, xq, xs, b, y, O, I, ldw, G, blocked
+    lib.mh_gemv_q8.argtypes = [*[_PTR] * 6, *[_I64] * 4, ctypes.c_int]
+    lib.mh_gemv_q8.restype = ctypes.c_int  # 0, -1: no scratch memory, -2: blocked in a build without it
+    lib.mh_q8_blocked.restype = ctypes.c_int
     lib.mh_decode_layer_q8.argtypes = [
         *[_PTR] * 5,  # x, g_attn, g_ffn, the array of 5 weights, the array of their scales (NULL: float)
         _I64,  # group size G
+        ctypes.c_int,  # int8 weights in the blocked layout
         *[_PTR] * 4,  # k_cache, v_cache, k_scale, v_scale (NULL, NULL: a float cache)
         *[_I64] * 4,  # k head stride, v head stride, scale head stride, position
         *_LAYER_TAIL,
@@ -190,7 +193,7 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
 def _self_check_q8(lib: ctypes.CDLL, g: torch.Generator) -> str | None:
     """The int8 product against float64 torch on the same int8 numbers: per-row scales and groups of 32
     and 64, odd widths (every tail); the activations' rounding against torch.round's."""
-    for rows, cols, group in ((5, 7, 200), (3, 200, 32), (4, 1000, 64), (2, 1024, 1024)):
+    for rows, cols, group in ((5, 7, 200), (3, 200, 32), (4, 1000, 64), (2, 1024, 1024), (3, 1100, 32)):
         x = torch.randn(cols, generator=g)  # (I,)
         pad = (cols + 63) // 64 * 64
         xq, xs = torch.empty(pad, dtype=torch.int8), torch.empty(pad // 32)  # (I64,), (I64 / 32,)
@@ -203,27 +206,18 @@ def _self_check_q8(lib: ctypes.CDLL, g: torch.Generator) -> str | None:
         w = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)  # (O, I)
         n_groups = 1 if group >= cols else (cols + group - 1) // group
         ws = torch.rand(rows, n_groups, generator=g) + 0.5  # (O, groups)
-        y = torch.empty(rows)  # (O,)
-        lib.mh_gemv_q8(
-            w.data_ptr(),
-            ws.data_ptr(),
-            xq.data_ptr(),
-            xs.data_ptr(),
-            None,
-            y.data_ptr(),
-            rows,
-            cols,
-            cols,
-            group,
-        )
         wf = w.double() * ws.double().repeat_interleave(min(group, cols), 1)[:, :cols]  # (O, I)
         xf = (xq.double().view(-1, 32) * xs.double()[:, None]).view(-1)[:cols]  # (I,)
         ref = wf @ xf  # (O,)
-        err = float(((y.double() - ref).abs() / (wf.abs() @ xf.abs() + 1)).max())
-        if not err <= 1e-5:
-            return (
-                f"the built int8 kernel disagrees with torch ({rows}x{cols}, group {group}: error {err:.2e})"
-            )
+        for blocked in (0, 1) if lib.mh_q8_blocked() else (0,):
+            y = torch.empty(rows)  # (O,)
+            wl = layout.to_blocked(w) if blocked else w  # (O, I)
+            args = (xq.data_ptr(), xs.data_ptr(), None, y.data_ptr(), rows, cols, cols, group, blocked)
+            lib.mh_gemv_q8(wl.data_ptr(), ws.data_ptr(), *args)
+            err = float(((y.double() - ref).abs() / (wf.abs() @ xf.abs() + 1)).max())
+            if not err <= 1e-5:
+                how = f"{rows}x{cols} {'blocked' if blocked else 'in order'}, group {group}"
+                return f"the built int8 kernel disagrees with torch ({how}: error {err:.2e})"
     return None
 
 

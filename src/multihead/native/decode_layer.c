@@ -357,6 +357,7 @@ typedef struct {
     const void *w[5]; /* qkv, o, w1, w3, w2 */
     const float *s[5]; /* int8 weights: their group scales; NULL for weights of the storage dtype */
     int64_t group;
+    int blocked; /* int8 weights in the blocked layout (gemv_q8.c) */
     int8_t *xq; /* int8 weights: the quantized input of the last product (mh_quantize_q8) */
     float *xs;
     void *scratch; /* int8 weights: mh_gemv_q8_into's, 64-aligned */
@@ -371,7 +372,7 @@ static void project(const weights *W, int p, const void *x, void *y, int64_t row
     }
     if (fresh) mh_quantize_q8(x, kind, cols, W->xq, W->xs);
     mh_gemv_q8_into((const int8_t *)W->w[p], W->s[p], W->xq, W->xs, NULL, (float *)y, rows, cols, cols, W->group,
-                    W->scratch);
+                    W->blocked, W->scratch); /* cannot fail: the layout was checked on entry */
 }
 
 /* write the rotated key or the value of one kv head (D values of kind) at cache row dst: a copy, or for
@@ -404,13 +405,13 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
     const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = Hkv * per_head + F;
     const int64_t widest = d > Hq * D ? (d > F ? d : F) : (Hq * D > F ? Hq * D : F);
     const int64_t nq = (widest + 63) & ~(int64_t)63;
-    char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4 + nq / MH_Q8_BLOCK * 4 + nq + 64 + nq)); /* + scratch */
+    char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4 + nq / MH_Q8_BLOCK * 4 + nq + 64 + MH_Q8_SCRATCH(nq)));
     if (!buf) return -1;
     char *h = buf, *qkv = h + d * 4, *att = qkv + nqkv * 4, *gate = att + Hq * D * 4, *up = gate + F * 4;
     float *heads = (float *)(buf + n_act * 4), *act = heads + Hkv * per_head;
     W->xs = act + F;
     W->xq = (int8_t *)(W->xs + nq / MH_Q8_BLOCK);
-    W->scratch = (void *)(((uintptr_t)(W->xq + nq) + 63) & ~(uintptr_t)63); /* nq bytes at 64 */
+    W->scratch = (void *)(((uintptr_t)(W->xq + nq) + 63) & ~(uintptr_t)63); /* MH_Q8_SCRATCH(nq) at 64 */
 
     /* attention block */
     mh_rms_norm(x, g_attn, h, d, eps, kind);
@@ -459,24 +460,26 @@ int mh_decode_layer(void *x, const void *g_attn, const void *w_qkv, const void *
                     int64_t k_head_stride, int64_t v_head_stride, int64_t pos, const float *cos,
                     const float *sin, int interleaved, int64_t d, int64_t Hq, int64_t Hkv, int64_t D,
                     int64_t F, float eps, float scale, int kind) {
-    weights W = {{w_qkv, w_o, w1, w3, w2}, {NULL, NULL, NULL, NULL, NULL}, 0, NULL, NULL, NULL};
+    weights W = {{w_qkv, w_o, w1, w3, w2}, {NULL, NULL, NULL, NULL, NULL}, 0, 0, NULL, NULL, NULL};
     return layer(x, g_attn, g_ffn, &W, k_cache, v_cache, NULL, NULL, k_head_stride, v_head_stride, 0, pos, cos,
                  sin, interleaved, d, Hq, Hkv, D, F, eps, scale, kind, kind);
 }
 
 /* The same layer with int8 weights (w[5]: qkv, o, w1, w3, w2, each int8 (rows, cols) with fp32 scales
- * s[5] per group of G inputs, as mh_gemv_q8; s[i] NULL: that weight is of the storage dtype) and / or an
+ * s[5] per group of G inputs, as mh_gemv_q8, in the blocked layout when blocked != 0; s[i] NULL: that
+ * weight is of the storage dtype) and / or an
  * int8 cache (k_scale, v_scale: fp32 (Hkv, max_len) at head stride s_head_stride, the int8 K / V of the
  * cache at their head strides; both NULL: a cache of the storage dtype). int8 weights need fp32
- * activations (kind MH_F32). Returns 0, -1 without scratch memory, -2 for int8 weights and another kind. */
+ * activations (kind MH_F32). Returns 0, -1 without scratch memory, -2 for int8 weights and another kind
+ * (or blocked ones in a build that does not read them). */
 int mh_decode_layer_q8(void *x, const void *g_attn, const void *g_ffn, const void *const *w,
-                       const float *const *s, int64_t G, void *k_cache, void *v_cache, float *k_scale,
+                       const float *const *s, int64_t G, int blocked, void *k_cache, void *v_cache, float *k_scale,
                        float *v_scale, int64_t k_head_stride, int64_t v_head_stride, int64_t s_head_stride,
                        int64_t pos, const float *cos, const float *sin, int interleaved, int64_t d, int64_t Hq,
                        int64_t Hkv, int64_t D, int64_t F, float eps, float scale, int kind) {
-    weights W = {{w[0], w[1], w[2], w[3], w[4]}, {s[0], s[1], s[2], s[3], s[4]}, G, NULL, NULL, NULL};
+    weights W = {{w[0], w[1], w[2], w[3], w[4]}, {s[0], s[1], s[2], s[3], s[4]}, G, blocked, NULL, NULL, NULL};
     for (int i = 0; i < 5; i++)
-        if (s[i] && kind != MH_F32) return -2;
+        if (s[i] && (kind != MH_F32 || (blocked && !mh_q8_blocked()))) return -2;
     const int ckind = k_scale && v_scale ? MH_I8 : kind;
     return layer(x, g_attn, g_ffn, &W, k_cache, v_cache, k_scale, v_scale, k_head_stride, v_head_stride,
                  s_head_stride, pos, cos, sin, interleaved, d, Hq, Hkv, D, F, eps, scale, kind, ckind);

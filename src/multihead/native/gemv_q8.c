@@ -13,6 +13,13 @@
  * partial sums (no horizontal sum per block).
  *
  * Dot products, chosen by the compiler's target (-march=native):
+ * Layouts: a row as it is ("plain"), or "blocked" (blocked != 0, AVX512-VNNI builds only): every whole
+ * 512 columns of a row (16 blocks of 32) stored with their blocks interleaved four bytes at a time, byte
+ * 64 v + 4 l + t holding column 32 l + 4 v + t (v 0-7, l 0-15, t 0-3); the columns past the last whole
+ * 512 as they are. Then lane l of each of the 8 vectors belongs to block l, VPDPBUSD keeps a block's whole
+ * sum in one int32 lane, and its scale is applied once per 512 columns instead of once per 64 (measured on
+ * a Zen 5 core: 1.05-1.2x the read rate of the plain layout on 1024-2816 wide rows, groups of 32).
+ *
  * - AVX512-VNNI (VPDPBUSD: u8 x s8 -> int32, 64 bytes at once): the weights offset to u8 (w + 128, one
  *   xor) times x as s8, each int32 lane starting at -128 * (its four x), made once per product for every
  *   row; the fp32 work of 16 blocks' scales done once per 512 columns (measured on a Zen 5 core: 1.3x
@@ -43,7 +50,7 @@
 
 int mh_q8_isa(void) { return MH_Q8_ISA; }
 
-#define MH_Q8_STACK_BYTES 32768 /* mh_gemv_q8's scratch on the stack: rows up to 32768 wide */
+#define MH_Q8_STACK_BYTES 32768 /* mh_gemv_q8's scratch on the stack up to this many bytes */
 
 /* x (n values of the storage dtype kind) -> xq (ceil64(n) int8, zeros past n) and xs (ceil64(n) / 32
  * fp32 block scales, zeros past the last block). */
@@ -117,12 +124,28 @@ static inline __m512i offset_start(const int8_t *x) {
  * in one vector) and each step permutes its two blocks' scales out of it; four accumulators. The last
  * partial step reads the row with a masked load: nothing past the row is touched. */
 static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, const float *xs,
-                           const __m512i *start, int64_t cols, int64_t G, int shift, int per_row) {
+                           const __m512i *start, const __m512i *bstart, int64_t cols, int64_t G, int shift,
+                           int per_row) {
     const int64_t nc = (cols + 63) / 64, full = cols / 64, nblocks = (cols + 31) / 32;
     const __mmask64 tail = cols % 64 ? (((__mmask64)1 << (cols % 64)) - 1) : ~(__mmask64)0;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t j = 0;
+    if (bstart) /* blocked: lane l of the 8 vectors of 512 columns holds block 16 j + l */
+        for (; 8 * j + 8 <= full; j++) {
+            __m512 sc = _mm512_loadu_ps(xs + 16 * j);
+            if (!per_row) sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, 0xFFFF));
+            const int8_t *rj = r + 512 * j, *xj = xq + 512 * j;
+            __m512i s0 = bstart[j], s1 = _mm512_setzero_si512(); /* two chains of VPDPBUSD */
+#define MH_Q8_BSTEP(k, acc) \
+    acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(rj + 64 * k), flip), _mm512_loadu_si512(xj + 64 * k));
+            MH_Q8_BSTEP(0, s0) MH_Q8_BSTEP(1, s1) MH_Q8_BSTEP(2, s0) MH_Q8_BSTEP(3, s1)
+            MH_Q8_BSTEP(4, s0) MH_Q8_BSTEP(5, s1) MH_Q8_BSTEP(6, s0) MH_Q8_BSTEP(7, s1)
+#undef MH_Q8_BSTEP
+            const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)); /* 16 blocks' exact sums */
+            if (j & 1) a1 = _mm512_fmadd_ps(sums, sc, a1);
+            else a0 = _mm512_fmadd_ps(sums, sc, a0);
+        }
     for (; 8 * j + 8 <= full; j++) { /* 8 whole steps: 512 columns, 16 blocks */
         __m512 sc = _mm512_loadu_ps(xs + 16 * j);
         if (!per_row) sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, 0xFFFF));
@@ -194,20 +217,38 @@ static float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, const f
 
 /* y (rows fp32) = W8 x + b: ws (rows, ldws) fp32 group scales (ldws = ceil(cols / G), 1 per row when
  * G >= cols), xq / xs from mh_quantize_q8 of x, b (rows fp32) or NULL. G: a multiple of 32, or >= cols.
- * scratch: ceil64(cols) bytes aligned to 64 (each lane's start for the AVX-512 rows; unused elsewhere). */
-void mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
-                     int64_t rows, int64_t cols, int64_t ldw, int64_t G, void *scratch) {
+ * blocked: the weights in the blocked layout (AVX512-VNNI builds; elsewhere -2). scratch: MH_Q8_SCRATCH(cols)
+ * bytes aligned to 64 (each lane's start, x in the blocked order; unused without AVX-512). Returns 0 or -2. */
+int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
+                    int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked, void *scratch) {
     const int per_row = G >= cols;
     const int64_t ldws = per_row ? 1 : (cols + G - 1) / G;
 #if MH_Q8_ISA == 3
     int shift = -1; /* G = 32 << shift up to 512; -1: scales gathered */
     for (int e = 0; e <= 4; e++)
         if (G == ((int64_t)32 << e)) shift = e;
-    __m512i *start = scratch; /* made once for every row */
-    for (int64_t c = 0; c < (cols + 63) / 64; c++) start[c] = offset_start(xq + 64 * c);
-#define MH_Q8_ROW(r, wsr) row_q8(r, wsr, xq, xs, start, cols, G, shift, per_row)
+    const int64_t nc = (cols + 63) / 64, chunks = cols / 512;
+    __m512i *start = scratch, *bstart = NULL; /* made once for every row */
+    const int8_t *xv = xq;
+    if (blocked) { /* x in the weights' order (the columns past the whole 512 as they are) */
+        int8_t *xb = (int8_t *)(start + nc);
+        memcpy(xb, xq, (size_t)(64 * nc));
+        for (int64_t j = 0; j < chunks; j++)
+            for (int v = 0; v < 8; v++)
+                for (int l = 0; l < 16; l++) memcpy(xb + 512 * j + 64 * v + 4 * l, xq + 512 * j + 32 * l + 4 * v, 4);
+        xv = xb;
+        bstart = (__m512i *)(xb + 64 * nc);
+    }
+    for (int64_t c = 0; c < nc; c++) start[c] = offset_start(xv + 64 * c);
+    for (int64_t j = 0; blocked && j < chunks; j++) { /* lane l: -128 * (block 16 j + l's 32 x) */
+        __m512i acc = start[8 * j];
+        for (int k = 1; k < 8; k++) acc = _mm512_add_epi32(acc, start[8 * j + k]);
+        bstart[j] = acc;
+    }
+#define MH_Q8_ROW(r, wsr) row_q8(r, wsr, xv, xs, start, bstart, cols, G, shift, per_row)
 #else
     (void)scratch;
+    if (blocked) return -2; /* the blocked layout is AVX512-VNNI's */
 #define MH_Q8_ROW(r, wsr) row_q8(r, wsr, xq, xs, cols, G, per_row)
 #endif
     MH_PARALLEL_ROWS
@@ -218,17 +259,22 @@ void mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const f
         y[o] = b ? s + b[o] : s;
     }
 #undef MH_Q8_ROW
+    return 0;
 }
 
-/* mh_gemv_q8_into with its scratch on the stack up to 32768 columns, else allocated. Returns 0, or -1
- * when that allocation fails (y then unwritten). */
+/* mh_gemv_q8_into with its scratch (MH_Q8_SCRATCH(cols) bytes) on the stack up to 32768 bytes, else
+ * allocated. Returns 0, -1 when that allocation fails, -2 for the blocked layout in a build that is not
+ * AVX512-VNNI's (y then unwritten). */
 int mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
-               int64_t rows, int64_t cols, int64_t ldw, int64_t G) {
-    const int64_t bytes = (cols + 63) & ~(int64_t)63;
+               int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked) {
+    const int64_t bytes = MH_Q8_SCRATCH(cols);
     _Alignas(64) int8_t local[MH_Q8_STACK_BYTES];
     void *scratch = bytes <= MH_Q8_STACK_BYTES ? local : aligned_alloc(64, (size_t)bytes);
     if (!scratch) return -1;
-    mh_gemv_q8_into(w, ws, xq, xs, b, y, rows, cols, ldw, G, scratch);
+    const int status = mh_gemv_q8_into(w, ws, xq, xs, b, y, rows, cols, ldw, G, blocked, scratch);
     if (scratch != (void *)local) free(scratch);
-    return 0;
+    return status;
 }
+
+/* whether this build reads the blocked layout (AVX512-VNNI) */
+int mh_q8_blocked(void) { return MH_Q8_ISA == 3; }

@@ -18,8 +18,12 @@ import torch
 from torch import Tensor
 
 from . import library, unavailable
+from .layout import CHUNK, from_blocked, to_blocked
 
-__all__ = ["BLOCK", "ISA", "gemv_q8", "isa", "quantize_activations", "run_q8"]
+__all__ = [
+    "BLOCK", "CHUNK", "ISA", "from_blocked", "gemv_q8", "isa", "quantize_activations", "reads_blocked",
+    "run_q8", "to_blocked",
+]  # fmt: skip
 
 BLOCK = 32  # activation values per int8 scale (native.h's MH_Q8_BLOCK)
 ISA = ("portable C", "AVX2", "AVX-VNNI", "AVX512-VNNI")  # by gemv_q8.c's MH_Q8_ISA
@@ -29,6 +33,12 @@ def isa() -> str | None:
     """The instructions the int8 product uses here (:data:`ISA`), or None without the kernels."""
     lib = library()
     return None if lib is None else ISA[int(lib.mh_q8_isa())]
+
+
+def reads_blocked() -> bool:
+    """Whether the built kernels read the blocked weight layout (:func:`to_blocked`; AVX512-VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.mh_q8_blocked())
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -60,7 +70,12 @@ def _checked_library() -> ctypes.CDLL:
 
 
 def gemv_q8(
-    weight: Tensor, scale: Tensor, x: Tensor, bias: Tensor | None = None, group_size: int | None = None
+    weight: Tensor,
+    scale: Tensor,
+    x: Tensor,
+    bias: Tensor | None = None,
+    group_size: int | None = None,
+    blocked: bool = False,
 ) -> Tensor:
     """``(weight * scale) @ x + bias`` with x rounded to int8 per block of 32 (see the module doc).
 
@@ -70,14 +85,17 @@ def gemv_q8(
         x: fp32 (I,).
         bias: fp32 (O,) or None.
         group_size: inputs per weight scale: 32 or a multiple of 64; None for one scale per row.
+        blocked: the weight's rows are in the blocked layout (:func:`to_blocked`; needs
+            :func:`reads_blocked`); the scales stay in column order.
 
     Returns:
         fp32 (O,).
 
     Raises:
         ValueError: the kernels are unavailable; dtypes, devices or shapes that do not match; a group size
-            other than 32 or a multiple of 64; an input that requires grad with grad enabled.
-        MemoryError: a row wider than 32768 and no memory for the product's scratch (its width in bytes).
+            other than 32 or a multiple of 64; an input that requires grad with grad enabled;
+            ``blocked`` where the kernel does not read that layout.
+        MemoryError: a row over 10900 wide and no memory for the product's scratch (3 x its width in bytes).
     """
     lib = _checked_library()
     tensors = [weight, scale, x] if bias is None else [weight, scale, x, bias]
@@ -100,14 +118,24 @@ def gemv_q8(
         raise ValueError(f"gemv_q8 needs bias (O,) = ({rows},), got {tuple(bias.shape)}")
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("gemv_q8 has no backward; call it under torch.no_grad()")
-    return run_q8(lib, weight.contiguous(), scale.contiguous(), x.contiguous(), bias, group_size)
+    if blocked and not lib.mh_q8_blocked():
+        raise ValueError(
+            f"blocked=True needs the AVX512-VNNI kernel, this one is {isa()}: pass weights in column order"
+        )
+    return run_q8(lib, weight.contiguous(), scale.contiguous(), x.contiguous(), bias, group_size, blocked)
 
 
 def run_q8(
-    lib: ctypes.CDLL, weight: Tensor, scale: Tensor, x: Tensor, bias: Tensor | None, group_size: int | None
+    lib: ctypes.CDLL,
+    weight: Tensor,
+    scale: Tensor,
+    x: Tensor,
+    bias: Tensor | None,
+    group_size: int | None,
+    blocked: bool = False,
 ) -> Tensor:
-    """:func:`gemv_q8` without the checks, for callers that made them once: weight int8 (O, I) and scale
-    fp32 contiguous, x fp32 (I,) and bias fp32 (O,) contiguous -> fp32 (O,)."""
+    """:func:`gemv_q8` without the checks, for callers that made them once: weight int8 (O, I) (blocked
+    or not) and scale fp32 contiguous, x fp32 (I,) and bias fp32 (O,) contiguous -> fp32 (O,)."""
     rows, cols = weight.shape
     xq, xs = _quantize(lib, x)
     y = torch.empty(rows)  # (O,)
@@ -124,7 +152,11 @@ def run_q8(
         cols,
         cols,
         group,
+        int(blocked),
     )
+    if status == -2:
+        raise ValueError(f"the blocked layout needs the AVX512-VNNI kernel, this one is {isa()}")
     if status != 0:
-        raise MemoryError(f"the int8 GEMV could not allocate {-(-cols // 64) * 64} bytes of scratch")
+        need = 3 * (-(-cols // 64) * 64) + 64
+        raise MemoryError(f"the int8 GEMV could not allocate {need} bytes of scratch")
     return y

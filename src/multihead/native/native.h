@@ -79,11 +79,15 @@ static inline float mh_get(const void *p, int64_t i, int kind) {
 /* int8 products (gemv_q8.c): activations quantized in blocks of MH_Q8_BLOCK values */
 #define MH_Q8_BLOCK 32
 void mh_quantize_q8(const void *x, int kind, int64_t n, int8_t *xq, float *xs);
+/* 0, -1 without scratch memory, -2: the blocked layout (blocked != 0) in a build without AVX512-VNNI */
 int mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
-               int64_t rows, int64_t cols, int64_t ldw, int64_t G); /* 0, or -1 without scratch memory */
-/* the same with the caller's scratch: ceil64(cols) bytes aligned to 64; cannot fail */
-void mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b,
-                     float *y, int64_t rows, int64_t cols, int64_t ldw, int64_t G, void *scratch);
+               int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked);
+int mh_q8_blocked(void); /* whether this build reads the blocked layout */
+/* mh_gemv_q8's scratch: each lane's start, x in the blocked order, the blocks' starts */
+#define MH_Q8_SCRATCH(cols) (3 * (((cols) + 63) & ~(int64_t)63) + 64)
+/* the same with the caller's scratch: MH_Q8_SCRATCH(cols) bytes aligned to 64; fails only as -2 above */
+int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b,
+                    float *y, int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked, void *scratch);
 
 void mh_gemv_f32(const float *w, const float *x, const float *b, float *y, int64_t rows, int64_t cols,
                  int64_t ldw);

@@ -11,11 +11,18 @@ samples are interleaved by :func:`multihead.bench.timing.measure_all`, so load f
 both alike. Prints the median step of each build with its spread, their ratio (this / other), and the
 same at an empty cache (the attention's share is the difference). Only the layers differ: the embedding
 lookup and the final norm are this tree's; the output head is not in the step.
+
+    python benchmarks/native_layers_ab.py --layouts --precision int8 --context 256 --threads 1
+
+compares instead, with this tree's library alone, the int8 model whose rows lie in the blocked layout
+(what ``quantize`` keeps where the kernel is AVX512-VNNI's) against a copy of it with every row put back
+in column order (the kernel's plain layout), the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import subprocess
 import tempfile
 from pathlib import Path
@@ -57,14 +64,65 @@ def build_other(src: Path, out: Path) -> Path:
     return lib
 
 
+def in_column_order(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of an int8 model with every blocked row put back in column order (the tied embedding too).
+
+    Raises:
+        ValueError: a model without blocked int8 rows.
+    """
+    out = copy.deepcopy(model)
+    linears = [m for m in out.modules() if isinstance(m, quant.Int8GemvLinear) and m.blocked]
+    if not linears:
+        raise ValueError("the model has no blocked int8 rows (int8 weights on an AVX512-VNNI kernel have)")
+    for m in out.modules():
+        if isinstance(m, (quant.Int8GemvLinear, quant.Int8Embedding)) and m.blocked:
+            m.weight_int8, m.blocked = m.int8_weight, False
+    return out
+
+
+def _timed(models: dict, context: int, precision: str, threads: int, lib_of: dict) -> None:
+    """Interleaved decode steps of each named model (with its own cache and library), at ``context``
+    cached positions and at none; prints both and the ratio of the first name to the second."""
+    kind = "int8" if PRECISIONS[precision]["kv"] == "int8" else "dense"
+    prompt = torch.randint(4, next(iter(models.values())).vocab_size, (1, max(context, 1)))
+    plans, caches = {}, {}
+    for name, model in models.items():
+        cache = caches[name] = model.make_cache(1, context + 8, kind)
+        if context:
+            model.hidden_states(prompt, cache=cache)
+        plans[name] = native_step._Plan(model, cache, lib_of[name])
+    ids = torch.tensor([[5]])  # (1, 1)
+
+    def step(name: str, at: int) -> None:
+        model, cache = models[name], caches[name]
+        model.__dict__["_native_plan"] = plans[name]
+        for kv in cache:  # back to `at` positions: the step writes position `at` again
+            kv.reset()
+            if at:
+                kv.advance(at)
+        native_step.decode_step(model, ids, cache)
+
+    first, second = list(models)
+    for at in (context, 0):
+        got = timing.measure_all({k: (lambda k=k, at=at: step(k, at)) for k in models}, min_total=2.0)
+        ratio = timing.compare(got[first], got[second])
+        print(
+            f"{precision}, {threads} thread(s), {at} cached positions: "
+            f"{second} {got[second]}, {first} {got[first]}, {first} / {second} {ratio}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("other_src", type=Path, help="the other tree's src directory")
+    p.add_argument("other_src", type=Path, nargs="?", help="the other tree's src directory")
+    p.add_argument("--layouts", action="store_true", help="blocked int8 rows against rows in column order")
     p.add_argument("--precision", default="int8", choices=list(PRECISIONS))
     p.add_argument("--preset", default="llama-155m")
     p.add_argument("--context", type=int, default=256, help="cached positions before the step (default 256)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    if (args.other_src is None) == (not args.layouts):
+        raise SystemExit("give the other tree's src directory, or --layouts (not both)")
     reason = native.unavailable()
     if reason is not None:
         raise SystemExit(f"the native kernels are unavailable here: {reason}")
@@ -74,31 +132,19 @@ def main() -> None:
     why = getattr(model, "why_not_native_steps", None)
     if why is not None:
         raise SystemExit(f"this model takes no native steps: {why}")
-    kind = "int8" if PRECISIONS[args.precision]["kv"] == "int8" else "dense"
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        if args.layouts:
+            try:
+                plain = in_column_order(model)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+            lib = native.library()
+            models = {"blocked": model, "in order": plain}
+            _timed(models, args.context, args.precision, args.threads, dict.fromkeys(models, lib))
+            return
         other = native.open_library(build_other(args.other_src, Path(tmp)))
-        libs = {"other": other, "this": native.library()}
-        cache = model.make_cache(1, args.context + 8, kind)
-        if args.context:
-            model.hidden_states(torch.randint(4, model.vocab_size, (1, args.context)), cache=cache)
-        plans = {k: native_step._Plan(model, cache, lib) for k, lib in libs.items()}
-        ids = torch.tensor([[5]])  # (1, 1)
-
-        def step(which: str, at: int) -> None:
-            model.__dict__["_native_plan"] = plans[which]
-            for kv in cache:  # back to `at` positions: the step writes position `at` again
-                kv.reset()
-                if at:
-                    kv.advance(at)
-            native_step.decode_step(model, ids, cache)
-
-        for at in (args.context, 0):
-            got = timing.measure_all({k: (lambda k=k, at=at: step(k, at)) for k in libs}, min_total=2.0)
-            ratio = timing.compare(got["this"], got["other"])
-            print(
-                f"{args.precision}, {args.threads} thread(s), {at} cached positions: "
-                f"other {got['other']}, this {got['this']}, this / other {ratio}"
-            )
+        models = {"this": model, "other": model}
+        _timed(models, args.context, args.precision, args.threads, {"this": native.library(), "other": other})
 
 
 if __name__ == "__main__":

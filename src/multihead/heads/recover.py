@@ -266,6 +266,9 @@ def recover(
     lr = (LM_LR if lm else ENCODER_LR) if lr is None else lr
     if not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
         raise ValueError(f"lr must be a number > 0 or None, got {lr!r}")
+    ok = isinstance(teacher_cache_mb, (int, float)) and not isinstance(teacher_cache_mb, bool)
+    if not (ok and 0 <= teacher_cache_mb < math.inf):
+        raise ValueError(f"teacher_cache_mb must be a number >= 0 (MiB), got {teacher_cache_mb!r}")
     names = _trained_names(student, teacher, train)
     strings = isinstance(texts, Sequence) and not isinstance(texts, str) and len(texts) > 0
     if lengths == "mixed" and strings and all(isinstance(t, str) for t in texts):
@@ -278,8 +281,6 @@ def recover(
     device = model_device(student)
     opt = torch.optim.AdamW(list(trained.values()), lr=lr, weight_decay=0.0)
     hooks = (Layers(student), Layers(teacher))
-    if not (isinstance(teacher_cache_mb, (int, float)) and 0 <= teacher_cache_mb < math.inf):
-        raise ValueError(f"teacher_cache_mb must be a number >= 0 (MiB), got {teacher_cache_mb!r}")
     cache = TeacherCache(int(teacher_cache_mb * 2**20))
     judge = HeldOut(held, batch_size, device, lm, cache) if held else None
     teacher_mode, limit = teacher.training, None if minutes is None else 60.0 * minutes

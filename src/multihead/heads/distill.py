@@ -64,8 +64,7 @@ def distillation_loss(
     Raises:
         ValueError: layer counts that differ.
     """
-    w = real.unsqueeze(-1)  # (B, N, 1)
-    totals = Totals(layer_norms(t_layers, real), float(w.sum()), real.shape[0])
+    totals = Totals(layer_norms(t_layers, real), float(real.sum()), real.shape[0])
     return loss_part(s_layers, t_layers, s_out, t_out, real, totals, lm=lm)
 
 
@@ -217,9 +216,10 @@ def batch_loss(student: nn.Module, teacher: nn.Module, hooks: tuple[Layers, Laye
         for g, (ids, real) in zip(groups, parts):
             part_keys = None if keys is None else [keys[i] for i in g]
             targets.append(_targets(teacher, hooks, ids, real, part_keys, cache))
-        norms = sum(layer_norms(t_layers, real) for (t_layers, _), (_, real) in zip(targets, parts))
+        per_part = [layer_norms(t_layers, real) for (t_layers, _), (_, real) in zip(targets, parts)]
+        norms = torch.stack(per_part).sum(0)  # (L,): each layer's energy over the whole batch
     tokens = sum(int(real.sum()) for _, real in parts)
-    totals = Totals(torch.as_tensor(norms), float(tokens), len(seqs))
+    totals = Totals(norms, float(tokens), len(seqs))
     total = 0.0
     for (ids, real), (t_layers, t_out) in zip(parts, targets):
         with torch.set_grad_enabled(backward):

@@ -12,7 +12,6 @@
  * bandwidth: one row at a time, independent accumulators, the block scales applied to whole vectors of
  * partial sums (no horizontal sum per block).
  *
- * Dot products, chosen by the compiler's target (-march=native):
  * Layouts: a row as it is ("plain"), or "blocked" (blocked != 0, AVX512-VNNI builds only): every whole
  * 512 columns of a row (16 blocks of 32) stored with their blocks interleaved four bytes at a time, byte
  * 64 v + 4 l + t holding column 32 l + 4 v + t (v 0-7, l 0-15, t 0-3); the columns past the last whole
@@ -20,6 +19,7 @@
  * sum in one int32 lane, and its scale is applied once per 512 columns instead of once per 64 (measured on
  * a Zen 5 core: 1.05-1.2x the read rate of the plain layout on 1024-2816 wide rows, groups of 32).
  *
+ * Dot products, chosen by the compiler's target (-march=native):
  * - AVX512-VNNI (VPDPBUSD: u8 x s8 -> int32, 64 bytes at once): the weights offset to u8 (w + 128, one
  *   xor) times x as s8, each int32 lane starting at -128 * (its four x), made once per product for every
  *   row; the fp32 work of 16 blocks' scales done once per 512 columns (measured on a Zen 5 core: 1.3x

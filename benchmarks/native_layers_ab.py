@@ -3,14 +3,15 @@
     git worktree add /tmp/before <commit>
     python benchmarks/native_layers_ab.py /tmp/before/src --precision int8 --context 256 --threads 1
 
-Builds the other tree's native C sources (``multihead/native/*.c``) with this tree's compiler flags into
-a temporary directory, loads them with this tree's declarations, and times one decode step of a
-quantized ``llama-155m`` (random weights) through each build: the layers' plans differ only in the
-library they call, the cache is reset to ``--context`` positions before every step, and the two steps'
-samples are interleaved by :func:`multihead.bench.timing.measure_all`, so load from other work slows
-both alike. Prints the median step of each build with its spread, their ratio (this / other), and the
-same at an empty cache (the attention's share is the difference). Only the layers differ: the embedding
-lookup and the final norm are this tree's; the output head is not in the step.
+Builds the other tree's native C sources (``multihead/native/*.c``) with this tree's compiler flags into a
+temporary directory, loads them with this tree's declarations (so the other tree must have this one's
+entry points: ``mh_decode_layers``, a step's layers in one call, from 2026-11-27 on), and times one decode
+step of a quantized ``llama-155m`` (random weights) through each build: the layers' plans differ only in
+the library they call, the cache is reset to ``--context`` positions before every step, and the two steps'
+samples are interleaved by :func:`multihead.bench.timing.measure_all`, so load from other work slows both
+alike. Prints the median step of each build with its spread, their ratio (this / other), and the same at
+an empty cache (the attention's share is the difference). Only the layers and the final norm differ: the
+embedding lookup is this tree's; the output head is not in the step.
 
     python benchmarks/native_layers_ab.py --layouts --precision int8 --context 256 --threads 1
 

@@ -388,3 +388,25 @@ def test_native_steps_on_blocked_rows_follow_eager_steps_on_rows_in_order(group)
     torch.testing.assert_close(hs[0], hs[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(hs[1], hs[2], rtol=0, atol=3e-3)
     assert float((hs[1] - hs[2]).abs().median()) < 1e-5
+
+
+@needs_native
+@pytest.mark.parametrize("group", [None, 32, 64])
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_int8_embedding_row_from_one_native_call_equals_the_lookup(group, tied):
+    """The decode step's embedding lookup (``native_row``): the same fp32 values as the module's forward,
+    for a table of its own (one scale per row) and one tied to the head (its group scales, its layout:
+    blocked where the kernel is AVX512-VNNI's; d 544 = a whole 512 and a tail)."""
+    torch.manual_seed(0)
+    lm = mh.TransformerLM(300, 544, 1, 4, 64, n_kv_heads=2, tie_embeddings=tied).eval()
+    q = quant.quantize(lm, weights="int8", kv=None, kernel="native", group_size=group)
+    assert (q.embed.weight_int8 is q.lm_head.weight_int8) == tied
+    assert q.embed.blocked == (tied and native_int8.reads_blocked())
+    for i in (0, 7, 299):
+        row = q.embed.native_row(i)
+        assert row is not None and row.shape == (544,)
+        assert torch.equal(row, q.embed(torch.tensor([i]))[0])
+    with pytest.raises(IndexError, match="index 300 is out of range for an embedding of 300 rows"):
+        q.embed.native_row(300)
+    q.embed.dtype = torch.bfloat16  # another output dtype: the module's own lookup
+    assert q.embed.native_row(7) is None

@@ -25,7 +25,7 @@ def test_a_folder_without_native_sources_is_refused(tmp_path):
 @pytest.mark.skipif(REASON is not None, reason=f"native kernels unavailable: {REASON}")
 def test_this_trees_sources_build_and_load_as_the_other(tmp_path):
     lib = native.open_library(native_layers_ab.build_other(SRC, tmp_path))
-    assert lib.mh_decode_layer_q8.restype is not None and lib.mh_q8_isa() == native.library().mh_q8_isa()
+    assert lib.mh_decode_layers.restype is not None and lib.mh_q8_isa() == native.library().mh_q8_isa()
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"native kernels unavailable: {REASON}")

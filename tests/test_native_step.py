@@ -266,3 +266,35 @@ def test_native_attention_head_dim_and_group_tails_follow_the_eager_step(d, n_he
     want, _ = _steps(_eager(lm, weights), prompt, tokens, max_len=80)
     tol = 1e-5 if weights == "fp32" else 2e-2
     assert float((got.double() - want.double()).abs().max()) <= tol * float(want.abs().max())
+
+
+def test_layers_with_their_own_rotary_tables_each_get_their_rows():
+    lm = _lm(4, 2)
+    lm.layers[1].self_attn.rotary = mh.nn.positions.RotaryEmbedding(16, base=500.0)  # its own, other base
+    prompt = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 300, (4,), generator=torch.Generator().manual_seed(2))
+    got, _ = _steps(_native(lm, "fp32"), prompt, tokens)
+    want, _ = _steps(copy.deepcopy(lm).double(), prompt, tokens)
+    assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+    shared, _ = _steps(_native(_lm(4, 2), "fp32"), prompt, tokens)  # the base matters: not a vacuous test
+    assert float((shared - got).abs().max()) > 1e-3
+
+
+def test_a_failed_step_advances_only_the_caches_of_the_layers_that_ran():
+    model = _native(_lm(4, 2), "fp32")
+    cache = model.make_cache(1, 16)
+    with torch.no_grad():
+        model.hidden_states(torch.tensor([[1, 2, 3]]), cache=cache)
+        model.hidden_states(torch.tensor([[4]]), cache=cache)  # a native step: the plan is made
+        plan = model.__dict__["_native_plan"]
+
+        class OneLayerThenNoMemory:  # the library's answer when layer 2's scratch cannot be allocated
+            def mh_decode_layers(self, x, args, n, pos, cos, sin, g_final, eps, out, done):
+                plan.lib = real
+                plan.done.value = 1
+                return -1
+
+        real, plan.lib = plan.lib, OneLayerThenNoMemory()
+        with pytest.raises(ValueError, match="could not allocate"):
+            native_step.decode_step(model, torch.tensor([[5]]), cache)
+    assert [kv.position for kv in cache] == [5, 4]

@@ -10,7 +10,7 @@ the "prepacked" rows: bf16 with oneDNN-prepacked linear weights (``mh.quant.quan
 weights="bf16", kv=None, kernel="onednn")``: the same bf16 weights and results, a faster batch-1 kernel,
 bf16 dense KV cache; plain ``F.linear`` where oneDNN lacks bf16, with the reason printed), the same for
 fp32 (the fp32 weights in oneDNN's batch-1 layout, equal up to the order of the sums); the "native" rows
-(``kernel="native"``: every decode step one native call per layer with the compiled GEMV,
+(``kernel="native"``: every decode step one native call for all the layers with the compiled GEMV,
 :mod:`multihead.models.native_step`, rows split over the torch threads; ``F.linear`` and the eager
 layers, with the reason printed, where the kernels cannot build); and ``mh.quant.quantize(model,
 weights="int8", kv="int8", kernel="fbgemm")`` of the fp32 and of the bf16 model (int8 weights per output

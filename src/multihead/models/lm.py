@@ -199,7 +199,7 @@ class TransformerLM(nn.Module):
             )  # (B, N, d)
         return self.final_norm(x)  # (B, N, d)
 
-    #: one-token batch-1 decode steps run as one native call per layer (:mod:`.native_step`) where the
+    #: one-token batch-1 decode steps run as one native call for all layers (:mod:`.native_step`) where the
     #: model and the call allow it (:attr:`why_not_native_steps`); False: always the eager layers. The
     #: first such step asks Linux to back the streamed weights with 2 MiB pages where they lie
     #: (:func:`multihead.native.hugepages.collapse`: same addresses, about 3 ms per MiB once)

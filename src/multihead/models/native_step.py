@@ -1,10 +1,10 @@
-"""A decode step of a LLaMA-style :class:`~multihead.TransformerLM` with one native call per layer.
+"""A decode step of a LLaMA-style :class:`~multihead.TransformerLM` in one native call for all its layers.
 
 A batch-1 decode step of a small model spends a large share of its time outside the matrix-vector
 products: about 60 small tensor ops per layer (norms, rotary, the cache write, attention, residuals,
 SwiGLU), each a few microseconds, and more once the weights streaming through the caches have evicted
 the interpreter's working set (measured: a tiny op costs 27 us right after the weights of a layer went
-by, 4.7 us warm). :func:`decode_step` runs each layer as one call of ``mh_decode_layer``
+by, 4.7 us warm). :func:`decode_step` runs every layer in one call of ``mh_decode_layers``
 (``multihead/native/decode_layer.c``): the same equations, the native GEMV for the products, the same
 bf16 rounding points as the eager modules, and the model's own dense :class:`~multihead.KVCache`
 storage (it writes position p in place and advances the cache), so eager and native steps can follow
@@ -270,61 +270,48 @@ def huge_pages(model: Any) -> int:
 
 class _Plan:
     """The arguments every step of one generation passes the native layers, gathered once per list of
-    caches (as the model's structure is checked once per generation): per layer the call, its fixed
-    arguments before and after the step's own (x, position, cos, sin), and its rotary table's owner. The
-    weight tensors are held, so their memory outlives the plan; a step checks their addresses."""
+    caches (as the model's structure is checked once per generation): the library to call, one
+    :class:`~multihead.native.LayerArgs` per layer, and per layer its rotary table's owner. The weight
+    tensors are held, so their memory outlives the plan; a step checks their addresses."""
 
     def __init__(self, model: Any, cache: list[KVCache], lib: ctypes.CDLL):
-        self.cache = weakref.ref(cache[0])
+        self.cache, self.lib = weakref.ref(cache[0]), lib
         self.dtype = model.final_norm.weight.dtype
-        kind = native.KIND[self.dtype]
-        self.layers: list[tuple[Any, tuple, Any, tuple]] = []
-        self.keep: list[Any] = []  # ctypes arrays the int8 calls point at
+        n = len(model.layers)
+        self.args = (native.LayerArgs * n)()
+        self.cos, self.sin = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()  # a step's rotary rows
+        self.done = ctypes.c_int64(0)
+        self.rotaries: list[RotaryEmbedding] = []
         self.weights: list[Tensor] = [model.final_norm.weight]
-        for layer, kv in zip(model.layers, cache):
+        for a, layer, kv in zip(self.args, model.layers, cache):
             attn, ffn = layer.self_attn, layer.ffn
-            D, rotary = attn.head_dim, attn.rotary
-            d = layer.attn_norm.weight.shape[0]
-            tail: tuple[Any, ...] = (int(rotary.interleaved), d, attn.n_heads, attn.n_kv_heads, D, ffn.d_ff)
-            tail += (layer.attn_norm.eps, 1.0 / math.sqrt(D), kind)
+            self.rotaries.append(attn.rotary)
             norms = (layer.attn_norm.weight, layer.ffn_norm.weight)
-            self.weights += norms
-            if isinstance(attn.qkv_proj, Int8GemvLinear) or kv.kind == "int8":
-                head = self._int8_head(layer, kv, norms)
-                self.layers.append((lib.mh_decode_layer_q8, head, rotary, tail))
-                continue
-            ws = [m.weight for m in _projections(layer)]  # qkv, o, w1, w3, w2
-            self.weights += ws
-            w = [t.data_ptr() for t in ws]
-            k_v = (kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(1), kv.v.stride(1))
-            head = (norms[0].data_ptr(), *w[:2], norms[1].data_ptr(), *w[2:], *k_v)
-            self.layers.append((lib.mh_decode_layer, head, rotary, tail))
+            projections = _projections(layer)
+            int8 = [isinstance(m, Int8GemvLinear) for m in projections]
+            ws = [m.weight_int8 if q else m.weight for m, q in zip(projections, int8)]
+            scales = [m.scale for m, q in zip(projections, int8) if q]
+            self.weights += [*norms, *ws, *scales]
+            a.g_attn, a.g_ffn = (t.data_ptr() for t in norms)
+            a.w[:] = [t.data_ptr() for t in ws]
+            a.s[:] = [m.scale.data_ptr() if q else None for m, q in zip(projections, int8)]
+            a.group = getattr(projections[0], "group_size", None) or 1 << 62  # per row: G >= any width
+            a.blocked = int(any(m.blocked for m, q in zip(projections, int8) if q))
+            a.k_cache, a.v_cache = kv.k.data_ptr(), kv.v.data_ptr()
+            a.k_head_stride, a.v_head_stride = kv.k.stride(1), kv.v.stride(1)
+            if kv.k_scale is not None and kv.v_scale is not None:  # an int8 cache
+                a.k_scale, a.v_scale = kv.k_scale.data_ptr(), kv.v_scale.data_ptr()
+                a.s_head_stride = kv.k_scale.stride(1)
+            a.d, a.Hq, a.Hkv = norms[0].shape[0], attn.n_heads, attn.n_kv_heads
+            a.D, a.F = attn.head_dim, ffn.d_ff
+            a.eps, a.scale = layer.attn_norm.eps, 1.0 / math.sqrt(attn.head_dim)
+            a.interleaved, a.kind = int(attn.rotary.interleaved), native.KIND[self.dtype]
         self.addresses = [t.data_ptr() for t in self.weights]
         self.eps = model.final_norm.eps
 
-    def _int8_head(self, layer: Any, kv: KVCache, norms: tuple[Tensor, Tensor]) -> tuple:
-        """The fixed arguments of one ``mh_decode_layer_q8`` call before the step's own: int8 weights (or
-        float ones) with an int8 (or dense) cache."""
-        projections = _projections(layer)
-        int8 = [isinstance(m, Int8GemvLinear) for m in projections]
-        ws = [m.weight_int8 if q else m.weight for m, q in zip(projections, int8)]
-        scales = [m.scale if q else None for m, q in zip(projections, int8)]
-        self.weights += ws + [t for t in scales if t is not None]
-        w = (ctypes.c_void_p * 5)(*[t.data_ptr() for t in ws])
-        s = (ctypes.c_void_p * 5)(*[None if t is None else t.data_ptr() for t in scales])
-        self.keep += [w, s]
-        group = getattr(projections[0], "group_size", None) or 1 << 62  # one scale per row: G >= any width
-        blocked = int(any(m.blocked for m, q in zip(projections, int8) if q))
-        kv_scales = (kv.k_scale, kv.v_scale) if kv.kind == "int8" else (None, None)
-        k_scale, v_scale = (None if t is None else t.data_ptr() for t in kv_scales)
-        s_stride = 0 if kv_scales[0] is None else kv_scales[0].stride(1)
-        k_v = (kv.k.data_ptr(), kv.v.data_ptr(), k_scale, v_scale, kv.k.stride(1), kv.v.stride(1), s_stride)
-        g_attn, g_ffn = (t.data_ptr() for t in norms)
-        return (g_attn, g_ffn, ctypes.addressof(w), ctypes.addressof(s), group, blocked, *k_v)
-
     def fits(self, cache: list[KVCache]) -> bool:
         """Whether this plan is of these caches and every weight still lies where it did."""
-        return self.cache() is cache[0] and [t.data_ptr() for t in self.weights] == self.addresses
+        return self.cache() is cache[0] and list(map(Tensor.data_ptr, self.weights)) == self.addresses
 
 
 def _plan(model: Any, cache: list[KVCache], lib: ctypes.CDLL) -> _Plan:
@@ -339,7 +326,7 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
     every layer's key and value written into ``cache`` at that position (and the caches advanced).
 
     The caller checked :func:`why_not_model` and :func:`why_not_call`. The layers' arguments are
-    gathered at the first step of each list of caches (a few microseconds a layer, every step, otherwise).
+    gathered at the first step of each list of caches; a step is then one native call for all the layers.
 
     Raises:
         ValueError: the native library cannot allocate its scratch memory.
@@ -351,24 +338,35 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
     x = _embedding(model, ids, plan.dtype)  # (d,) the residual stream, updated in place
     xp, d = x.data_ptr(), x.shape[0]
     tables: dict[int, tuple[int, int]] = {}  # layers usually share one RotaryEmbedding
-    for (call, head, rotary, tail), kv in zip(plan.layers, cache):
+    for rotary in plan.rotaries:
         if id(rotary) not in tables:
             cos, sin = rotary._table(pos, 1, torch.float32, x.device)  # 2 x (1, D/2), rows of a kept table
             tables[id(rotary)] = (cos.data_ptr(), sin.data_ptr())
-        if call(xp, *head, pos, *tables[id(rotary)], *tail) != 0:
-            raise ValueError("the native decode layer could not allocate its scratch memory")
+    n = len(plan.rotaries)
+    if len(tables) == 1:
+        c, s = next(iter(tables.values()))
+        plan.cos[:], plan.sin[:] = [c] * n, [s] * n
+    else:
+        plan.cos[:] = [tables[id(r)][0] for r in plan.rotaries]
+        plan.sin[:] = [tables[id(r)][1] for r in plan.rotaries]
+    h = torch.empty(d, dtype=plan.dtype)  # (d,) the final norm of x
+    final, done = (plan.addresses[0], plan.eps, h.data_ptr()), ctypes.byref(plan.done)
+    status = plan.lib.mh_decode_layers(xp, plan.args, n, pos, plan.cos, plan.sin, *final, done)
+    for kv in cache[: plan.done.value]:
         kv.advance(1)
-    h = torch.empty(d, dtype=plan.dtype)  # (d,)
-    lib.mh_rms_norm(xp, plan.weights[0].data_ptr(), h.data_ptr(), d, plan.eps, native.KIND[plan.dtype])
+    if status != 0:  # -2 cannot happen: why_not_model checked the weights against the build
+        raise ValueError("the native decode layers could not allocate their scratch memory")
     return h.view(1, 1, d)  # (1, 1, d)
 
 
 def _embedding(model: Any, ids: Tensor, dtype: torch.dtype) -> Tensor:
-    """The input embedding of the one token, a fresh (d,) tensor: a row copy of a float table, else the
-    embedding module's own lookup (an int8 table dequantizes the row)."""
+    """The input embedding of the one token, a fresh (d,) tensor: a row copy of a float table, an int8
+    table's row dequantized natively, else the embedding module's own lookup."""
     emb = model.embed
     if type(emb) is not nn.Embedding:
-        return emb(ids.view(1))[0].to(dtype).contiguous()  # (d,)
+        row = getattr(emb, "native_row", None)  # an int8 table's row in one native call
+        x = row(int(ids)) if row is not None and dtype == torch.float32 else None
+        return emb(ids.view(1))[0].to(dtype).contiguous() if x is None else x  # (d,)
     table = emb.weight  # (V, d)
     d = table.shape[1]
     x = torch.empty(d, dtype=dtype)  # (d,)

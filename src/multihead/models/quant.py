@@ -45,7 +45,7 @@ whose linears run a faster kernel, chosen by ``kernel``:
 - ``"native"`` (what ``"auto"`` picks for a TransformerLM where :mod:`multihead.native` builds, and for
   fp16): every ``nn.Linear`` becomes a :class:`GemvLinear` holding the same tensors (a tied head stays
   tied), whose one-row calls run the native GEMV; and a :class:`~multihead.TransformerLM` of the LLaMA
-  shape takes each one-token decode step as one native call per layer (:mod:`.native_step`;
+  shape takes each one-token decode step as one native call for all its layers (:mod:`.native_step`;
   ``why_not_native_steps`` says when it cannot). The 155M LLaMA shape then decodes at 81-90% of the
   memory's bandwidth limit in fp32 and bf16 (fp16: about 70%), about 2x transformers in fp32 and fp16
   and 3x in bf16 (BENCHMARKS.md, "Native decoding"). Greedy tokens equal the eager model's.
@@ -269,6 +269,25 @@ class Int8Embedding(BlockedRows):
         self.register_buffer("weight_int8", w8)  # (V, d) int8
         self.register_buffer("scale", scale)  # (V,) fp32, or (V, groups) for group_size
         self.dtype = dtype
+
+    def native_row(self, i: int) -> Tensor | None:
+        """Row ``i`` as :meth:`forward` gives it (fp32 (d,), the same values) in one native call, for a
+        decode step whose interpreter time counts; None where that does not apply (another dtype or
+        device, rows that are not contiguous, no native kernels)."""
+        w, s = self.weight_int8, self.scale
+        lib = native.library()
+        if lib is None or self.dtype != torch.float32 or w.device.type != "cpu" or w.stride(1) != 1:
+            return None
+        if s.dim() == 2 and s.stride(1) != 1:
+            return None
+        if not 0 <= i < w.shape[0]:
+            raise IndexError(f"index {i} is out of range for an embedding of {w.shape[0]} rows")
+        d = w.shape[1]
+        out = torch.empty(d)  # (d,)
+        G = d if self.group_size is None else self.group_size
+        at, s_at = w.data_ptr() + i * w.stride(0), s.data_ptr() + i * s.stride(0) * 4
+        lib.mh_dequantize_row_q8(at, s_at, d, G, int(self.blocked), out.data_ptr())
+        return out
 
     def forward(self, ids: Tensor) -> Tensor:
         rows = F.embedding(ids, self.weight_int8)  # (..., d) int8

@@ -35,7 +35,7 @@ import os
 import platform
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -46,6 +46,7 @@ __all__ = [
     "DTYPES",
     "FLAGS",
     "KIND",
+    "LayerArgs",
     "cache_dir",
     "dtypes",
     "gemv",
@@ -105,16 +106,38 @@ def library_path(cc: str, directory: Path | None = None) -> Path:
     return (cache_dir() if directory is None else directory) / f"native-{key}.so"
 
 
-# The arguments both decode layers end with: rotary tables, the layer's sizes, norm eps, score scale, dtype.
-_LAYER_TAIL: list[Any] = [
-    _PTR,  # cos
-    _PTR,  # sin
-    ctypes.c_int,  # interleaved
-    *[_I64] * 5,  # d, Hq, Hkv, D, F
-    ctypes.c_float,  # eps
-    ctypes.c_float,  # scale
-    ctypes.c_int,  # kind: KIND of the dtype
-]
+class LayerArgs(ctypes.Structure):
+    """One layer's fixed arguments of a native decode step, as ``native.h``'s ``mh_layer_args``: the
+    norms' gains, the five weights (qkv, o, w1, w3, w2) and, for int8 ones, their fp32 group scales (None:
+    a weight of the storage dtype), the layer's cache (``k_scale``, ``v_scale`` None: a cache of the
+    storage dtype), its strides and shape, and the storage dtype's :data:`KIND`. Addresses only: the
+    caller keeps the tensors alive."""
+
+    _fields_ = [
+        ("g_attn", _PTR),
+        ("g_ffn", _PTR),
+        ("w", _PTR * 5),
+        ("s", _PTR * 5),
+        ("k_cache", _PTR),
+        ("v_cache", _PTR),
+        ("k_scale", _PTR),
+        ("v_scale", _PTR),
+        ("group", _I64),  # int8 weights per scale along the input (>= the width: one per row)
+        ("k_head_stride", _I64),
+        ("v_head_stride", _I64),
+        ("s_head_stride", _I64),
+        ("d", _I64),
+        ("Hq", _I64),
+        ("Hkv", _I64),
+        ("D", _I64),
+        ("F", _I64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),  # of the attention scores
+        ("blocked", ctypes.c_int32),  # int8 rows in the blocked layout (multihead.native.layout)
+        ("interleaved", ctypes.c_int32),  # rotary pairs (2i, 2i + 1) instead of (i, i + D/2)
+        ("kind", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+    ]
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -128,14 +151,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.mh_gemv_has_f16.restype = ctypes.c_int
     lib.mh_dtypes = DTYPES if lib.mh_gemv_has_f16() else DTYPES[:2]  # type: ignore[attr-defined]  # asked once
     lib.mh_native_threads.restype = ctypes.c_int
-    lib.mh_decode_layer.argtypes = [
-        *[_PTR] * 10,  # x, g_attn, w_qkv, w_o, g_ffn, w1, w3, w2, k_cache, v_cache
-        _I64,  # k head stride
-        _I64,  # v head stride
-        _I64,  # position
-        *_LAYER_TAIL,
-    ]
-    lib.mh_decode_layer.restype = ctypes.c_int
+    # x, the (n,) LayerArgs, n, position, the (n,) cos and sin row addresses, the final norm's gain and
+    # eps, its output, int64 *done
+    lib.mh_decode_layers.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR]
+    lib.mh_decode_layers.restype = ctypes.c_int  # 0, -1: no scratch memory, -2: weights the build refuses
     lib.mh_rms_norm.argtypes = [
         _PTR,
         _PTR,
@@ -150,7 +169,7 @@ def open_library(path: Path) -> ctypes.CDLL:
 
 
 def _declare_q8(lib: ctypes.CDLL) -> None:
-    """The int8 functions of ``gemv_q8.c`` and the int8 decode layer."""
+    """The int8 functions of ``gemv_q8.c``."""
     lib.mh_q8_isa.restype = ctypes.c_int
     lib.mh_quantize_q8.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR]  # x, kind, n, xq, xs
     lib.mh_quantize_q8.restype = None
@@ -158,15 +177,9 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
     lib.mh_gemv_q8.argtypes = [*[_PTR] * 6, *[_I64] * 4, ctypes.c_int]
     lib.mh_gemv_q8.restype = ctypes.c_int  # 0, -1: no scratch memory, -2: blocked in a build without it
     lib.mh_q8_blocked.restype = ctypes.c_int
-    lib.mh_decode_layer_q8.argtypes = [
-        *[_PTR] * 5,  # x, g_attn, g_ffn, the array of 5 weights, the array of their scales (NULL: float)
-        _I64,  # group size G
-        ctypes.c_int,  # int8 weights in the blocked layout
-        *[_PTR] * 4,  # k_cache, v_cache, k_scale, v_scale (NULL, NULL: a float cache)
-        *[_I64] * 4,  # k head stride, v head stride, scale head stride, position
-        *_LAYER_TAIL,
-    ]
-    lib.mh_decode_layer_q8.restype = ctypes.c_int
+    # q, s, d, G, blocked, out
+    lib.mh_dequantize_row_q8.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR]
+    lib.mh_dequantize_row_q8.restype = None
 
 
 def _self_check(lib: ctypes.CDLL) -> str | None:

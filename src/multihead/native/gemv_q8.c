@@ -278,3 +278,15 @@ int mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *
 
 /* whether this build reads the blocked layout (AVX512-VNNI) */
 int mh_q8_blocked(void) { return MH_Q8_ISA == 3; }
+
+/* One row of an int8 table back to fp32 (an int8 embedding's lookup): out[c] = q[c] * the scale of c's
+ * group (s: the row's ceil(d / G) scales; G >= d: one), in fp32 as torch's q.float() * scale; a row in
+ * the blocked layout (blocked != 0) read back in column order. */
+void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int blocked, float *out) {
+    const int64_t full = blocked ? d / 512 * 512 : 0; /* columns in the blocked order */
+    for (int64_t c = 0; c < d; c++) {
+        const int64_t r = c % 512; /* column 32 l + 4 v + t of its chunk, stored at 64 v + 4 l + t */
+        const int64_t at = c < full ? c - r + 64 * ((r % 32) / 4) + 4 * (r / 32) + r % 4 : c;
+        out[c] = (float)q[at] * s[G >= d ? 0 : c / G];
+    }
+}

@@ -83,6 +83,7 @@ void mh_quantize_q8(const void *x, int kind, int64_t n, int8_t *xq, float *xs);
 int mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
                int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked);
 int mh_q8_blocked(void); /* whether this build reads the blocked layout */
+void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int blocked, float *out);
 /* mh_gemv_q8's scratch: each lane's start, x in the blocked order, the blocks' starts */
 #define MH_Q8_SCRATCH(cols) (3 * (((cols) + 63) & ~(int64_t)63) + 64)
 /* the same with the caller's scratch: MH_Q8_SCRATCH(cols) bytes aligned to 64; fails only as -2 above */
@@ -97,4 +98,21 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
 void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
                  int64_t cols, int64_t ldw);
 void mh_rms_norm(const void *x, const void *g, void *out, int64_t d, float eps, int kind);
+
+/* The fixed arguments of one layer of a decode step (decode_layer.c, mh_decode_layers): the norms' gains,
+ * the five weights (qkv, o, w1, w3, w2) and, for int8 ones, their group scales (NULL: a weight of the
+ * storage dtype), the layer's cache (k_scale, v_scale NULL: a cache of the storage dtype) and its shape.
+ * ctypes mirrors this layout (multihead.native.LayerArgs). */
+typedef struct {
+    const void *g_attn, *g_ffn;
+    const void *w[5];
+    const float *s[5];
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale;
+    int64_t group, k_head_stride, v_head_stride, s_head_stride;
+    int64_t d, Hq, Hkv, D, F;
+    float eps, scale;
+    int32_t blocked, interleaved, kind, unused;
+} mh_layer_args;
+
 #endif

@@ -148,6 +148,13 @@ def test_debug_shows_the_traceback(monkeypatch):
         main(["encode", "--debug"])
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before it runs: SIGINT back to its default action. A test run started in the
+    background by a non-interactive shell (`pytest &`) ignores SIGINT, children inherit that, and Python
+    then installs no handler: the interrupt these tests send would be dropped."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_with_one_line_and_130():
     """A real SIGINT in the middle of `multihead train` (any command goes through the same handler)."""
     # the child says when its imports are done (they take seconds on a busy machine; an interrupt during
@@ -159,13 +166,19 @@ def test_ctrl_c_ends_with_one_line_and_130():
         "print('ready', file=sys.stderr, flush=True); raise SystemExit(main(['train', '--steps', '100000']))"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        [sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_as_from_a_terminal,
+    )  # fmt: skip
     assert proc.stderr is not None
     assert proc.stderr.readline().strip() == "ready"
     time.sleep(3)  # the model is built and training
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # never leave a 100000-step run behind on the machine
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"`multihead train` still ran 60 s after SIGINT; its stderr:\n{err}")
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "multihead train: interrupted", err
 
@@ -173,7 +186,8 @@ def test_ctrl_c_ends_with_one_line_and_130():
 def test_ctrl_c_while_the_command_starts_ends_with_one_line_and_130():
     """SIGINT while `python -m multihead encode` is still inside `import torch`, before main() runs."""
     cmd = [sys.executable, "-X", "importtime", "-m", "multihead", "encode"]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_terminal)  # fmt: skip
     assert proc.stderr is not None
     for line in proc.stderr:  # -X importtime: one line as each module's import ends
         if line.split("|")[-1].strip().startswith("torch."):  # a part of torch is in: torch itself is not

@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--bootstrap", type=int, default=200, help="resamples per interval (default 200)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--embedding-weight", type=float, default=1.0, help="its loss term's weight (default 1)")
+    p.add_argument("--average", type=float, default=None, help="recover's average= (default None)")
     args = p.parse_args()
     if args.embedding_weight != 1.0:
         weight_embedding_term(args.embedding_weight)
@@ -79,11 +80,12 @@ def main() -> None:
     base = _scores(teacher, args.bootstrap)
     rows = [{"model": "original", **base}]
     print(rows[-1], flush=True)
+    extra = {} if args.average is None else {"average": args.average}
     for seed in [int(s) for s in args.seeds.split(",")]:
         student = mh.heads.to_mla(teacher, kv_rank=args.rank)  # defaults only
         report: dict = {}
         start = time.perf_counter()
-        mh.heads.recover(student, teacher, texts, minutes=args.minutes, seed=seed, report=report)
+        mh.heads.recover(student, teacher, texts, minutes=args.minutes, seed=seed, report=report, **extra)
         seconds = time.perf_counter() - start
         got = _scores(student, args.bootstrap)
         pct = {k: 100 * got[k]["score"] / base[k]["score"] for k in SETS}

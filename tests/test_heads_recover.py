@@ -128,6 +128,8 @@ def test_schedule_warms_up_then_decays_to_zero():
         ({"steps": 1, "lengths": "long"}, r"lengths must be 'mixed' or 'as-given', got 'long'"),
         ({"steps": 1, "lr": -1.0}, r"lr must be a number > 0 or None, got -1.0"),
         ({"steps": 1, "holdout": -1}, r"holdout must be an int >= 0, got -1"),
+        ({"steps": 1, "average": 1.0}, r"a decay between 0 and 1 \(e\.g\. 0\.99\), got 1\.0"),
+        ({"steps": 1, "average": True}, r"average must be None or a decay between 0 and 1"),
     ],
 )
 def test_bad_arguments(kw, match):
@@ -324,3 +326,21 @@ def test_teacher_cache_replaces_the_teacher_pass_within_its_budget():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     with pytest.raises(ValueError, match="teacher_cache_mb"):
         heads.recover(student, teacher, _ids(), steps=1, teacher_cache_mb=-1, progress=False)
+
+
+def test_average_ends_with_the_moving_average_of_the_trained_parameters():
+    """One step: the average is lerp(start, after the step, 1 - min(decay, 2 / 11)); the held-out checks
+    score (and keep) the average, not the last iterate."""
+    teacher, ids = _lm(), _ids()
+    start = heads.to_mla(teacher, 6)
+    kw = {"steps": 1, "lr": 3e-3, "batch_size": 8, "holdout": 0, "progress": False}
+    stepped = heads.recover(copy.deepcopy(start), teacher, ids, **kw)
+    averaged = heads.recover(copy.deepcopy(start), teacher, ids, average=0.99, **kw)
+    w = 1 - 2 / 11
+    for (n, p0), p1, pa in zip(start.named_parameters(), stepped.parameters(), averaged.parameters()):
+        torch.testing.assert_close(pa, p0 + w * (p1 - p0), rtol=1e-6, atol=1e-7, msg=n)
+    assert any(not torch.equal(p1, pa) for p1, pa in zip(stepped.parameters(), averaged.parameters()))
+    report: dict = {}
+    kw.update(steps=12, holdout=8, checks=3)
+    heads.recover(copy.deepcopy(start), teacher, _ids(n=32), average=0.9, report=report, **kw)
+    assert report["best_step"] > 0 and len(report["heldout"]) >= 3

@@ -36,6 +36,7 @@ Shape legend: B batch, N tokens, d width, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -169,6 +170,37 @@ def _trained_names(student: nn.Module, teacher: nn.Module, train: Any) -> list[s
     return names
 
 
+class _Average:
+    """An exponential moving average of the trained parameters (Polyak averaging; decay ramped in as
+    min(decay, (1 + t) / (10 + t)) so the first steps do not pull it toward the unrecovered start)."""
+
+    def __init__(self, params: list[torch.Tensor], decay: float):
+        self.params, self.decay = params, decay
+        self.avg = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self, t: int) -> None:
+        d = min(self.decay, (1 + t) / (10 + t))
+        torch._foreach_lerp_(self.avg, [p.detach() for p in self.params], 1 - d)
+
+    @torch.no_grad()
+    def copy_to_params(self) -> None:
+        for p, a in zip(self.params, self.avg):
+            p.copy_(a)
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The averaged parameters in place of the trained ones inside the block."""
+        kept = [p.detach().clone() for p in self.params]
+        self.copy_to_params()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, k in zip(self.params, kept):
+                    p.copy_(k)
+
+
 def _batches(seqs: list[list[int]], batch_size: int, g: torch.Generator) -> Iterator[list[int]]:
     """Batches of indices into ``seqs`` forever, reshuffled (seeded) every pass."""
     order = torch.empty(0, dtype=torch.long)
@@ -211,6 +243,7 @@ def recover(
     checks: int = 20,
     patience: int = 6,
     teacher_cache_mb: float = 1024,
+    average: float | None = None,
     seed: int = 0,
     progress: bool = True,
     report: dict[str, Any] | None = None,
@@ -245,6 +278,10 @@ def recover(
         teacher_cache_mb: MiB of the teacher's outputs kept (each input's layer outputs and final output,
             real tokens only) so that later passes over the inputs skip the teacher; 0: run the teacher
             on every batch. MiniLM on the default 2000 docstrings needs about 1 GiB.
+        average: None, or the decay (0 < average < 1) of an exponential moving average of the trained
+            parameters (ramped in as min(average, (1 + t) / (10 + t)) at step t): the held-out checks
+            score the average and the student ends with the best checked one (without held-out checks,
+            the last average).
         seed: the split and the order of the inputs; with ``steps`` the result is the same on every run.
         progress: a progress bar on stderr.
         report: None, or a dict that receives ``steps``, ``best_step``, ``heldout`` ([(step, loss)]),
@@ -266,6 +303,10 @@ def recover(
     lr = (LM_LR if lm else ENCODER_LR) if lr is None else lr
     if not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
         raise ValueError(f"lr must be a number > 0 or None, got {lr!r}")
+    if average is not None and not (
+        isinstance(average, (int, float)) and not isinstance(average, bool) and 0 < average < 1
+    ):
+        raise ValueError(f"average must be None or a decay between 0 and 1 (e.g. 0.99), got {average!r}")
     ok = isinstance(teacher_cache_mb, (int, float)) and not isinstance(teacher_cache_mb, bool)
     if not (ok and 0 <= teacher_cache_mb < math.inf):
         raise ValueError(f"teacher_cache_mb must be a number >= 0 (MiB), got {teacher_cache_mb!r}")
@@ -283,6 +324,7 @@ def recover(
     hooks = (Layers(student), Layers(teacher))
     cache = TeacherCache(int(teacher_cache_mb * 2**20))
     judge = HeldOut(held, batch_size, device, lm, cache) if held else None
+    ema = _Average(list(trained.values()), average) if average else None
     teacher_mode, limit = teacher.training, None if minutes is None else 60.0 * minutes
     student.eval()
     teacher.eval()
@@ -303,19 +345,25 @@ def recover(
                     break
                 if judge is not None and step > 0 and done >= next_check + 1.0 / checks:
                     next_check = done
-                    stale = 0 if judge.check(student, teacher, hooks, trained, step) else stale + 1
+                    with ema.swapped() if ema else contextlib.nullcontext():
+                        stale = 0 if judge.check(student, teacher, hooks, trained, step) else stale + 1
                     if patience and stale >= patience:
                         stopped = "patience"
                         break
                 rate = schedule(lr, step, done)
                 loss = _step(student, teacher, hooks, seqs, next(batches), cache, lm, opt, rate)
                 step += 1
+                if ema:
+                    ema.update(step)
                 shown = step if steps is not None else min(time.perf_counter() - start, limit or 0.0)
                 bar.update(task, completed=shown, info=f"step {step} loss {loss:.4f}")
             if judge is not None and judge.history[-1][0] != step:
-                judge.check(student, teacher, hooks, trained, step)
+                with ema.swapped() if ema else contextlib.nullcontext():
+                    judge.check(student, teacher, hooks, trained, step)
         if judge is not None:
             judge.restore(trained)
+        elif ema:
+            ema.copy_to_params()
     finally:
         for h in hooks:
             h.close()

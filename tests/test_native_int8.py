@@ -410,3 +410,6 @@ def test_an_int8_embedding_row_from_one_native_call_equals_the_lookup(group, tie
         q.embed.native_row(300)
     q.embed.dtype = torch.bfloat16  # another output dtype: the module's own lookup
     assert q.embed.native_row(7) is None
+    q.embed.dtype = torch.float32
+    q.embed.scale = q.embed.scale.half()  # scales cast after quantizing: not read as fp32
+    assert q.embed.native_row(7) is None

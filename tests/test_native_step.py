@@ -4,6 +4,7 @@ against transformers), its tokens, its cache, and the eager step wherever the na
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import pytest
 import torch
@@ -298,3 +299,14 @@ def test_a_failed_step_advances_only_the_caches_of_the_layers_that_ran():
         with pytest.raises(ValueError, match="could not allocate"):
             native_step.decode_step(model, torch.tensor([[5]]), cache)
     assert [kv.position for kv in cache] == [5, 4]
+
+
+def test_the_self_check_refuses_a_build_whose_layer_arguments_differ_from_the_ctypes_mirror():
+    class Built:  # a library built from sources whose mh_layer_args gained a field
+        @staticmethod
+        def mh_layer_args_bytes():
+            return ctypes.sizeof(native.LayerArgs) + 8
+
+    why = native._self_check(Built())
+    assert why is not None and "layer arguments take" in why and "disagree" in why
+    assert native.library().mh_layer_args_bytes() == ctypes.sizeof(native.LayerArgs)  # this build agrees

@@ -278,8 +278,8 @@ class Int8Embedding(BlockedRows):
         lib = native.library()
         if lib is None or self.dtype != torch.float32 or w.device.type != "cpu" or w.stride(1) != 1:
             return None
-        if s.dim() == 2 and s.stride(1) != 1:
-            return None
+        if w.dtype != torch.int8 or s.dtype != torch.float32 or (s.dim() == 2 and s.stride(1) != 1):
+            return None  # a model cast after quantizing (its scales to bf16, say): the module's lookup
         if not 0 <= i < w.shape[0]:
             raise IndexError(f"index {i} is out of range for an embedding of {w.shape[0]} rows")
         d = w.shape[1]

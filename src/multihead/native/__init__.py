@@ -155,6 +155,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     # eps, its output, int64 *done
     lib.mh_decode_layers.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR]
     lib.mh_decode_layers.restype = ctypes.c_int  # 0, -1: no scratch memory, -2: weights the build refuses
+    lib.mh_layer_args_bytes.restype = _I64
     lib.mh_rms_norm.argtypes = [
         _PTR,
         _PTR,
@@ -184,6 +185,11 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
 
 def _self_check(lib: ctypes.CDLL) -> str | None:
     """Run both kernels on odd shapes (every tail of the loops) and compare with torch; a reason or None."""
+    if lib.mh_layer_args_bytes() != ctypes.sizeof(LayerArgs):  # a mismatch would pass wrong addresses
+        return (
+            f"the built library's layer arguments take {lib.mh_layer_args_bytes()} bytes, "
+            f"multihead.native.LayerArgs {ctypes.sizeof(LayerArgs)}: the sources and this module disagree"
+        )
     g = torch.Generator().manual_seed(0)
     kernels = [(torch.float32, lib.mh_gemv_f32), (torch.bfloat16, lib.mh_gemv_bf16)]
     if lib.mh_gemv_has_f16():

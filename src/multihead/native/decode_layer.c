@@ -468,6 +468,9 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
  * *done receives the layers that ran (each wrote its cache at pos). Returns 0,
  * or the failing layer's -1 (no scratch memory) or -2 (int8 weights with another kind, or blocked ones in a
  * build that does not read them; checked for every layer before any runs). */
+/* sizeof(mh_layer_args): what the ctypes mirror must match (checked as the library loads) */
+int64_t mh_layer_args_bytes(void) { return (int64_t)sizeof(mh_layer_args); }
+
 int mh_decode_layers(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
                      const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done) {
     *done = 0;

@@ -333,10 +333,16 @@ def recover(
     bar, task = _progress(float(steps) if steps is not None else float(limit or 0.0), "recover", progress)
     start, step, stopped, stale, next_check = time.perf_counter(), 0, "", 0, 0.0
     batches = _batches(seqs, batch_size, g)
+
+    def check(at: int) -> bool:  # the held-out loss of the student (of its average, with one)
+        assert judge is not None
+        with ema.swapped() if ema else contextlib.nullcontext():
+            return judge.check(student, teacher, hooks, trained, at)
+
     try:
         with bar:
             if judge is not None:
-                judge.check(student, teacher, hooks, trained, 0)  # the unrecovered student is a candidate
+                check(0)  # the unrecovered student is a candidate
             while True:
                 elapsed = time.perf_counter() - start
                 done = max(0.0 if steps is None else step / steps, 0.0 if limit is None else elapsed / limit)
@@ -345,8 +351,7 @@ def recover(
                     break
                 if judge is not None and step > 0 and done >= next_check + 1.0 / checks:
                     next_check = done
-                    with ema.swapped() if ema else contextlib.nullcontext():
-                        stale = 0 if judge.check(student, teacher, hooks, trained, step) else stale + 1
+                    stale = 0 if check(step) else stale + 1
                     if patience and stale >= patience:
                         stopped = "patience"
                         break
@@ -358,8 +363,7 @@ def recover(
                 shown = step if steps is not None else min(time.perf_counter() - start, limit or 0.0)
                 bar.update(task, completed=shown, info=f"step {step} loss {loss:.4f}")
             if judge is not None and judge.history[-1][0] != step:
-                with ema.swapped() if ema else contextlib.nullcontext():
-                    judge.check(student, teacher, hooks, trained, step)
+                check(step)
         if judge is not None:
             judge.restore(trained)
         elif ema:

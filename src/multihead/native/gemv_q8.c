@@ -50,6 +50,14 @@
 
 int mh_q8_isa(void) { return MH_Q8_ISA; }
 
+/* Where the blocked layout stores column c of a row whose first `full` columns (its whole 512s) are
+ * blocked: column 32 l + 4 v + t of a chunk at 64 v + 4 l + t; the columns past them where they are. */
+static inline int64_t blocked_at(int64_t c, int64_t full) {
+    if (c >= full) return c;
+    const int64_t r = c % 512;
+    return c - r + 64 * ((r % 32) / 4) + 4 * (r / 32) + r % 4;
+}
+
 #define MH_Q8_STACK_BYTES 32768 /* mh_gemv_q8's scratch on the stack up to this many bytes */
 
 /* x (n values of the storage dtype kind) -> xq (ceil64(n) int8, zeros past n) and xs (ceil64(n) / 32
@@ -233,9 +241,7 @@ int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const fl
     if (blocked) { /* x in the weights' order (the columns past the whole 512 as they are) */
         int8_t *xb = (int8_t *)(start + nc);
         memcpy(xb, xq, (size_t)(64 * nc));
-        for (int64_t j = 0; j < chunks; j++)
-            for (int v = 0; v < 8; v++)
-                for (int l = 0; l < 16; l++) memcpy(xb + 512 * j + 64 * v + 4 * l, xq + 512 * j + 32 * l + 4 * v, 4);
+        for (int64_t c = 0; c < 512 * chunks; c += 4) memcpy(xb + blocked_at(c, 512 * chunks), xq + c, 4);
         xv = xb;
         bstart = (__m512i *)(xb + 64 * nc);
     }
@@ -284,9 +290,5 @@ int mh_q8_blocked(void) { return MH_Q8_ISA == 3; }
  * the blocked layout (blocked != 0) read back in column order. */
 void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int blocked, float *out) {
     const int64_t full = blocked ? d / 512 * 512 : 0; /* columns in the blocked order */
-    for (int64_t c = 0; c < d; c++) {
-        const int64_t r = c % 512; /* column 32 l + 4 v + t of its chunk, stored at 64 v + 4 l + t */
-        const int64_t at = c < full ? c - r + 64 * ((r % 32) / 4) + 4 * (r / 32) + r % 4 : c;
-        out[c] = (float)q[at] * s[G >= d ? 0 : c / G];
-    }
+    for (int64_t c = 0; c < d; c++) out[c] = (float)q[blocked_at(c, full)] * s[G >= d ? 0 : c / G];
 }

@@ -33,7 +33,7 @@ def _dense_from_plan(pl: tplan.TilePlan, B: int, H: int, Nq: int, Nk: int) -> to
     bm, bn = pl.bm, pl.bn
     pad = bn  # room for the first tile starting before key 0
     out = torch.zeros(B, H, pl.nqb * bm, pad + pl.nkb * bn + bn, dtype=torch.bool)
-    bits = pl.bits.bool().expand(B, H, *pl.bits.shape[2:])  # (B, H, P, BM, BN)
+    bits = pl.unpacked_bits().expand(B, H, -1, -1, -1)  # (B, H, P, BM, BN)
     for i in range(pl.nqb):
         for t in range(int(pl.row_ptr[i]), int(pl.row_ptr[i + 1])):
             j, code = int(pl.row_cols[t]), int(pl.row_code[t])
@@ -100,6 +100,21 @@ def test_transposed_lists_hold_the_same_tiles():
     assert rows == cols and len(rows) == int(pl.row_ptr[-1])
     kinds = p.grid(16, 16).kinds
     assert len(rows) == int((kinds != 0).sum())  # every non-empty tile once, no empty one
+
+
+@pytest.mark.parametrize("bn", [16, 32, 64, 128])
+def test_bit_masks_pack_one_bit_per_score_and_unpack_exactly(bn):
+    g = torch.Generator().manual_seed(bn)
+    allowed = torch.rand(2, 3, 5, bn, generator=g) < 0.5  # (.., BN)
+    allowed[..., -1] = True  # bit 31 of a 32-key word: the int32's sign bit
+    words = tplan.pack_bits(allowed)
+    assert words.dtype == torch.int32 and words.shape == (2, 3, 5, bn // min(32, bn))
+    assert torch.equal(tplan.unpack_bits(words, bn), allowed)
+    # key c is bit c % 32 of word c // 32 (what the kernels shift out)
+    c = bn - 1
+    assert bool((words[0, 0, 0, c // 32] >> (c % 32)) & 1) == bool(allowed[0, 0, 0, c])
+    with pytest.raises(ValueError, match="BN=48"):
+        tplan.pack_bits(torch.ones(4, 48, dtype=torch.bool))
 
 
 def test_bit_masks_keep_only_the_dims_the_mask_depends_on():

@@ -12,8 +12,11 @@ so that a causal diagonal falls on whole tiles) becomes
 * per tile a code (``row_code`` / ``col_code``): ``>= 0`` a partial tile, the index of its bit mask;
   :data:`FULL_TILE` a full tile (no mask evaluated); :data:`EDGE_TILE` a full tile that reaches past the
   keys (only the bounds ``0 <= k < Nk`` are checked);
-* ``bits`` (Bm, Hm, P, BM, BN) uint8: the mask on each partial tile, evaluated once in torch on index
-  tensors (any predicate: padding, documents, tensors, custom functions), 0 outside the problem.
+* ``bits`` (Bm, Hm, P, BM, W) int32: the mask on each partial tile, evaluated once in torch on index
+  tensors (any predicate: padding, documents, tensors, custom functions), 0 outside the problem, packed
+  one bit per score: bit ``c % WB`` of word ``c // WB`` is key ``c`` of the tile's row, ``WB = min(32,
+  BN)`` keys a word and ``W = BN // WB`` words a row (a kernel reads a tile's row as one or two words,
+  not as BN bytes: a (BM, BN) tensor of byte pointers spilled the forward's registers on sm_90).
 
 Key tile ``j`` covers keys ``kbase + j * BN + [0, BN)`` with ``kbase = shift - BN`` (shift = the first key
 block's size), so the first tile starts before key 0 when the edges are shifted. Everything here is a
@@ -32,7 +35,7 @@ from ...core.masks import EMPTY, FULL, PARTIAL, AndMask, Causal, Mask, NotMask, 
 from ...core.problem import Problem
 from ...core.tiles import Grid, edges
 
-__all__ = ["EDGE_TILE", "FULL_TILE", "TilePlan", "clear_cache", "plan_for"]
+__all__ = ["EDGE_TILE", "FULL_TILE", "TilePlan", "clear_cache", "pack_bits", "plan_for", "unpack_bits"]
 
 FULL_TILE = -1
 EDGE_TILE = -2
@@ -58,12 +61,16 @@ class TilePlan:
     col_ptr: Tensor  # (nkb + 1,) int32
     col_rows: Tensor  # (nnz,) int32
     col_code: Tensor  # (nnz,) int32
-    bits: Tensor  # (Bm, Hm, P, BM, BN) uint8 (one zero tile when P == 0)
+    bits: Tensor  # (Bm, Hm, P, BM, W) int32, one bit per score (one zero tile when P == 0)
 
     def bit_strides(self) -> tuple[int, int]:
         """Batch and head strides of ``bits``, 0 where the mask does not depend on that dim."""
         Bm, Hm = self.bits.shape[:2]
         return (self.bits.stride(0) if Bm > 1 else 0, self.bits.stride(1) if Hm > 1 else 0)
+
+    def unpacked_bits(self) -> Tensor:
+        """``bits`` as (Bm, Hm, P, BM, BN) bools (what the kernels read, for tests and inspection)."""
+        return unpack_bits(self.bits, self.bn)
 
     @property
     def n_partial(self) -> int:
@@ -197,13 +204,40 @@ def _ptr(index: Tensor, n: int) -> Tensor:
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # (n + 1,)
 
 
+def word_bits(bn: int) -> int:
+    """Keys packed into one int32 word of a tile row's bit mask: 32, or BN when the tile is narrower."""
+    return min(32, bn)
+
+
+def pack_bits(allowed: Tensor) -> Tensor:
+    """(..., BN) bools -> (..., BN // WB) int32 words, bit ``c % WB`` of word ``c // WB`` = key ``c``."""
+    bn = allowed.shape[-1]
+    wb = word_bits(bn)
+    if bn % wb:
+        raise ValueError(f"pack_bits: the tile width BN={bn} must be a multiple of {wb}")
+    shifts = torch.arange(wb, device=allowed.device, dtype=torch.int64)  # (WB,)
+    words = allowed.reshape(*allowed.shape[:-1], bn // wb, wb).to(torch.int64) << shifts  # (..., W, WB)
+    words = words.sum(-1)  # (..., W) in [0, 2^WB)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # two's complement of bit 31
+    return words.to(torch.int32)
+
+
+def unpack_bits(words: Tensor, bn: int) -> Tensor:
+    """The inverse of :func:`pack_bits`: (..., W) int32 -> (..., BN) bools."""
+    wb = word_bits(bn)
+    shifts = torch.arange(wb, device=words.device, dtype=torch.int64)  # (WB,)
+    bits = (words.to(torch.int64)[..., None] >> shifts) & 1  # (..., W, WB)
+    return bits.reshape(*words.shape[:-1], bn).bool()  # (..., BN)
+
+
 def partial_bits(p: Problem, rows: Tensor, cols: Tensor, bm: int, bn: int, kbase: int) -> Tensor:
-    """The mask on the partial tiles ``(rows[t], cols[t])`` as (Bm, Hm, P, BM, BN) uint8, one vectorised
-    evaluation of the predicate; positions outside the problem are 0."""
+    """The mask on the partial tiles ``(rows[t], cols[t])`` as (Bm, Hm, P, BM, W) packed int32 words
+    (:func:`pack_bits`), one vectorised evaluation of the predicate; positions outside the problem are 0."""
     dev = p.q.device
     P = rows.numel()
     if P == 0 or p.mask is None:
-        return torch.zeros(1, 1, 1, bm, bn, dtype=torch.uint8, device=dev)  # (1, 1, 1, BM, BN) unused
+        w = bn // word_bits(bn)
+        return torch.zeros(1, 1, 1, bm, w, dtype=torch.int32, device=dev)  # (1, 1, 1, BM, W) unused
     ctx = p.ctx
     q = rows.to(dev)[:, None] * bm + torch.arange(bm, device=dev)  # (P, BM)
     k = kbase + cols.to(dev)[:, None] * bn + torch.arange(bn, device=dev)  # (P, BN)
@@ -218,4 +252,5 @@ def partial_bits(p: Problem, rows: Tensor, cols: Tensor, bm: int, bn: int, kbase
     inside = (qi < ctx.Nq) & (ki >= 0) & (ki < ctx.Nk)  # (1, 1, P*BM, BN)
     allowed = allowed & inside  # (Bm, Hm, P*BM, BN)
     Bm, Hm = allowed.shape[0], allowed.shape[1]
-    return allowed.expand(Bm, Hm, P * bm, bn).reshape(Bm, Hm, P, bm, bn).to(torch.uint8).contiguous()
+    allowed = allowed.expand(Bm, Hm, P * bm, bn).reshape(Bm, Hm, P, bm, bn)  # (Bm, Hm, P, BM, BN)
+    return pack_bits(allowed).contiguous()  # (Bm, Hm, P, BM, W)

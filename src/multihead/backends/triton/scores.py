@@ -110,16 +110,20 @@ def modified_scores(
 
 @triton.jit
 def masked(s, b, h, code, kvalid, BITS, sxb, sxh, BM: tl.constexpr, BN: tl.constexpr):
-    """-inf where the tile's mask hides a key: a partial tile (code >= 0) reads its bit mask, a full
-    tile at the key edge (code -2) checks the bounds, a full tile (-1) is left as it is."""
-    if code >= 0:
-        offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]  # (BM, BN)
-        bits = tl.load(
-            BITS + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + code.to(tl.int64) * (BM * BN) + offs
-        )
-        s = tl.where(bits != 0, s, float("-inf"))
-    elif code == -2:
-        s = tl.where(kvalid[None, :], s, float("-inf"))
+    """-inf where the tile's mask hides a key: a full tile (code -1) is left as it is; a partial tile
+    (code >= 0) reads its bit mask, one int32 word per 32 keys of a row (see :mod:`.plan`), and a full
+    tile at the key edge (code -2) checks only the bounds ``0 <= k < Nk``."""
+    if code != -1:
+        WB: tl.constexpr = 32 if BN >= 32 else BN  # keys a word
+        W: tl.constexpr = BN // WB  # words a row
+        offs = tl.arange(0, BM)[:, None] * W + tl.arange(0, W)[None, :]  # (BM, W)
+        tile = code.to(tl.int64) * (BM * W)
+        base = BITS + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + tl.where(code >= 0, tile, 0)
+        n_words = tl.where(code >= 0, BM * W, 0)  # a partial tile's words, none at the edge
+        words = tl.load(base + offs, mask=offs < n_words, other=-1)  # (BM, W) int32; edge: all set
+        bits = (words[:, :, None] >> tl.arange(0, WB)[None, None, :]) & 1  # (BM, W, WB)
+        bits = tl.reshape(bits, (BM, BN))  # (BM, BN): key c = bit c % WB of word c // WB
+        s = tl.where((bits != 0) & kvalid[None, :], s, float("-inf"))
     return s
 
 

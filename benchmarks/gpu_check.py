@@ -64,7 +64,16 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=1.0, help="scale every part's time budget by this")
     ap.add_argument("--parts", default=",".join(BUDGETS), help=f"comma-separated subset of {list(BUDGETS)}")
     ap.add_argument("--out", default="gpu", help="folder for check.json and tables.md")
+    ap.add_argument(
+        "--cases", default=None, help="speed part: comma-separated case names (e.g. 'causal,window 1024')"
+    )
+    ap.add_argument(
+        "--fused",
+        default=",".join(gpu_speed.FUSED),
+        help="our fused backends to time by name in the speed and new-mask parts (flex compiles per mask)",
+    )
     args = ap.parse_args()
+    gpu_speed.FUSED = tuple(f.strip() for f in args.fused.split(",") if f.strip())
     device = torch.device(args.device)
     parts = [p.strip() for p in args.parts.split(",")]
     unknown = [p for p in parts if p not in BUDGETS]
@@ -100,7 +109,8 @@ def run_part(part: str, device: torch.device, args, budget: Budget) -> tuple[lis
         return rows, f"{len(rows)} rows, {len(bad)} over tolerance\n\n{gpu_correct.table(rows)}"
     if part == "speed":
         torch_flex = device.type == "cuda"  # compiling flex on a CPU takes minutes for the table
-        rows = gpu_speed.speed(device, args.small, args.repeats, budget, torch_flex)
+        only = None if args.cases is None else [c.strip() for c in args.cases.split(",")]
+        rows = gpu_speed.speed(device, args.small, args.repeats, budget, torch_flex, only)
         return rows, speed_table(rows)
     if part == "new masks":
         rows = gpu_speed.new_masks(device, args.small, args.repeats, budget)

@@ -21,17 +21,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launch, last_dim_contiguous
-from .scores import LOG2E, masked, mma, modified_scores, narrow
+from .launch import UNSPECIALISED, Launch, last_dim_contiguous
+from .scores import LOG2E, in_tile, masked, mma, modified_scores, narrow
 
 __all__ = ["attention_backward"]
 
 
-_INTS = ["Hq", "G", "Nq", "Nk", "D", "Dv", "kbase", "scale", "cap", "sxb", "sxh", "sbb", "sbh", "sbq", "sbk"]
-_STRIDES = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "son"]
-
-
-@triton.jit(do_not_specialize=_INTS + _STRIDES)
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, SLOPES, BITS, COL_PTR, COL_ROWS, COL_CODE,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
@@ -39,7 +35,7 @@ def _dkdv_kernel(
     Hq, G, Nq, Nk, D, Dv, kbase, scale, cap,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_AFTER_CAP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
     """One program per (key block, batch x kv head); dK/dV in k's layout (B, Hkv, Nk, D)."""
     pid_n = tl.program_id(0)
@@ -51,8 +47,8 @@ def _dkdv_kernel(
     kvalid = (offs_n >= 0) & (offs_n < Nk)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    kmask = kvalid[:, None] & (offs_d < D)[None, :]
-    vmask = kvalid[:, None] & (offs_dv < Dv)[None, :]
+    kmask = in_tile(kvalid, offs_d, D, EVEN_D)
+    vmask = in_tile(kvalid, offs_dv, Dv, EVEN_D)
     k_off = b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :]  # (BN, BD)
     v_off = (
         b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_dv[None, :]
@@ -73,11 +69,11 @@ def _dkdv_kernel(
             q_ptrs = (
                 Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :]
             )  # (BM, BD)
-            q = tl.load(q_ptrs, mask=rows[:, None] & (offs_d < D)[None, :], other=0.0)
+            q = tl.load(q_ptrs, mask=in_tile(rows, offs_d, D, EVEN_D), other=0.0)
             do_ptrs = (
                 DO + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_dv[None, :]
             )  # (BM, BDV)
-            do = tl.load(do_ptrs, mask=rows[:, None] & (offs_dv < Dv)[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=in_tile(rows, offs_dv, Dv, EVEN_D), other=0.0)
             row_off = (b * Hq + h).to(tl.int64) * Nq + offs_m
             lse = tl.load(LSE + row_off, mask=rows, other=float("inf")) * LOG2E
             delta = tl.load(DELTA + row_off, mask=rows, other=0.0)
@@ -98,7 +94,7 @@ def _dkdv_kernel(
     tl.store(DV + v_off, narrow(dv, DV.dtype.element_ty), mask=vmask)
 
 
-@triton.jit(do_not_specialize=_INTS + _STRIDES)
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, BIAS, SLOPES, BITS, ROW_PTR, ROW_COLS, ROW_CODE,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
@@ -106,7 +102,7 @@ def _dq_kernel(
     Hq, G, Nq, Nk, D, Dv, kbase, scale, cap,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_AFTER_CAP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
     """One program per (query block, batch x query head); dQ in q's layout (B, Hq, Nq, D)."""
     pid_m = tl.program_id(0)
@@ -119,12 +115,12 @@ def _dq_kernel(
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :]  # (BM, BD)
-    qmask = rows[:, None] & (offs_d < D)[None, :]
+    qmask = in_tile(rows, offs_d, D, EVEN_D)
     q = tl.load(Q + q_off, mask=qmask, other=0.0)
     do_ptrs = (
         DO + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_dv[None, :]
     )  # (BM, BDV)
-    do = tl.load(do_ptrs, mask=rows[:, None] & (offs_dv < Dv)[None, :], other=0.0)
+    do = tl.load(do_ptrs, mask=in_tile(rows, offs_dv, Dv, EVEN_D), other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=rows, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + bh.to(tl.int64) * Nq + offs_m, mask=rows, other=0.0)
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
@@ -139,12 +135,12 @@ def _dq_kernel(
         kvalid = (offs_n >= 0) & (offs_n < Nk)
         k = tl.load(
             k_base + offs_n[:, None] * skn + offs_d[None, :],
-            mask=kvalid[:, None] & (offs_d < D)[None, :],
+            mask=in_tile(kvalid, offs_d, D, EVEN_D),
             other=0.0,
         )
         v = tl.load(
             v_base + offs_n[:, None] * svn + offs_dv[None, :],
-            mask=kvalid[:, None] & (offs_dv < Dv)[None, :],
+            mask=in_tile(kvalid, offs_dv, Dv, EVEN_D),
             other=0.0,
         )
         s = mma(q, tl.trans(k), None, PRECISION)  # (BM, BN)
@@ -191,7 +187,7 @@ def attention_backward(
     dq, dk, dv = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
     common = dict(
         BD=run.bd, BDV=run.bdv, HAS_BIAS=run.has_bias, HAS_ALIBI=run.has_alibi, SOFTCAP=run.softcap,
-        BIAS_AFTER_CAP=run.bias_after_cap, PRECISION=run.precision,
+        BIAS_AFTER_CAP=run.bias_after_cap, PRECISION=run.precision, EVEN_D=run.even_d,
         num_warps=run.bwd_warps, num_stages=run.bwd_stages,
     )  # fmt: skip
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *run.bias_strides)

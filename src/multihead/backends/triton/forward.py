@@ -17,17 +17,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launch, dummy, last_dim_contiguous
-from .scores import LOG2E, masked, mma, modified_scores, narrow, row_max, row_sum
+from .launch import UNSPECIALISED, Launch, dummy, last_dim_contiguous
+from .scores import LOG2E, in_tile, in_tile_t, masked, mma, modified_scores, narrow, row_max, row_sum
 
 __all__ = ["attention_forward"]
 
 
-_LEN_ARGS = ["Hq", "G", "Nq", "Nk", "D", "Dv", "kbase", "scale", "cap", "sxb", "sxh", "sbb", "sbh", "sbq"]
-_STRIDES = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "son", "sbk"]
-
-
-@triton.jit(do_not_specialize=_LEN_ARGS + _STRIDES)
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def _forward_kernel(
     Q, K, V, O, LSE, BIAS, SLOPES, SINKS, BITS, ROW_PTR, ROW_COLS, ROW_CODE,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
@@ -35,7 +31,7 @@ def _forward_kernel(
     Hq, G, Nq, Nk, D, Dv, kbase, scale, cap,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_AFTER_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -48,7 +44,7 @@ def _forward_kernel(
     q_ptrs = (
         Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :]
     )  # (BM, BD)
-    q = tl.load(q_ptrs, mask=(offs_m < Nq)[:, None] & (offs_d < D)[None, :], other=0.0)
+    q = tl.load(q_ptrs, mask=in_tile(offs_m < Nq, offs_d, D, EVEN_D), other=0.0)
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -62,7 +58,7 @@ def _forward_kernel(
         offs_n = kbase + j * BN + tl.arange(0, BN)
         kvalid = (offs_n >= 0) & (offs_n < Nk)
         kt_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]  # (BD, BN): K^T
-        kt = tl.load(kt_ptrs, mask=kvalid[None, :] & (offs_d < D)[:, None], other=0.0)
+        kt = tl.load(kt_ptrs, mask=in_tile_t(kvalid, offs_d, D, EVEN_D), other=0.0)
         s = mma(q, kt, None, PRECISION)  # (BM, BN) fp32
         s, _ = modified_scores(
             s, b, h, offs_m, offs_n, kvalid, BIAS, sbb, sbh, sbq, sbk, SLOPES, Nq, Nk, scale, cap,
@@ -75,7 +71,7 @@ def _forward_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + row_sum(p, 1)
         v_ptrs = v_base + offs_n[:, None] * svn + offs_dv[None, :]  # (BN, BDV)
-        v = tl.load(v_ptrs, mask=kvalid[:, None] & (offs_dv < Dv)[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=in_tile(kvalid, offs_dv, Dv, EVEN_D), other=0.0)
         acc = mma(narrow(p, v.dtype), v, acc * alpha[:, None], PRECISION)
         m_i = m_new
     if HAS_SINKS:
@@ -92,7 +88,7 @@ def _forward_kernel(
     o_ptrs = (
         O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_dv[None, :]
     )  # (BM, BDV)
-    tl.store(o_ptrs, narrow(out, O.dtype.element_ty), mask=(offs_m < Nq)[:, None] & (offs_dv < Dv)[None, :])
+    tl.store(o_ptrs, narrow(out, O.dtype.element_ty), mask=in_tile(offs_m < Nq, offs_dv, Dv, EVEN_D))
     tl.store(LSE + bh.to(tl.int64) * Nq + offs_m, lse, mask=offs_m < Nq)
 
 
@@ -130,7 +126,7 @@ def attention_forward(
         BM=plan.bm, BN=plan.bn, BD=run.bd, BDV=run.bdv,
         HAS_BIAS=run.has_bias, HAS_ALIBI=run.has_alibi, SOFTCAP=run.softcap,
         BIAS_AFTER_CAP=run.bias_after_cap,
-        HAS_SINKS=sinks is not None, PRECISION=run.precision,
+        HAS_SINKS=sinks is not None, PRECISION=run.precision, EVEN_D=run.even_d,
         num_warps=run.fwd_warps, num_stages=run.fwd_stages,
     )  # fmt: skip
     return out, lse

@@ -20,9 +20,39 @@ from ...core.biases import ALiBi, Bias, CustomBias, SoftCap, TensorBias, bias_pa
 from ...core.problem import Problem
 from .plan import TilePlan, plan_for
 
-__all__ = ["MAX_HEAD_DIM", "Launch", "dummy", "last_dim_contiguous", "make_launch", "why_not_modifiers"]
+__all__ = [
+    "MAX_HEAD_DIM",
+    "UNSPECIALISED",
+    "Launch",
+    "dummy",
+    "last_dim_contiguous",
+    "make_launch",
+    "why_not_modifiers",
+]
 
 MAX_HEAD_DIM = 256
+# The kernels' int arguments that Triton must not specialise: lengths, offsets, the scale and cap, and
+# the strides of the mask's bit masks and of the bias, which change with the mask or the length (Triton
+# would compile again when one changes its divisibility by 16). The q/k/v/o strides are specialised:
+# their divisibility by 16 lets Triton issue 16-byte loads, and it does not change with the length
+# when the head dim is a multiple of 16.
+UNSPECIALISED = [
+    "Hq",
+    "G",
+    "Nq",
+    "Nk",
+    "D",
+    "Dv",
+    "kbase",
+    "scale",
+    "cap",
+    "sxb",
+    "sxh",
+    "sbb",
+    "sbh",
+    "sbq",
+    "sbk",
+]
 
 
 def why_not_modifiers(p: Problem) -> str | None:
@@ -68,6 +98,7 @@ class Launch:
     slope_tensor: Tensor  # (Hq,) fp32, or a 1-element dummy
     bd: int
     bdv: int
+    even_d: bool  # the head dims fill their padded blocks (no column mask on q/k/v/o loads)
     precision: str
     fwd_blocks: tuple[int, int]
     dkdv_blocks: tuple[int, int]
@@ -126,6 +157,7 @@ def make_launch(p: Problem, interpret: bool) -> Launch:
         slope_tensor=slope_tensor,
         bd=bd,
         bdv=bdv,
+        even_d=bd == p.D and bdv == p.Dv,
         precision="ieee" if p.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding; 16-bit: MMA
         **_blocks(max(bd, bdv), interpret),
     )

@@ -45,6 +45,26 @@ else:
 
 
 @triton.jit
+def in_tile(rows, offs, n, EVEN: tl.constexpr):
+    """The (R, C) load mask of rows ``rows`` (R,) and columns ``offs < n`` (C,); with ``EVEN`` (the head
+    dim fills its padded block) only the row mask (R, 1), constant along the contiguous columns, so
+    that Triton can issue 16-byte loads."""
+    if EVEN:
+        return rows[:, None]
+    else:
+        return rows[:, None] & (offs < n)[None, :]
+
+
+@triton.jit
+def in_tile_t(cols, offs, n, EVEN: tl.constexpr):
+    """:func:`in_tile` of a transposed tile: (C, R) with ``offs < n`` down the rows."""
+    if EVEN:
+        return cols[None, :]
+    else:
+        return cols[None, :] & (offs < n)[:, None]
+
+
+@triton.jit
 def tanh(x):
     """tanh to a few fp32 ulps on every device (the Triton interpreter has no libdevice): a Taylor
     polynomial near 0, where ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` would cancel."""
@@ -135,6 +155,8 @@ def _inline_in_interpreter(fn):
     return rewrite() if type(fn).__name__ == "InterpretedFunction" and rewrite is not None else fn
 
 
+in_tile = _inline_in_interpreter(in_tile)
+in_tile_t = _inline_in_interpreter(in_tile_t)
 tanh = _inline_in_interpreter(tanh)
 modified_scores = _inline_in_interpreter(modified_scores)
 masked = _inline_in_interpreter(masked)

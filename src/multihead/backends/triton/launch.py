@@ -159,7 +159,7 @@ def make_launch(p: Problem, interpret: bool) -> Launch:
         bdv=bdv,
         even_d=bd == p.D and bdv == p.Dv,
         precision="ieee" if p.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding; 16-bit: MMA
-        **_blocks(max(bd, bdv), interpret),
+        **_blocks(max(bd, bdv), interpret, p.dtype == torch.float32),
     )
 
 
@@ -173,20 +173,24 @@ def _additive(parts: list[Bias], p: Problem) -> Tensor:
 
 
 @functools.cache
-def _blocks(d: int, interpret: bool) -> dict:
-    """Block sizes and launch settings by padded head dim (small tiles in the interpreter, where they
-    exercise the tile logic quickly; H100-sized tiles on a GPU)."""
+def _blocks(d: int, interpret: bool, fp32: bool) -> dict:
+    """Block sizes and launch settings by padded head dim and dtype (small tiles in the interpreter,
+    where they exercise the tile logic quickly; Hopper-tuned tiles on a GPU)."""
     if interpret:
         return dict(
             fwd_blocks=(32, 16), dkdv_blocks=(16, 32), dq_blocks=(16, 16),
             fwd_warps=4, fwd_stages=1, bwd_warps=4, bwd_stages=1,
         )  # fmt: skip
-    if d <= 128:  # 8 warps: with 4 the head-dim-64 kernels spilled registers on sm_90 (Triton 3.9)
-        fwd, warps, stages = (128, 64), 8, 3
+    if d <= 128 and not fp32:
+        # Chosen on an H200 (benchmarks/gpu_blocks.py, N=16384, D=128, bf16; BENCHMARKS.md): 64 x 64
+        # forward tiles with 4 warps were 1.00x / 1.22x / 1.09x the 128 x 64, 8-warp tiles on causal /
+        # window 1024 / 8 documents, and a 4-warp backward 1.70x / 1.51x / 1.45x the 8-warp one.
+        fwd, warps, stages, bwd, bwd_warps = (64, 64), 4, 3, (64, 64), 4
+    elif d <= 128:  # fp32 (exact products, no tensor cores): 4 warps spilled 24 KB a thread (sm_90)
+        fwd, warps, stages, bwd, bwd_warps = (128, 64), 8, 3, (64, 64), 8
     else:
-        fwd, warps, stages = (64, 64), 8, 2
-    bwd = (64, 64) if d <= 128 else (32, 64)
+        fwd, warps, stages, bwd, bwd_warps = (64, 64), 8, 2, (32, 64), 8
     return dict(
         fwd_blocks=fwd, dkdv_blocks=bwd, dq_blocks=bwd,
-        fwd_warps=warps, fwd_stages=stages, bwd_warps=8, bwd_stages=2,
+        fwd_warps=warps, fwd_stages=stages, bwd_warps=bwd_warps, bwd_stages=2,
     )  # fmt: skip

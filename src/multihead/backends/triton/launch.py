@@ -34,7 +34,7 @@ MAX_HEAD_DIM = 256
 # The kernels' int arguments that Triton must not specialise: lengths, offsets, the scale and cap, and
 # the strides of the mask's bit masks and of the bias, which change with the mask or the length (Triton
 # would compile again when one changes its divisibility by 16). The q/k/v/o strides are specialised:
-# their divisibility by 16 lets Triton issue 16-byte loads, and it does not change with the length
+# their divisibility by 16 lets Triton emit 16-byte loads, and it does not change with the length
 # when the head dim is a multiple of 16.
 UNSPECIALISED = [
     "Hq",

@@ -48,7 +48,7 @@ else:
 def in_tile(rows, offs, n, EVEN: tl.constexpr):
     """The (R, C) load mask of rows ``rows`` (R,) and columns ``offs < n`` (C,); with ``EVEN`` (the head
     dim fills its padded block) only the row mask (R, 1), constant along the contiguous columns, so
-    that Triton can issue 16-byte loads."""
+    that Triton can emit 16-byte loads."""
     if EVEN:
         return rows[:, None]
     else:

@@ -101,3 +101,22 @@ def test_past_the_budget_only_the_methods_that_compile_per_mask_stop_first():
     assert "budget" in gpu_speed._cell("torch flex", lambda: None, CPU, 1, budget)["skipped"]
     budget.start -= 50  # 60 s over: everything stops
     assert "budget" in gpu_speed._cell("sdpa", lambda: None, CPU, 1, budget)["skipped"]
+
+
+def test_gpu_blocks_settings_reach_the_launch(monkeypatch):
+    """benchmarks/gpu_blocks.py swaps the kernels' block settings by replacing ``launch._blocks``: a
+    setting it makes must be the one a new launch uses (the sweep would time the defaults otherwise),
+    and its first entries must be the library's current defaults, as its report says."""
+    import gpu_blocks
+
+    from multihead.backends.triton import launch
+    from multihead.core.problem import make_problem
+
+    default = launch._blocks(128, False, False)
+    assert gpu_blocks.settings(gpu_blocks.FORWARD[0], gpu_blocks.BACKWARD[0]) == default
+    monkeypatch.setattr(launch, "_blocks", launch._blocks)  # restored after the test
+    chosen = gpu_blocks.settings(gpu_blocks.FORWARD[1], gpu_blocks.BACKWARD[1])
+    gpu_blocks.use(chosen)
+    q = torch.zeros(1, 2, 40, 128, dtype=torch.bfloat16)
+    run = launch.make_launch(make_problem(q, q, q, mask=mh.causal()), interpret=True)
+    assert run.fwd_blocks == gpu_blocks.FORWARD[1][0] and run.bwd_warps == gpu_blocks.BACKWARD[1][2]

@@ -37,22 +37,8 @@ MAX_HEAD_DIM = 256
 # their divisibility by 16 lets Triton emit 16-byte loads, and it does not change with the length
 # when the head dim is a multiple of 16.
 UNSPECIALISED = [
-    "Hq",
-    "G",
-    "Nq",
-    "Nk",
-    "D",
-    "Dv",
-    "kbase",
-    "scale",
-    "cap",
-    "sxb",
-    "sxh",
-    "sbb",
-    "sbh",
-    "sbq",
-    "sbk",
-]
+    "Hq", "G", "Nq", "Nk", "D", "Dv", "kbase", "scale", "cap", "sxb", "sxh", "sbb", "sbh", "sbq", "sbk",
+]  # fmt: skip
 
 
 def why_not_modifiers(p: Problem) -> str | None:

@@ -281,6 +281,11 @@ def _new_mask_rows(backend, grad, s, device, repeats, budget: Budget) -> list[di
         else:
             row["first_ms"] = first = once_ms(fn, device)
             row["first_over_warm"] = None if first is None or warm is None else round(first / warm, 2)
+            # The same mask's second call, timed the same way as the first (host clock, synchronised):
+            # the warm median above comes from back-to-back calls whose host work overlaps the GPU's,
+            # so first / second is the new mask's own cost.
+            row["second_ms"] = second = once_ms(fn, device)
+            row["first_over_second"] = None if first is None or not second else round(first / second, 2)
         print(f"  new mask: {row}", flush=True)
         out.append(row)
     return out

@@ -73,6 +73,16 @@ def test_new_mask_rows_name_unregistered_backends():
             assert r["skipped"] == "not registered here"
 
 
+def test_new_mask_rows_time_the_first_and_second_call_of_each_new_mask(monkeypatch):
+    monkeypatch.setattr(gpu_speed, "FUSED", ("tiled",))  # a backend every machine has, timed by name
+    rows = gpu_speed.new_masks(CPU, True, 1, Budget(120))
+    timed = [r for r in rows if "first_ms" in r]
+    assert {r["what"] for r in timed} == {"new window size", "new document layout", "new length"}
+    assert {r["grad"] for r in timed} == {False, True}
+    for r in timed:  # the second call of the same mask, timed as the first, next to it
+        assert r["second_ms"] > 0 and r["first_over_second"] == round(r["first_ms"] / r["second_ms"], 2)
+
+
 def test_served_counts_the_backend_that_ran_and_restores_it():
     from multihead.backends import registry
 

@@ -109,8 +109,11 @@ def modified_scores(
     the soft-cap (its derivative ``1 - t^2`` is the backward's; meaningless without a cap)."""
     s = s * scale
     t = s  # the soft-cap's tanh below; unused without a cap
+    # one scalar reciprocal, then a multiply per score: a division per score costs a special-function
+    # op on the GPU, the unit the softmax's exp2 already keeps busy
+    inv_cap = 1.0 / cap
     if SOFTCAP and BIAS_AFTER_CAP:
-        t = tanh(s / cap)
+        t = tanh(s * inv_cap)
         s = cap * t
     if HAS_BIAS:
         ptrs = (
@@ -123,7 +126,7 @@ def modified_scores(
         dist = (offs_m + (Nk - Nq))[:, None] - offs_n[None, :]  # (BM, BN) bottom-right aligned
         s += -slope * tl.abs(dist).to(tl.float32)
     if SOFTCAP and not BIAS_AFTER_CAP:
-        t = tanh(s / cap)
+        t = tanh(s * inv_cap)
         s = cap * t
     return s * LOG2E, t
 

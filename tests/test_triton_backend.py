@@ -15,6 +15,7 @@ import torch
 
 import multihead as mh
 from multihead.backends import registry
+from multihead.core.biases import as_bias
 from tests.numerics import allowed, max_err
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -150,6 +151,51 @@ def test_biases(name, bias, mask):
 
 def test_softcap_bf16():
     check(torch.bfloat16, (1, 2, 1, 48, 48, 32), bias=mh.softcap(3.0), mask=mh.causal())
+
+
+def _bias_grads(backend, dtype, shape, kind, bias64, mask):
+    """out and the gradients of q, k and the bias tensor through ``backend`` (a fixed cotangent)."""
+    q, k, v, dout, _ = _inputs(*shape)
+    t = bias64.to(DEVICE, dtype).clone().requires_grad_(True)
+    leaves = [x.to(DEVICE, dtype).clone().requires_grad_(True) for x in (q, k, v)]
+    bias = {
+        "tensor": t,
+        "cap, then tensor": mh.softcap(2.0) + as_bias(t),
+        "tensor, then cap": as_bias(t) + mh.softcap(2.0),
+        "custom": mh.custom_bias(lambda b, h, qi, ki: 0.5 * t[..., qi, ki] if t.dim() == 2 else t),
+    }[kind]
+    out = mh.attention(*leaves, mask=mask, bias=bias, backend=backend)
+    out.backward(dout.to(DEVICE, dtype))
+    return [out, t.grad, leaves[0].grad, leaves[1].grad]
+
+
+BIAS_GRADS = [  # (kind, bias shape, dtype, mask); (B, Hq, Hkv, Nq, Nk, D) = (2, 2, 1, 37, 45, 16)
+    ("tensor", (37, 45), torch.float32, mh.causal()),
+    ("tensor", (2, 37, 45), torch.float32, mh.sliding_window(9)),  # per head
+    ("tensor", (45,), torch.float32, mh.padding([45, 20])),  # per key: every row and head adds into it
+    ("tensor", (2, 1, 37, 1), torch.float32, None),  # per (batch, row): a softmax constant, gradient 0
+    ("cap, then tensor", (37, 45), torch.float32, mh.causal()),
+    ("tensor, then cap", (2, 37, 45), torch.float32, mh.causal()),
+    ("custom", (37, 45), torch.float32, mh.sliding_window(12)),
+    ("tensor", (2, 37, 45), torch.bfloat16, mh.causal()),
+]
+
+
+@pytest.mark.parametrize(
+    "kind,bshape,dtype,mask", BIAS_GRADS, ids=[f"{b[0]} {b[1]} {str(b[2])[6:]}" for b in BIAS_GRADS]
+)
+def test_bias_gradients_reach_the_bias_tensor(kind, bshape, dtype, mask):
+    """The bias's gradient (accumulated in the dQ kernel, summed over the dims it broadcasts over, before
+    or after the soft-cap's derivative) against the float64 reference, under the numerics rule."""
+    shape = (2, 2, 1, 37, 45, 16)
+    bias64 = torch.randn(*bshape, generator=torch.Generator().manual_seed(len(bshape)), dtype=f64)
+    gold = _bias_grads("reference", f64, shape, kind, bias64, mask)
+    base = _bias_grads("matrix", dtype, shape, kind, bias64, mask)
+    ours = _bias_grads("triton", dtype, shape, kind, bias64, mask)
+    for name, o, b, r in zip(["out", "dbias", "dq", "dk"], ours, base, gold, strict=True):
+        r = r.to(o.device)
+        err, limit = max_err(o, r), allowed(max_err(b.to(o.device), r), grad=name != "out")
+        assert err <= limit, f"{name}: error {err:.2e} > allowed {limit:.2e} ({dtype})"
 
 
 def test_custom_bias_forward():
@@ -299,7 +345,7 @@ def test_why_not_is_precise():
     assert "weights" in backend.why_not(make_problem(q, k, v, return_weights=True))
     assert "float64" in backend.why_not(make_problem(q.double(), k.double(), v.double()))
     grad_bias = torch.zeros(1, 2, 20, 20, device=DEVICE, requires_grad=True)
-    assert "requires grad" in backend.why_not(make_problem(q, k, v, bias=grad_bias))
+    assert backend.why_not(make_problem(q, k, v, bias=grad_bias)) is None  # its gradient is computed
     chain = mh.alibi(2) + mh.softcap(3.0) + mh.custom_bias(lambda b, h, q, k: 0.0 * q)
     assert "both sides" in backend.why_not(make_problem(q, k, v, bias=chain))
     with pytest.raises(ValueError, match=r"backend 'triton' cannot serve this call: dropout_p=0\.1"):

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import UNSPECIALISED, Launch, last_dim_contiguous
-from .scores import LOG2E, in_tile, masked, mma, modified_scores, narrow
+from .scores import LOG2E, add_bias_grad, in_tile, masked, mma, modified_scores, narrow
 
 __all__ = ["attention_backward"]
 
@@ -96,15 +96,17 @@ def _dkdv_kernel(
 
 @triton.jit(do_not_specialize=UNSPECIALISED)
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, BIAS, SLOPES, BITS, ROW_PTR, ROW_COLS, ROW_CODE,
+    Q, K, V, DO, LSE, DELTA, DQ, DBIAS, BIAS, SLOPES, BITS, ROW_PTR, ROW_COLS, ROW_CODE,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     sbb, sbh, sbq, sbk, sxb, sxh,
     Hq, G, Nq, Nk, D, Dv, kbase, scale, cap,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_AFTER_CAP: tl.constexpr,
-    PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_D: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):  # fmt: skip
-    """One program per (query block, batch x query head); dQ in q's layout (B, Hq, Nq, D)."""
+    """One program per (query block, batch x query head); dQ in q's layout (B, Hq, Nq, D), and with
+    ``BIAS_GRAD`` the bias's gradient added into ``DBIAS`` (every non-empty tile of a (batch, head) is
+    visited here once)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
@@ -152,8 +154,12 @@ def _dq_kernel(
         p = tl.exp2(s - lse[:, None])  # (BM, BN)
         dp = mma(do, tl.trans(v), None, PRECISION)  # (BM, BN)
         ds = p * (dp - delta[:, None])
+        if BIAS_GRAD and BIAS_AFTER_CAP:  # s = cap * tanh(.) + bias: the bias sees ds as it is
+            add_bias_grad(DBIAS, ds, b, h, offs_m, offs_n, kvalid, sbb, sbh, sbq, sbk, Nq)
         if SOFTCAP:
             ds = ds * (1.0 - tc * tc)
+        if BIAS_GRAD and not BIAS_AFTER_CAP:  # the bias inside the cap (or no cap): after its derivative
+            add_bias_grad(DBIAS, ds, b, h, offs_m, offs_n, kvalid, sbb, sbh, sbq, sbk, Nq)
         dq = mma(narrow(ds, k.dtype), k, dq, PRECISION)
     tl.store(DQ + q_off, narrow(dq * scale, DQ.dtype.element_ty), mask=qmask)
 
@@ -169,8 +175,9 @@ def attention_backward(
         run: the forward's launch (same plan data, modifiers and settings).
 
     Returns:
-        dq (B, Hq, Nq, D), dk (B, Hkv, Nk, D), dv (B, Hkv, Nk, Dv) in the inputs' dtypes, and delta
-        (B, Hq, Nq) fp32 (``rowsum(dO * O) - dlse``, for the sinks' gradient).
+        dq (B, Hq, Nq, D), dk (B, Hkv, Nk, D), dv (B, Hkv, Nk, Dv) in the inputs' dtypes, delta
+        (B, Hq, Nq) fp32 (``rowsum(dO * O) - dlse``, for the sinks' gradient), and the gradient of
+        ``run.bias_tensor`` (its shape, fp32) when ``run.bias_grad``, else None.
     """
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     dout = last_dim_contiguous(dout)
@@ -198,10 +205,13 @@ def attention_backward(
         plan.col_ptr, plan.col_rows, plan.col_code, *strides, *plan.bit_strides(),
         *sizes, plan.kbase, run.scale, run.cap, BM=plan.bm, BN=plan.bn, **common,
     )  # fmt: skip
+    # the bias's gradient in its (contiguous) shape, fp32: the dQ kernel adds into it with atomics
+    dbias = torch.zeros_like(run.bias_tensor) if run.bias_grad else None  # (B|1, Hq|1, Nq|1, Nk|1)
     plan = run.plan(run.dq_blocks)
     _dq_kernel[(plan.nqb, B * Hq)](
-        q, k, v, dout, lse_b, delta, dq, run.bias_tensor, run.slope_tensor, plan.bits,
-        plan.row_ptr, plan.row_cols, plan.row_code, *strides, *plan.bit_strides(),
-        *sizes, plan.kbase, run.scale, run.cap, BM=plan.bm, BN=plan.bn, **common,
+        q, k, v, dout, lse_b, delta, dq, run.bias_tensor if dbias is None else dbias, run.bias_tensor,
+        run.slope_tensor, plan.bits, plan.row_ptr, plan.row_cols, plan.row_code, *strides,
+        *plan.bit_strides(), *sizes, plan.kbase, run.scale, run.cap, BM=plan.bm, BN=plan.bn,
+        BIAS_GRAD=dbias is not None, **common,
     )  # fmt: skip
-    return dq, dk, dv, delta
+    return dq, dk, dv, delta, dbias

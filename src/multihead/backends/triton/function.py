@@ -20,7 +20,11 @@ __all__ = ["triton_attention"]
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, run: Launch) -> Any:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, bias: Tensor | None, run: Launch
+    ) -> Any:
+        """``bias`` is ``run.bias_tensor`` when it requires grad (an input here so that its gradient
+        reaches the tensors it was built from), else None."""
         sinks32 = None if sinks is None else sinks.detach().float().contiguous()  # (Hq,)
         out, lse = attention_forward(q, k, v, sinks32, run)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -30,21 +34,23 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> Any:
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv, delta = attention_backward(q, k, v, out, lse, dout, dlse, ctx.run)
+        dq, dk, dv, delta, dbias = attention_backward(q, k, v, out, lse, dout, dlse, ctx.run)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = sink_grad(sinks, lse, delta)  # (Hq,)
-        return dq, dk, dv, dsinks, None
+        return dq, dk, dv, dsinks, dbias, None
 
 
 def triton_attention(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, run: Launch
 ) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Nq, Dv), lse (B, Hq, Nq) fp32)``; differentiable in q, k, v, sinks and through lse.
+    """``(out (B, Hq, Nq, Dv), lse (B, Hq, Nq) fp32)``; differentiable in q, k, v, sinks, the additive
+    biases' tensors (``run.bias_grad``) and through lse.
 
     Rows no key reaches get output 0, lse -inf (``sink_h`` with sinks) and zero gradients.
     """
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        return _TritonAttention.apply(q, k, v, sinks, run)
+    bias = run.bias_tensor if run.bias_grad else None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias)):
+        return _TritonAttention.apply(q, k, v, sinks, bias, run)
     sinks32 = None if sinks is None else sinks.float().contiguous()  # (Hq,)
     return attention_forward(q, k, v, sinks32, run)

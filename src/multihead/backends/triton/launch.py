@@ -50,16 +50,6 @@ def why_not_modifiers(p: Problem) -> str | None:
     for part in parts:
         if not isinstance(part, SoftCap | ALiBi | TensorBias | CustomBias) and not part.is_additive:
             return f"{part!r} is not additive and not a soft-cap; the kernel has no form for it"
-        if isinstance(part, TensorBias) and part.t.requires_grad and torch.is_grad_enabled():
-            return (
-                f"{part!r} requires grad; the kernel's backward does not produce bias gradients "
-                "(the tiled backend does)"
-            )
-        if isinstance(part, CustomBias) and torch.is_grad_enabled() and p.needs_grad:
-            return (
-                "gradients into tensors a custom_bias fn captures cannot be routed through the kernel; "
-                "run under torch.no_grad() or pass the bias as a tensor"
-            )
     if caps:
         before = [b for b in parts[: caps[0]] if b.is_additive]
         after = [b for b in parts[caps[0] + 1 :] if b.is_additive]
@@ -80,6 +70,7 @@ class Launch:
     has_alibi: bool
     has_bias: bool
     bias_tensor: Tensor  # (B|1, Hq|1, Nq|1, Nk|1) fp32, or a 1-element dummy
+    bias_grad: bool  # bias_tensor requires grad: the dQ kernel accumulates its gradient
     bias_strides: tuple[int, ...]  # (4,) batch, head, row, key
     slope_tensor: Tensor  # (Hq,) fp32, or a 1-element dummy
     bd: int
@@ -139,6 +130,7 @@ def make_launch(p: Problem, interpret: bool) -> Launch:
         has_alibi=bool(slopes),
         has_bias=bool(others),
         bias_tensor=bias_tensor,
+        bias_grad=bias_tensor.requires_grad,
         bias_strides=strides_t,
         slope_tensor=slope_tensor,
         bd=bd,
@@ -150,11 +142,16 @@ def make_launch(p: Problem, interpret: bool) -> Launch:
 
 
 def _additive(parts: list[Bias], p: Problem) -> Tensor:
-    """The sum of additive biases as one fp32 tensor at its natural broadcast shape."""
+    """The sum of additive biases as one fp32 tensor at its natural broadcast shape; when gradients are
+    on and it depends on a tensor that requires grad (a tensor bias, or one a custom bias captures), a
+    contiguous tensor still in the autograd graph, so that its gradient (the dQ kernel's ``dbias``) flows
+    back to those tensors through torch."""
     ctx, dev = p.ctx, p.q.device
     total = parts[0].natural(ctx, dev, torch.float32)
     for part in parts[1:]:
         total = total + part.natural(ctx, dev, torch.float32)  # broadcast sum
+    if torch.is_grad_enabled() and total.requires_grad:
+        return total.contiguous()  # (B|1, Hq|1, Nq|1, Nk|1): dbias is allocated with its strides
     return total.detach()
 
 

@@ -132,6 +132,18 @@ def modified_scores(
 
 
 @triton.jit
+def add_bias_grad(DBIAS, g, b, h, offs_m, offs_n, kvalid, sbb, sbh, sbq, sbk, Nq):
+    """Add a tile's bias gradient ``g`` (BM, BN) into ``DBIAS`` (the bias's shape, read through the
+    bias's strides). fp32 atomics: where the bias broadcasts (stride 0 over batch, heads, rows or keys)
+    many scores add into one entry, which is the sum over the broadcast dims its gradient is."""
+    ptrs = (
+        DBIAS + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh + offs_m[:, None] * sbq + offs_n[None, :] * sbk
+    )  # (BM, BN)
+    inside = (offs_m < Nq)[:, None] & kvalid[None, :]  # (BM, BN)
+    tl.atomic_add(ptrs, g, mask=inside, sem="relaxed")
+
+
+@triton.jit
 def masked(s, b, h, code, kvalid, BITS, sxb, sxh, BM: tl.constexpr, BN: tl.constexpr):
     """-inf where the tile's mask hides a key: a full tile (code -1) is left as it is; a partial tile
     (code >= 0) reads its bit mask, one int32 word per 32 keys of a row (see :mod:`.plan`), and a full
@@ -160,6 +172,7 @@ def _inline_in_interpreter(fn):
 
 in_tile = _inline_in_interpreter(in_tile)
 in_tile_t = _inline_in_interpreter(in_tile_t)
+add_bias_grad = _inline_in_interpreter(add_bias_grad)
 tanh = _inline_in_interpreter(tanh)
 modified_scores = _inline_in_interpreter(modified_scores)
 masked = _inline_in_interpreter(masked)

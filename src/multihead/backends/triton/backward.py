@@ -166,7 +166,7 @@ def _dq_kernel(
 
 def attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, run: Launch
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of the forward kernel's (out, lse).
 
     Args:

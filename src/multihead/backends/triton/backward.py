@@ -1,4 +1,5 @@
-"""The backward kernels (FlashAttention-2): dK/dV per key block, dQ per query block, no atomics.
+"""The backward kernels (FlashAttention-2): dK/dV per key block, dQ per query block; atomics only for a
+bias's gradient.
 
 Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, Nq queries, Nk keys, D / Dv head
 dims padded to BD / BDV.
@@ -9,6 +10,8 @@ reaches the returned lse):
 
     dV = p^T dO      dP = dO V^T      dS = p * (dP - delta) * (1 - tanh^2 of the soft-cap)
     dK = scale * dS^T Q                dQ = scale * dS K
+    dBias = dS (without the soft-cap's factor for a bias added after the cap), summed over the dims the
+            bias broadcasts over: fp32 atomic adds in the dQ kernel, only when the bias requires grad
 
 The dK/dV kernel walks its key block's transposed tile list once per query head of the kv head, so the
 G heads' contributions are summed in registers. Rows no key reached carry lse = +inf here (p = 0).

@@ -63,7 +63,9 @@ def _compile(kernel, dtype: str, constexprs: dict, warps: int, stages: int):
         return triton.compile(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
         )
-    except FileNotFoundError as e:  # a Triton build without NVIDIA's assembler
+    except (FileNotFoundError, RuntimeError) as e:  # a Triton build without NVIDIA's assembler
+        if isinstance(e, RuntimeError) and "ptxas" not in str(e):
+            raise
         pytest.skip(f"this Triton has no ptxas to compile for a GPU: {e}")
 
 

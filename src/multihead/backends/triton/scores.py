@@ -65,6 +65,16 @@ def in_tile_t(cols, offs, n, EVEN: tl.constexpr):
 
 
 @triton.jit
+def bias_tile(BASE, b, h, offs_m, offs_n, kvalid, sbb, sbh, sbq, sbk, Nq):
+    """Pointers (BM, BN) into a tensor of the bias's shape read through its strides (0 where it
+    broadcasts), and the mask of the tile's positions inside the problem."""
+    ptrs = (
+        BASE + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh + offs_m[:, None] * sbq + offs_n[None, :] * sbk
+    )  # (BM, BN)
+    return ptrs, (offs_m < Nq)[:, None] & kvalid[None, :]
+
+
+@triton.jit
 def tanh(x):
     """tanh to a few fp32 ulps on every device (the Triton interpreter has no libdevice): a Taylor
     polynomial near 0, where ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` would cancel."""
@@ -116,10 +126,7 @@ def modified_scores(
         t = tanh(s * inv_cap)
         s = cap * t
     if HAS_BIAS:
-        ptrs = (
-            BIAS + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh + offs_m[:, None] * sbq + offs_n[None, :] * sbk
-        )  # (BM, BN)
-        inside = (offs_m < Nq)[:, None] & kvalid[None, :]  # (BM, BN)
+        ptrs, inside = bias_tile(BIAS, b, h, offs_m, offs_n, kvalid, sbb, sbh, sbq, sbk, Nq)
         s += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h)
@@ -136,10 +143,7 @@ def add_bias_grad(DBIAS, g, b, h, offs_m, offs_n, kvalid, sbb, sbh, sbq, sbk, Nq
     """Add a tile's bias gradient ``g`` (BM, BN) into ``DBIAS`` (the bias's shape, read through the
     bias's strides). fp32 atomics: where the bias broadcasts (stride 0 over batch, heads, rows or keys)
     many scores add into one entry, which is the sum over the broadcast dims its gradient is."""
-    ptrs = (
-        DBIAS + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh + offs_m[:, None] * sbq + offs_n[None, :] * sbk
-    )  # (BM, BN)
-    inside = (offs_m < Nq)[:, None] & kvalid[None, :]  # (BM, BN)
+    ptrs, inside = bias_tile(DBIAS, b, h, offs_m, offs_n, kvalid, sbb, sbh, sbq, sbk, Nq)
     tl.atomic_add(ptrs, g, mask=inside, sem="relaxed")
 
 
@@ -172,6 +176,7 @@ def _inline_in_interpreter(fn):
 
 in_tile = _inline_in_interpreter(in_tile)
 in_tile_t = _inline_in_interpreter(in_tile_t)
+bias_tile = _inline_in_interpreter(bias_tile)
 add_bias_grad = _inline_in_interpreter(add_bias_grad)
 tanh = _inline_in_interpreter(tanh)
 modified_scores = _inline_in_interpreter(modified_scores)

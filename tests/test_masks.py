@@ -10,6 +10,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import multihead as mh
 from multihead.core.masks import MaskContext, as_mask
@@ -349,3 +351,32 @@ def test_str_of_large_mask_is_one_short_line():
         text = str(m)
         assert "\n" not in text and len(text) < 200, text
         assert "too large" in text
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    bi=st.integers(1, 3),
+    size=st.integers(1, 40),
+    shift=st.integers(0, 40),
+    offset=st.integers(-60, 0),
+    seed=st.integers(0, 2**16),
+)
+def test_tile_min_max_of_tile_edges_equals_slicing(n, bi, size, shift, offset, seed):
+    """Document masks classify tiles by each tile's smallest and largest id: over tile edges (a shifted
+    first block, clamped query ranges that leave empty ones) the padded reduction gives what slicing
+    each range gives, empty ranges (max + 1, min - 1)."""
+    from multihead.core.masks import _regular_min_max, _tile_min_max
+    from multihead.core.tiles import edges
+
+    ids = torch.randint(-5, 50, (bi, n), generator=torch.Generator().manual_seed(seed)).sort(1).values
+    e = edges(n, size, min(shift, size) % size)
+    lo, hi = [max(0, a + offset) for a in e[:-1]], [max(0, b + offset) for b in e[1:]]
+    big = int(ids.max()) + 1
+    full = torch.full((bi,), big)
+    want_min = torch.stack([ids[:, a:b].amin(1) if b > a else full for a, b in zip(lo, hi)], 1)
+    want_max = torch.stack([ids[:, a:b].amax(1) if b > a else -full for a, b in zip(lo, hi)], 1)
+    got_min, got_max = _tile_min_max(ids, lo, hi)
+    assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max)
+    if sum(b > a for a, b in zip(lo, hi)) >= 2:  # the padded reduction served it
+        assert _regular_min_max(ids, lo, hi, big) is not None

@@ -102,6 +102,15 @@ def test_transposed_lists_hold_the_same_tiles():
     assert len(rows) == int((kinds != 0).sum())  # every non-empty tile once, no empty one
 
 
+def test_the_lists_reach_the_device_as_one_int32_copy():
+    """A new mask's lists are one host-to-device copy (a copy that waits for the GPU costs a new mask's
+    first call its overlap with the queued work): six lists, views of one int32 storage."""
+    pl = tplan.build_plan(_problem(1, 1, 45, 70, mh.sliding_window(13)), 16, 16)
+    lists = [pl.row_ptr, pl.row_cols, pl.row_code, pl.col_ptr, pl.col_rows, pl.col_code]
+    assert {t.dtype for t in lists} == {torch.int32}
+    assert len({t.untyped_storage().data_ptr() for t in lists}) == 1
+
+
 @pytest.mark.parametrize("bn", [16, 32, 64, 128])
 def test_bit_masks_pack_one_bit_per_score_and_unpack_exactly(bn):
     g = torch.Generator().manual_seed(bn)

@@ -139,25 +139,27 @@ def build_plan(p: Problem, bm: int, bn: int) -> TilePlan:
     edge = ~partial & ((k_lo < 0) | (k_lo + bn > p.Nk))
     code[edge] = EDGE_TILE
     order = (cols * nqb + rows).argsort()  # (nnz,) column-major: the transposed lists
-    dev = p.q.device
-    bits = partial_bits(p, rows[partial], cols[partial], bm, bn, kbase)
-
-    def i32(t: Tensor) -> Tensor:
-        return t.to(device=dev, dtype=torch.int32)
-
+    lists = [_ptr(rows, nqb), cols, code, _ptr(cols, nkb), rows[order], code[order]]  # the plan's six lists
+    lists += [rows[partial], cols[partial]]  # (P,) each: the partial tiles, in code order
+    # One copy to the device, which does not wait for the GPU (from pageable memory the copy is staged
+    # before it returns): a new mask's plan adds no synchronisation of its own.
+    on_dev = torch.cat(lists).to(torch.int32).to(p.q.device, non_blocking=True)  # (all,)
+    row_ptr, row_cols, row_code, col_ptr, col_rows, col_code, p_rows, p_cols = on_dev.split(
+        [t.numel() for t in lists]
+    )
     return TilePlan(
         bm=bm,
         bn=bn,
         kbase=kbase,
         nqb=nqb,
         nkb=nkb,
-        row_ptr=i32(_ptr(rows, nqb)),
-        row_cols=i32(cols),
-        row_code=i32(code),
-        col_ptr=i32(_ptr(cols, nkb)),
-        col_rows=i32(rows[order]),
-        col_code=i32(code[order]),
-        bits=bits,
+        row_ptr=row_ptr,
+        row_cols=row_cols,
+        row_code=row_code,
+        col_ptr=col_ptr,
+        col_rows=col_rows,
+        col_code=col_code,
+        bits=partial_bits(p, p_rows, p_cols, bm, bn, kbase),
     )
 
 

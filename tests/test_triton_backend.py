@@ -228,10 +228,11 @@ def test_non_contiguous_inputs_from_token_major_layout():
 
 def test_new_masks_reuse_the_compiled_kernel():
     """A new window size, document layout or length changes only data: the forward kernel's compile key
-    (constexpr arguments, tensor dtypes, and the divisibility by 16 of the ints Triton specialises) stays
-    the same. Lengths, offsets and the mask's and bias's strides are left unspecialised (Triton would
-    otherwise compile again when one changes its divisibility by 16); the q/k/v/o strides are specialised
-    (16-byte loads), and with a head dim that is a multiple of 16 they stay divisible at every length."""
+    (constexpr arguments, tensor dtypes, pointers' alignment to 16 bytes, and the divisibility by 16 of
+    the ints Triton specialises) stays the same. Lengths, offsets and the mask's and bias's strides are
+    left unspecialised (Triton would otherwise compile again when one changes its divisibility by 16);
+    the q/k/v/o strides are specialised (16-byte loads), and with a head dim that is a multiple of 16
+    they stay divisible at every length."""
     import inspect
 
     from multihead.backends.triton import forward
@@ -245,13 +246,14 @@ def test_new_masks_reuse_the_compiled_kernel():
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+                aligned = tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
                 names = original.arg_names
                 spec = tuple(
                     (a % 16 == 0, a == 1)
                     for i, a in enumerate(args)
                     if isinstance(a, int) and names[i] not in unspecialised
                 )
-                keys.append((dtypes, spec, tuple(sorted(kwargs.items()))))
+                keys.append((dtypes, aligned, spec, tuple(sorted(kwargs.items()))))
                 return original[grid](*args, **kwargs)
 
             return launch

@@ -104,11 +104,13 @@ def test_transposed_lists_hold_the_same_tiles():
 
 def test_the_lists_reach_the_device_as_one_int32_copy():
     """A new mask's lists are one host-to-device copy (a copy that waits for the GPU costs a new mask's
-    first call its overlap with the queued work): six lists, views of one int32 storage."""
+    first call its overlap with the queued work): six lists, views of one int32 storage, each aligned to
+    16 bytes."""
     pl = tplan.build_plan(_problem(1, 1, 45, 70, mh.sliding_window(13)), 16, 16)
     lists = [pl.row_ptr, pl.row_cols, pl.row_code, pl.col_ptr, pl.col_rows, pl.col_code]
     assert {t.dtype for t in lists} == {torch.int32}
     assert len({t.untyped_storage().data_ptr() for t in lists}) == 1
+    assert all(t.data_ptr() % 16 == 0 for t in lists)  # Triton specialises pointers on this alignment
 
 
 @pytest.mark.parametrize("bn", [16, 32, 64, 128])

@@ -142,10 +142,16 @@ def build_plan(p: Problem, bm: int, bn: int) -> TilePlan:
     lists = [_ptr(rows, nqb), cols, code, _ptr(cols, nkb), rows[order], code[order]]  # the plan's six lists
     lists += [rows[partial], cols[partial]]  # (P,) each: the partial tiles, in code order
     # One copy to the device, which does not wait for the GPU (from pageable memory the copy is staged
-    # before it returns): a new mask's plan adds no synchronisation of its own.
-    on_dev = torch.cat(lists).to(torch.int32).to(p.q.device, non_blocking=True)  # (all,)
-    row_ptr, row_cols, row_code, col_ptr, col_rows, col_code, p_rows, p_cols = on_dev.split(
-        [t.numel() for t in lists]
+    # before it returns): a new mask's plan adds no synchronisation of its own. Each list starts 16 bytes
+    # into the block after the last (padded to 4 ints): Triton specialises a pointer on its alignment to
+    # 16 bytes, which must not change with the lengths.
+    sizes = [-(-t.numel() // 4) * 4 for t in lists]
+    host = torch.zeros(sum(sizes), dtype=torch.int32)  # (all,)
+    for part, t in zip(host.split(sizes), lists, strict=True):
+        part[: t.numel()] = t
+    on_dev = host.to(p.q.device, non_blocking=True).split(sizes)
+    row_ptr, row_cols, row_code, col_ptr, col_rows, col_code, p_rows, p_cols = (
+        d[: t.numel()] for d, t in zip(on_dev, lists, strict=True)
     )
     return TilePlan(
         bm=bm,

@@ -6,13 +6,16 @@ registered fused backend (``triton``, ``flex``), torch ``flex_attention`` compil
 built once, and torch SDPA (flash where the mask is causal, else with a dense mask or bias; it has no
 soft-cap or sinks). Every cell has the first-call time and the warm median; "speed vs X" is X's warm time
 over ours (above 1 = faster). Then the new-mask rows: the first call with a new window size, document
-layout and length against a warm call, for ``triton`` and ``flex``.
+layout and length against a warm call and against the same mask's second call, for ``triton`` and
+``flex``; for ``triton`` also its tile plan alone (``plan_ms``: the host work and few device ops a new mask
+adds before any kernel runs).
 
 Shape legend: B batch, H heads, N tokens, D head dim.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,6 +249,15 @@ def new_masks(device: torch.device, small: bool, repeats: int, budget: Budget) -
     return rows
 
 
+def _plan_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> object:
+    """The triton backend's tile plan of a call, built afresh (no cache): what a new mask costs before
+    any kernel runs."""
+    from multihead.backends.triton import launch, plan
+
+    run = launch.make_launch(make_problem(q, k, v, mask=mask), interpret=False)
+    return plan.build_plan(run.problem, *run.fwd_blocks)
+
+
 def _new_mask_rows(backend, grad, s, device, repeats, budget: Budget) -> list[dict]:
     """Warm ``backend`` on a window and on documents (one compilation per feature set), then time the
     first call of each new mask against the warm call; rows are printed as they finish."""
@@ -268,17 +280,23 @@ def _new_mask_rows(backend, grad, s, device, repeats, budget: Budget) -> list[di
     m = n - 128 - 5  # a new length that is not a multiple of any block size
     q2, k2, v2 = (t.detach()[:, :, :m].clone().requires_grad_(grad) for t in (q, k, v))
     ids7 = torch.sort(torch.randint(0, 7, (n,), device=device)).values  # (N,) seven uneven documents
+    # Each mask object made once: a document mask's plan is cached by the object (its ids' identity and
+    # version), so the second call below reuses it, as the layers of one forward pass do.
+    docs7 = mh.document(ids7) & mh.causal()
     new = [
-        ("new window size", lambda: call(q, k, v, mh.sliding_window(w - 24))),
-        ("new document layout", lambda: call(q, k, v, mh.document(ids7) & mh.causal())),
-        ("new length", lambda: call(q2, k2, v2, mh.sliding_window(w))),
+        ("new window size", (q, k, v), mh.sliding_window(w - 24)),
+        ("new document layout", (q, k, v), docs7),
+        ("new length", (q2, k2, v2), mh.sliding_window(w)),
     ]
     out = []
-    for what, fn in new:
+    for what, qkv, mask in new:
+        fn = functools.partial(call, *qkv, mask)
         row = {"backend": backend, "grad": grad, "what": what, "warm_ms": warm}
         if budget.over():
             row["skipped"] = "budget spent"
         else:
+            if backend == "triton":  # the plan alone (host work and its few device ops), never cached
+                row["plan_ms"] = once_ms(lambda qkv=qkv, mask=mask: _plan_only(*qkv, mask), device)
             row["first_ms"] = first = once_ms(fn, device)
             row["first_over_warm"] = None if first is None or warm is None else round(first / warm, 2)
             # The same mask's second call, timed the same way as the first (host clock, synchronised):

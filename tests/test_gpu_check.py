@@ -83,6 +83,19 @@ def test_new_mask_rows_time_the_first_and_second_call_of_each_new_mask(monkeypat
         assert r["second_ms"] > 0 and r["first_over_second"] == round(r["first_ms"] / r["second_ms"], 2)
 
 
+def test_the_plan_alone_is_built_afresh_with_the_gpu_blocks():
+    """``plan_ms`` times the triton plan of a new mask, built without the cache (a cached plan would time
+    a dictionary lookup), with the block sizes a GPU launch uses."""
+    from multihead.backends.triton import launch, plan
+    from multihead.core.problem import make_problem
+
+    plan.clear_cache()
+    q = torch.randn(1, 2, 300, 16, dtype=torch.bfloat16)
+    got = gpu_speed._plan_only(q, q, q, mh.sliding_window(40))
+    blocks = launch.make_launch(make_problem(q, q, q, mask=mh.sliding_window(40)), interpret=False).fwd_blocks
+    assert (got.bm, got.bn) == blocks and got.n_partial > 0 and not plan._CACHE
+
+
 def test_served_counts_the_backend_that_ran_and_restores_it():
     from multihead.backends import registry
 

@@ -163,6 +163,20 @@ def test_llamacpp_our_rate_or_nan(per_call, tick, ok):
         assert llamacpp_decode._cell(None, "5.2f", "x") == "too short to measure"
 
 
+def test_llamacpp_of_limit_pairs_each_run_with_its_own_probe():
+    """A machine whose memory halves between runs: each run against its own minute's probe reads 80%;
+    the rates' median over the best probe would read 60%. Unmeasurable runs drop out; none left: "-";
+    above 100%: the refusal."""
+    import llamacpp_decode
+
+    rates, limits = [80.0, 40.0, 80.0, 40.0], [100.0, 50.0, 100.0, 50.0]
+    assert llamacpp_decode.paired_limit_text(rates, limits) == "80%"
+    assert llamacpp_decode.timing.limit_text(60.0, max(limits)) == "60%"  # one probe, the best
+    assert llamacpp_decode.paired_limit_text([math.nan, 45.0], [100.0, 50.0]) == "90%"
+    assert llamacpp_decode.paired_limit_text([math.nan], [100.0]) == "-"
+    assert "above limit" in llamacpp_decode.paired_limit_text([120.0], [100.0])
+
+
 def test_attention_speed_markdown_keeps_noise_and_too_short_apart():
     import attention_speed
 

@@ -369,14 +369,28 @@ def test_tile_min_max_of_tile_edges_equals_slicing(n, bi, size, shift, offset, s
     from multihead.core.masks import _regular_min_max, _tile_min_max
     from multihead.core.tiles import edges
 
-    ids = torch.randint(-5, 50, (bi, n), generator=torch.Generator().manual_seed(seed)).sort(1).values
+    low = -60 if seed % 2 else 0  # all-negative ids too: padding must sit below every id
+    ids = torch.randint(low, low + 55, (bi, n), generator=torch.Generator().manual_seed(seed)).sort(1).values
     e = edges(n, size, min(shift, size) % size)
     lo, hi = [max(0, a + offset) for a in e[:-1]], [max(0, b + offset) for b in e[1:]]
-    big = int(ids.max()) + 1
-    full = torch.full((bi,), big)
-    want_min = torch.stack([ids[:, a:b].amin(1) if b > a else full for a, b in zip(lo, hi)], 1)
-    want_max = torch.stack([ids[:, a:b].amax(1) if b > a else -full for a, b in zip(lo, hi)], 1)
+    big, small = int(ids.max()) + 1, int(ids.min()) - 1
+    above, below = torch.full((bi,), big), torch.full((bi,), small)
+    want_min = torch.stack([ids[:, a:b].amin(1) if b > a else above for a, b in zip(lo, hi)], 1)
+    want_max = torch.stack([ids[:, a:b].amax(1) if b > a else below for a, b in zip(lo, hi)], 1)
     got_min, got_max = _tile_min_max(ids, lo, hi)
     assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max)
     if sum(b > a for a, b in zip(lo, hi)) >= 2:  # the padded reduction served it
-        assert _regular_min_max(ids, lo, hi, big) is not None
+        assert _regular_min_max(ids, lo, hi, big, small) is not None
+
+
+def test_tile_min_max_of_uneven_ranges_with_negative_ids():
+    """Ranges of uneven lengths take the general gather; its empty-range and starting maximum sit below
+    every id, negative ids included (they were -(max + 1), above all-negative ids: every tile's maximum
+    read as that value, which cost the document mask its full and empty tiles)."""
+    from multihead.core.masks import _tile_min_max
+
+    ids = torch.tensor([[-10] * 40 + [-3] * 40 + [-7] * 48])  # (1, 128)
+    lo, hi = [0, 5, 30, 30, 70, 100], [5, 30, 30, 70, 100, 128]  # uneven, one empty
+    got_min, got_max = _tile_min_max(ids, lo, hi)
+    assert got_min.tolist() == [[-10, -10, -2, -10, -7, -7]]
+    assert got_max.tolist() == [[-10, -10, -11, -3, -3, -7]]

@@ -49,6 +49,7 @@ import torch
 import multihead as mh
 from multihead.bench import decode, timing, tokens
 from multihead.models import quant
+from multihead.native import hugepages
 
 #: GGUF type -> (our quantize arguments, the row's name on our side)
 PRECISIONS = {
@@ -164,6 +165,15 @@ def our_rate(
     return (new - 1) / (many - one)
 
 
+def streamed_in_huge_pages(model: torch.nn.Module) -> str:
+    """The share of the weights a decode step streams (every parameter and buffer but the input
+    embedding's, a tied head's included) that lie in huge pages, as text ("98%"; "-" where Linux's smaps
+    cannot tell): a row slower than its neighbours can be checked against it."""
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    share = hugepages.coverage([t for n, t in named if not n.startswith("embed.")])  # a tied head: lm_head.*
+    return "-" if share is None else f"{share:.0%}"
+
+
 def paired_limit_text(rates: list[float], limits: list[float]) -> str:
     """The median over runs of each run's rate over the limit probed in that run, as text ("73%"; "-"
     when no run was measurable; the refusal of :func:`multihead.bench.timing.limit_text` when the
@@ -235,6 +245,7 @@ def run(args: argparse.Namespace) -> dict:
                     "multihead_step_bytes": nbytes,
                     "multihead_of_limit": paired_limit_text(mine, limits),
                     "multihead_of_one_limit": timing.limit_text(ours_tok_s, max(limits)),
+                    "multihead_huge_pages": streamed_in_huge_pages(ours),
                     "tokens_first_difference": _first_difference(want, got),
                     "ours_vs_fp32": tokens.parting_text(vs_fp32),
                 }
@@ -268,7 +279,7 @@ def main() -> None:
     )
     print(
         f"{'GGUF':6s} {'ours':16s} {'threads':>7s} {'llama.cpp':>10s} {'multihead':>10s} {'ratio':>6s}"
-        f" {'of limit':>8s} {'of one':>8s}  tokens (llama.cpp vs ours)"
+        f" {'of limit':>8s} {'of one':>8s} {'huge pg':>7s}  tokens (llama.cpp vs ours)"
     )
     for r in doc["rows"]:
         diff = r["tokens_first_difference"]
@@ -276,7 +287,8 @@ def main() -> None:
         print(
             f"{r['gguf']:6s} {r['ours']:16s} {r['threads']:7d} {r['llamacpp_tok_s']:10.1f} "
             f"{_cell(r['multihead_tok_s'], '10.1f')} {_cell(r['ratio'], '5.2f', 'x')} "
-            f"{r['multihead_of_limit']:>8s} {r['multihead_of_one_limit']:>8s}  {same}"
+            f"{r['multihead_of_limit']:>8s} {r['multihead_of_one_limit']:>8s} "
+            f"{r['multihead_huge_pages']:>7s}  {same}"
         )
     print("ours against our fp32 model, greedy:")
     for r in doc["rows"][:: len(set(x["threads"] for x in doc["rows"]))]:

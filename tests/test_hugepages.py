@@ -99,3 +99,19 @@ def test_the_next_generation_reads_a_weight_given_new_memory():
         lm.native_steps = False
         want = lm.generate(ids, 4)
     assert torch.equal(got, want)
+
+
+def test_coverage_reads_each_storages_mapping_share_from_smaps(tmp_path):
+    """A fake smaps: the tensor's mapping half in huge pages -> 0.5; a storage under ``min_bytes`` or an
+    unreadable file -> None; storages shared by several tensors are counted once."""
+    t = torch.zeros(1 << 20)  # 4 MiB
+    ptr, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    lo, hi = ptr - 4096, ptr + n + 4096
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        f"{lo:x}-{hi:x} rw-p 00000000 00:00 0\nRss: 1 kB\nAnonHugePages: {(hi - lo) // 2 // 1024} kB\n"
+        "7f0000000000-7f0000001000 r--p 00000000 00:00 0\nAnonHugePages: 0 kB\n"
+    )
+    assert hugepages.coverage([t, t[:10], t.view(2, -1)], smaps=str(smaps)) == pytest.approx(0.5, abs=1e-3)
+    assert hugepages.coverage([t], min_bytes=n + 1, smaps=str(smaps)) is None
+    assert hugepages.coverage([t], smaps=str(tmp_path / "missing")) is None

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["HUGE_PAGE", "available", "collapse", "move_to_huge_pages"]
+__all__ = ["HUGE_PAGE", "available", "collapse", "coverage", "move_to_huge_pages"]
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's transparent huge page
 _ALIGN = 4096  # each storage starts on its own 4 KiB boundary inside the mapping
@@ -131,3 +131,39 @@ def move_to_huge_pages(tensors: Iterable[Tensor], min_bytes: int = HUGE_PAGE) ->
             for t in groups[ptr]:
                 t.data = torch.empty(0, dtype=t.dtype).set_(fresh, t.storage_offset(), t.shape, t.stride())
     return sum(s.nbytes() for s in storages.values())
+
+
+def coverage(
+    tensors: Iterable[Tensor], min_bytes: int = HUGE_PAGE, smaps: str = "/proc/self/smaps"
+) -> float | None:
+    """The share of the bytes of ``tensors``' CPU storages (those of at least ``min_bytes``, each counted
+    once) that lie in huge pages, by mapping: each storage counts its mapping's ``AnonHugePages`` share
+    (exact for one arena holding them all, as :func:`move_to_huge_pages` makes). None where ``smaps``
+    cannot be read (not Linux) or no storage qualifies. A decode step that reads slower than its
+    neighbours' can be checked with it.
+    """
+    try:
+        with open(smaps) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    maps: list[list[int]] = []  # [start, end, huge bytes]
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            maps.append([lo, hi, 0])
+        elif head == "AnonHugePages:" and maps:
+            maps[-1][2] = int(line.split()[1]) * 1024
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type == "cpu" and t.untyped_storage().nbytes() >= min_bytes:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    total = huge = 0.0
+    for ptr, n in seen.items():
+        for lo, hi, h in maps:
+            if lo <= ptr < hi:
+                total += n
+                huge += n * min(1.0, h / (hi - lo))
+                break
+    return huge / total if total else None

@@ -366,7 +366,7 @@ def test_tile_min_max_of_tile_edges_equals_slicing(n, bi, size, shift, offset, s
     """Document masks classify tiles by each tile's smallest and largest id: over tile edges (a shifted
     first block, clamped query ranges that leave empty ones) the padded reduction gives what slicing
     each range gives, empty ranges (max + 1, min - 1)."""
-    from multihead.core.masks import _regular_min_max, _tile_min_max
+    from multihead.core.ranges import range_min_max, regular_min_max
     from multihead.core.tiles import edges
 
     low = -60 if seed % 2 else 0  # all-negative ids too: padding must sit below every id
@@ -377,20 +377,20 @@ def test_tile_min_max_of_tile_edges_equals_slicing(n, bi, size, shift, offset, s
     above, below = torch.full((bi,), big), torch.full((bi,), small)
     want_min = torch.stack([ids[:, a:b].amin(1) if b > a else above for a, b in zip(lo, hi)], 1)
     want_max = torch.stack([ids[:, a:b].amax(1) if b > a else below for a, b in zip(lo, hi)], 1)
-    got_min, got_max = _tile_min_max(ids, lo, hi)
+    got_min, got_max = range_min_max(ids, lo, hi)
     assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max)
     if sum(b > a for a, b in zip(lo, hi)) >= 2:  # the padded reduction served it
-        assert _regular_min_max(ids, lo, hi, big, small) is not None
+        assert regular_min_max(ids, lo, hi, big, small) is not None
 
 
 def test_tile_min_max_of_uneven_ranges_with_negative_ids():
     """Ranges of uneven lengths take the general gather; its empty-range and starting maximum sit below
     every id, negative ids included (they were -(max + 1), above all-negative ids: every tile's maximum
     read as that value, which cost the document mask its full and empty tiles)."""
-    from multihead.core.masks import _tile_min_max
+    from multihead.core.ranges import range_min_max
 
     ids = torch.tensor([[-10] * 40 + [-3] * 40 + [-7] * 48])  # (1, 128)
     lo, hi = [0, 5, 30, 30, 70, 100], [5, 30, 30, 70, 100, 128]  # uneven, one empty
-    got_min, got_max = _tile_min_max(ids, lo, hi)
+    got_min, got_max = range_min_max(ids, lo, hi)
     assert got_min.tolist() == [[-10, -10, -2, -10, -7, -7]]
     assert got_max.tolist() == [[-10, -10, -11, -3, -3, -7]]

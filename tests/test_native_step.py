@@ -12,6 +12,7 @@ import torch
 import multihead as mh
 from multihead import native
 from multihead.models import native_step, quant
+from tests.native_counts import count_native_steps
 
 REASON = native.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"native kernels unavailable: {REASON}")
@@ -102,9 +103,7 @@ def test_native_generation_gives_the_eager_tokens_and_takes_every_decode_step(we
     lm = _lm()
     prompt = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(3))
     fast = _native(lm, weights)
-    calls = []
-    real = native_step.decode_step
-    monkeypatch.setattr(native_step, "decode_step", lambda *a: calls.append(1) or real(*a))
+    calls = count_native_steps(monkeypatch)
     with torch.no_grad():
         got = fast.generate(prompt, 20)
         assert len(calls) == 19  # every step after the prefill
@@ -233,9 +232,7 @@ def test_the_plain_model_takes_native_steps_in_its_own_dtype(dtype, monkeypatch)
     eager = copy.deepcopy(lm)
     eager.native_steps = False
     assert eager.why_not_native_steps == "native_steps is off for this model"
-    calls = []
-    real = native_step.decode_step
-    monkeypatch.setattr(native_step, "decode_step", lambda *a: calls.append(1) or real(*a))
+    calls = count_native_steps(monkeypatch)
     prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(8))
     got = lm.generate(prompt, 12)
     assert len(calls) == 11  # every step after the prefill

@@ -27,6 +27,7 @@ import multihead as mh
 from multihead import native
 from multihead.models import native_step, quant
 from multihead.native import cache
+from tests.native_counts import count_native_steps
 
 REASON = native.unavailable()
 needs_native = pytest.mark.skipif(REASON is not None, reason=f"native kernels unavailable: {REASON}")
@@ -432,9 +433,7 @@ def test_hooks_registered_after_a_generation_are_honoured(where, kind, monkeypat
     fast = quant.quantize(_lm(), weights="fp32", kv=None, kernel="native")
     slow = quant.quantize(_lm(), weights="fp32", kv=None, kernel="native")
     slow.native_steps = False  # the eager twin: the same linears, every step through the modules
-    steps = []
-    real = native_step.decode_step
-    monkeypatch.setattr(native_step, "decode_step", lambda *a: steps.append(1) or real(*a))
+    steps = count_native_steps(monkeypatch)
     prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         before = fast.generate(prompt, 8)

@@ -21,7 +21,11 @@ from ..core.checks import check_int
 from ..nn.kv_cache import KVCache
 from .padding import check_left_padding
 
-__all__ = ["CausalLM", "check_sampling", "generate", "pick_next"]
+__all__ = ["GREEDY_CHUNK", "CausalLM", "check_sampling", "generate", "pick_next"]
+
+#: greedy tokens a native run picks per call (:meth:`multihead.TransformerLM.greedy_steps`): the
+#: interpreter's share of a step spread over 8, and Ctrl-C still answered within 8 steps
+GREEDY_CHUNK = 8
 
 
 class CausalLM(Protocol):
@@ -117,11 +121,26 @@ def _size(model: CausalLM) -> tuple[int, int]:
 
 
 def _steps(model: CausalLM, out: Tensor, h: Tensor, N: int, sampling, eos_token_id, caches, am) -> Tensor:
-    """The decode loop after the prefill's hidden states ``h``: one new token per step, written into
-    ``out`` (B, T)."""
+    """The decode loop after the prefill: pick a token from the last hidden state, then step on it; fills
+    ``out`` (B, T). A model with ``greedy_steps`` (a :class:`~multihead.TransformerLM` whose steps run
+    natively) picks greedy batch-1 tokens :data:`GREEDY_CHUNK` at a time in one native call; where it
+    declines (None), the step below runs."""
     B, total = out.shape
     finished = torch.zeros(B, dtype=torch.bool, device=out.device)
-    for t in range(N, total):
+    greedy = getattr(model, "greedy_steps", None)
+    if caches is None or B != 1 or sampling[0] or (am is not None and not bool(am.all())):
+        greedy = None
+    t = N
+    while t < total:
+        if greedy is not None:
+            n = min(GREEDY_CHUNK, total - t)
+            ran = greedy(h, out, t, n, t + n == total, eos_token_id, caches)
+            if ran is not None:  # tokens out[:, t : t + picked], the caches advanced past the last one
+                picked, h = ran
+                t += picked
+                if t == total or (eos_token_id is not None and int(out[0, t - 1]) == eos_token_id):
+                    return out[:, :t]
+                continue
         nxt = pick_next(model.lm_head(h[:, -1]), *sampling)  # (B,) from the last position's logits
         if eos_token_id is not None:
             nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
@@ -134,6 +153,7 @@ def _steps(model: CausalLM, out: Tensor, h: Tensor, N: int, sampling, eos_token_
             h = model.hidden_states(out[:, : t + 1], attention_mask=seen)  # (B, t + 1, d)
         else:  # one-token decode step on the cache
             h = model.hidden_states(out[:, t : t + 1], attention_mask=seen, cache=caches)  # (B, 1, d)
+        t += 1
     return out
 
 

@@ -270,23 +270,34 @@ class Int8Embedding(BlockedRows):
         self.register_buffer("scale", scale)  # (V,) fp32, or (V, groups) for group_size
         self.dtype = dtype
 
-    def native_row(self, i: int) -> Tensor | None:
-        """Row ``i`` as :meth:`forward` gives it (fp32 (d,), the same values) in one native call, for a
-        decode step whose interpreter time counts; None where that does not apply (another dtype or
-        device, rows that are not contiguous, no native kernels)."""
+    def native_table(self) -> tuple[Tensor, Tensor, int, bool] | None:
+        """``(weight_int8, scale, group, blocked)`` where the native kernels can read this table's rows as
+        :meth:`forward` gives them (fp32, rows and scales of contiguous columns on the CPU, group >= d: one
+        scale a row), else None (another dtype or device, no native kernels)."""
         w, s = self.weight_int8, self.scale
-        lib = native.library()
-        if lib is None or self.dtype != torch.float32 or w.device.type != "cpu" or w.stride(1) != 1:
+        if (
+            native.library() is None
+            or self.dtype != torch.float32
+            or w.device.type != "cpu"
+            or w.stride(1) != 1
+        ):
             return None
         if w.dtype != torch.int8 or s.dtype != torch.float32 or (s.dim() == 2 and s.stride(1) != 1):
             return None  # a model cast after quantizing (its scales to bf16, say): the module's lookup
+        return w, s, w.shape[1] if self.group_size is None else self.group_size, bool(self.blocked)
+
+    def native_row(self, i: int) -> Tensor | None:
+        """Row ``i`` as :meth:`forward` gives it (fp32 (d,), the same values) in one native call, for a
+        decode step whose interpreter time counts; None where :meth:`native_table` is None."""
+        table, lib = self.native_table(), native.library()
+        if table is None or lib is None:
+            return None
+        w, s, G, blocked = table
         if not 0 <= i < w.shape[0]:
             raise IndexError(f"index {i} is out of range for an embedding of {w.shape[0]} rows")
-        d = w.shape[1]
-        out = torch.empty(d)  # (d,)
-        G = d if self.group_size is None else self.group_size
+        out = torch.empty(w.shape[1])  # (d,)
         at, s_at = w.data_ptr() + i * w.stride(0), s.data_ptr() + i * s.stride(0) * 4
-        lib.mh_dequantize_row_q8(at, s_at, d, G, int(self.blocked), out.data_ptr())
+        lib.mh_dequantize_row_q8(at, s_at, w.shape[1], G, int(blocked), out.data_ptr())
         return out
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -370,23 +381,19 @@ class _QuantizedLM(TransformerLM):
             for _ in self.layers
         ]
 
-    def hidden_states(
-        self, ids: Tensor, *, attention_mask: Tensor | None = None, cache: list[KVCache] | None = None
-    ) -> Tensor:
-        """As :meth:`TransformerLM.hidden_states`; a one-token batch-1 decode step of a model quantized
-        with ``kernel="native"`` runs natively (:mod:`.native_step`) where it can."""
-        if (
-            self.native_steps
-            and native_step.why_not_call(self, ids, attention_mask, cache, self.cache_kind) is None
+    def _native_step_fits(self, ids: Tensor, attention_mask: Tensor | None, cache: list[KVCache]) -> bool:
+        """Whether this call of :meth:`hidden_states` is a native decode step (:mod:`.native_step`): a
+        model quantized with ``kernel="native"``, the call checked every time (its cache of
+        ``cache_kind``), the model's structure once."""
+        if not self.native_steps or native_step.why_not_call(
+            self, ids, attention_mask, cache, self.cache_kind
         ):
-            if self._why_not_native is _UNASKED:
-                self._why_not_native = native_step.why_not_model(
-                    self, self._kv_approx, hooks=False
-                )  # hooks: per call
-            if self._why_not_native is None:
-                assert cache is not None  # why_not_call checked the one token id
-                return native_step.decode_step(self, ids, cache)  # (1, 1, d)
-        return super().hidden_states(ids, attention_mask=attention_mask, cache=cache)
+            return False
+        if self._why_not_native is _UNASKED:
+            self._why_not_native = native_step.why_not_model(
+                self, self._kv_approx, hooks=False
+            )  # hooks: per call
+        return self._why_not_native is None
 
     @property
     def why_not_native_steps(self) -> str | None:

@@ -46,6 +46,7 @@ __all__ = [
     "DTYPES",
     "FLAGS",
     "KIND",
+    "GreedyArgs",
     "LayerArgs",
     "cache_dir",
     "dtypes",
@@ -62,7 +63,12 @@ __all__ = [
 ]
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "gemv.c", HERE / "decode_layer.c", HERE / "gemv_q8.c")  # and their header, native.h
+SOURCES = (
+    HERE / "gemv.c",
+    HERE / "decode_layer.c",
+    HERE / "gemv_q8.c",
+    HERE / "decode_greedy.c",
+)  # and their header, native.h
 HEADER = HERE / "native.h"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 #: added when the compiler has it: products split over torch's OpenMP threads (torch's wheel ships the
@@ -140,6 +146,32 @@ class LayerArgs(ctypes.Structure):
     ]
 
 
+class GreedyArgs(ctypes.Structure):
+    """The head and the embedding of a native greedy run (``decode_greedy.c``'s ``mh_greedy_args``): the
+    input embedding's table (its fp32 scales for int8 rows, else None), the output head's weight (its fp32
+    group scales for an int8 head, else None) and bias or None, each layer's rotary rows at the run's first
+    position, strides in elements, the vocabulary and the int8 layouts. Addresses only: the caller keeps
+    the tensors alive."""
+
+    _fields_ = [
+        ("table", _PTR),
+        ("table_scale", _PTR),
+        ("head", _PTR),
+        ("head_scale", _PTR),
+        ("head_bias", _PTR),
+        ("cos", _PTR),  # (n,) addresses
+        ("sin", _PTR),
+        ("table_row", _I64),
+        ("table_scale_row", _I64),
+        ("table_group", _I64),
+        ("head_group", _I64),
+        ("vocab", _I64),
+        ("rot_stride", _I64),
+        ("table_blocked", ctypes.c_int32),
+        ("head_blocked", ctypes.c_int32),
+    ]
+
+
 def open_library(path: Path) -> ctypes.CDLL:
     """Load a built kernel library and declare its functions' C signatures (without them ctypes would
     pass 64-bit pointers as 32-bit ints)."""
@@ -156,6 +188,12 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.mh_decode_layers.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR]
     lib.mh_decode_layers.restype = ctypes.c_int  # 0, -1: no scratch memory, -2: weights the build refuses
     lib.mh_layer_args_bytes.restype = _I64
+    # the (n,) LayerArgs, n, position, GreedyArgs, the final norm's gain and eps, h, steps, last, eos, the
+    # (steps,) int64 ids, int64 *picked, *stepped, *done
+    lib.mh_decode_greedy.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _I64, ctypes.c_int32]
+    lib.mh_decode_greedy.argtypes += [_I64, _PTR, _PTR, _PTR, _PTR]
+    lib.mh_decode_greedy.restype = ctypes.c_int  # 0, -1: no memory, -2: weights the build refuses
+    lib.mh_greedy_args_bytes.restype = _I64
     lib.mh_rms_norm.argtypes = [
         _PTR,
         _PTR,
@@ -185,11 +223,13 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
 
 def _self_check(lib: ctypes.CDLL) -> str | None:
     """Run both kernels on odd shapes (every tail of the loops) and compare with torch; a reason or None."""
-    if lib.mh_layer_args_bytes() != ctypes.sizeof(LayerArgs):  # a mismatch would pass wrong addresses
-        return (
-            f"the built library's layer arguments take {lib.mh_layer_args_bytes()} bytes, "
-            f"multihead.native.LayerArgs {ctypes.sizeof(LayerArgs)}: the sources and this module disagree"
-        )
+    for name, mirror in (("layer", LayerArgs), ("greedy", GreedyArgs)):  # a mismatch: wrong addresses
+        built = getattr(lib, f"mh_{name}_args_bytes")()
+        if built != ctypes.sizeof(mirror):
+            return (
+                f"the built library's {name} arguments take {built} bytes, multihead.native."
+                f"{mirror.__name__} {ctypes.sizeof(mirror)}: the sources and this module disagree"
+            )
     g = torch.Generator().manual_seed(0)
     kernels = [(torch.float32, lib.mh_gemv_f32), (torch.bfloat16, lib.mh_gemv_bf16)]
     if lib.mh_gemv_has_f16():

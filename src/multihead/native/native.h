@@ -115,4 +115,8 @@ typedef struct {
     int32_t blocked, interleaved, kind, unused;
 } mh_layer_args;
 
+/* every layer of one decode step and the final norm (decode_layer.c) */
+int mh_decode_layers(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
+                     const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done);
+
 #endif

@@ -1,0 +1,29 @@
+"""Counting the decode steps that ran natively, one at a time or inside a native greedy run."""
+
+from __future__ import annotations
+
+import pytest
+
+from multihead.models import native_step
+
+
+def count_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one for every native decode step from now on: each
+    :func:`~multihead.models.native_step.decode_step` call, and each step a
+    :func:`~multihead.models.native_step.greedy_steps` run took (its caches' advance)."""
+    steps: list[int] = []
+    one, run = native_step.decode_step, native_step.greedy_steps
+
+    def counted_step(*args):
+        steps.append(1)
+        return one(*args)
+
+    def counted_run(model, h, out, t, n, last, eos, cache):
+        before = cache[0].position
+        got = run(model, h, out, t, n, last, eos, cache)
+        steps.extend([1] * (cache[0].position - before))
+        return got
+
+    monkeypatch.setattr(native_step, "decode_step", counted_step)
+    monkeypatch.setattr(native_step, "greedy_steps", counted_run)
+    return steps

@@ -67,15 +67,19 @@ def test_greedy_runs_give_the_step_by_step_tokens(spec, monkeypatch):
         assert len(steps) == sum(n - 1 for n in lengths)  # every step after the prefill ran natively
         eos = int(fast[-1][0, 11 + 5])  # a token the run meets at its 6th pick
         fast_eos = model.generate(PROMPT, 19, eos_token_id=eos)
+        fast_never = model.generate(PROMPT, 9, eos_token_id=305)  # outside the vocabulary: never picked
         runs = len(steps)
         _step_by_step(model, monkeypatch)
         slow = [model.generate(PROMPT, n) for n in lengths]
         slow_eos = model.generate(PROMPT, 19, eos_token_id=eos)
+        assert (
+            torch.equal(fast_never, model.generate(PROMPT, 9, eos_token_id=305)) and fast_never.shape[1] == 20
+        )
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
     assert torch.equal(fast_eos, slow_eos) and int(fast_eos[0, -1]) == eos
     assert fast_eos.shape[1] <= 11 + 6  # stopped at the first eos
-    assert len(steps) - runs == sum(n - 1 for n in lengths) + fast_eos.shape[1] - 12  # decode_step each
+    assert len(steps) - runs == sum(n - 1 for n in lengths) + fast_eos.shape[1] - 12 + 8  # decode_step each
 
 
 @pytest.mark.parametrize("spec", WEIGHTS[:2] + WEIGHTS[3:4])

@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import native
 from ..native import hugepages
+from ..native import int8 as native_int8
 from ..nn.attention import MultiHeadAttention
 from ..nn.feed_forward import FeedForward
 from ..nn.kv_cache import KVCache
@@ -382,6 +383,8 @@ def _head_reason(head: Any, dtype: torch.dtype) -> str | None:
         return f"the output head's weight is {w.dtype}, strides {w.stride()} (needs contiguous {want})"
     if int8 and (head.scale.dtype != torch.float32 or not head.scale.is_contiguous()):
         return "the int8 output head's scales are not contiguous fp32"
+    if int8 and head.blocked and not native_int8.reads_blocked():
+        return "the int8 output head's rows are blocked and this build's kernel reads them in order"
     b = head.bias
     if b is not None and (b.dtype != out or not b.is_contiguous() or b.device.type != "cpu"):
         return f"the output head's bias is {b.dtype} (needs contiguous {out})"
@@ -473,7 +476,7 @@ def greedy_steps(
         state.data_ptr(),
         steps,
         int(last),
-        -1 if eos is None else eos,
+        eos if eos is not None and 0 <= eos < g.vocab else -1,  # an id outside the vocabulary never comes
         ids.data_ptr(),
         ctypes.byref(picked),
         ctypes.byref(stepped),
@@ -486,7 +489,7 @@ def greedy_steps(
     for kv in cache[: done.value]:  # a step that failed part-way: the layers that wrote their caches
         kv.advance(1)
     out[0, t : t + picked.value] = ids[: picked.value]
-    if status != 0:
+    if status != 0:  # -2 cannot happen: why_not_model and why_not_greedy checked the layouts
         raise ValueError("the native greedy run could not allocate its memory")
     return picked.value, state.view(1, 1, d)
 

@@ -298,12 +298,20 @@ def test_a_failed_step_advances_only_the_caches_of_the_layers_that_ran():
     assert [kv.position for kv in cache] == [5, 4]
 
 
-def test_the_self_check_refuses_a_build_whose_layer_arguments_differ_from_the_ctypes_mirror():
-    class Built:  # a library built from sources whose mh_layer_args gained a field
+@pytest.mark.parametrize("name", ["layer", "greedy"])
+def test_the_self_check_refuses_a_build_whose_arguments_differ_from_the_ctypes_mirrors(name):
+    mirrors = {"layer": native.LayerArgs, "greedy": native.GreedyArgs}
+
+    class Built:  # a library built from sources whose mh_{name}_args gained a field
         @staticmethod
         def mh_layer_args_bytes():
-            return ctypes.sizeof(native.LayerArgs) + 8
+            return ctypes.sizeof(native.LayerArgs) + (8 if name == "layer" else 0)
+
+        @staticmethod
+        def mh_greedy_args_bytes():
+            return ctypes.sizeof(native.GreedyArgs) + (8 if name == "greedy" else 0)
 
     why = native._self_check(Built())
-    assert why is not None and "layer arguments take" in why and "disagree" in why
-    assert native.library().mh_layer_args_bytes() == ctypes.sizeof(native.LayerArgs)  # this build agrees
+    assert why is not None and f"{name} arguments take" in why and "disagree" in why
+    built = getattr(native.library(), f"mh_{name}_args_bytes")()
+    assert built == ctypes.sizeof(mirrors[name])  # this build agrees

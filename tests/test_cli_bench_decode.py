@@ -15,6 +15,7 @@ from multihead import native, pretrained
 from multihead.bench import decode, timing, tokens
 from multihead.cli.main import main
 from multihead.models import quant
+from multihead.models.gemv_linear import GemvLinear
 
 TINY = ["bench", "decode", "--preset", "llama-tiny", "--rounds", "1", "--new-tokens", "3", "--prompt", "8"]
 
@@ -171,7 +172,11 @@ def test_a_rate_above_its_limit_is_refused_and_noise_is_no_gain():
     assert r["fraction_of_kernels"] == pytest.approx(0.5)
     slow_floor = timing.Timing(0.002, 0.002, 0.002, 9, 1)  # GEMVs alone slower than the whole step
     r2 = decode._row("multihead fp32", "multihead", "fp32", 10**6, steps, 4, slow_floor, 10e9)
-    assert r2["fraction_of_kernels"] == "above its GEMVs alone: inside the noise"
+    assert (
+        r2["fraction_of_kernels"]
+        == decode.ABOVE_FLOOR
+        == "above its GEMVs alone: the floor's own calls or noise"
+    )
     assert r["vs_hf_fp32"] == pytest.approx(0.0032 / 0.003) and r["vs_hf_fp32_within_noise"] is True
     doc = {"preset": "p", "prompt_len": 1, "new_tokens": 4, "threads": 1, "rounds": 1,
            "read_bandwidth_GBps": 0.5, "rows": [r]}  # fmt: skip
@@ -207,3 +212,30 @@ def test_help_states_what_the_default_costs_and_probes_group_sizes(capsys):
     assert main(["bench", "decode", "--help"]) == 0
     assert "4 CPU-minutes" in capsys.readouterr().out  # measured; it said "seconds" and took minutes
     assert decode._size_groups([100, 110, 124, 200, 260]) == [[100, 110, 124], [200], [260]]
+
+
+@pytest.mark.skipif(
+    native.unavailable() is not None, reason=f"native kernels unavailable: {native.unavailable()}"
+)
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8 g32", "int8 per row"])
+def test_the_floor_calls_native_kernels_directly_with_the_modules_numbers(kind, monkeypatch):
+    """kernels_alone runs a native layer's kernel as one bound ctypes call (as a native decode step calls
+    it from C), not through the module; the bound call computes what the module's forward does."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(200, 96, bias=True)
+    if kind.startswith("int8"):
+        layer = quant.Int8GemvLinear(linear, group_size=32 if kind == "int8 g32" else None)
+        x = torch.randn(1, 1, 200)
+    else:
+        dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+        layer = GemvLinear.from_linear(linear).to(dtype)
+        x = torch.randn(1, 1, 200).to(dtype)
+    call = layer.native_product(x)
+    assert call is not None
+    call()
+    with torch.no_grad():
+        want = layer(x).reshape(-1)
+    assert torch.equal(call.args[-1][-1], want)  # the bound call's output: the module's numbers
+    monkeypatch.setattr(type(layer), "forward", lambda *a: pytest.fail("the floor went through forward"))
+    assert decode.kernels_alone(torch.nn.Sequential(layer), x.dtype, reps=2).ok
+    assert layer.native_product(x[..., :100]) is None  # a call forward would not run natively

@@ -34,6 +34,7 @@ import hashlib
 import os
 import platform
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, cast
 
@@ -48,6 +49,7 @@ __all__ = [
     "KIND",
     "GreedyArgs",
     "LayerArgs",
+    "bound",
     "cache_dir",
     "dtypes",
     "gemv",
@@ -452,6 +454,30 @@ def run(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -> Ten
     b = None if bias is None else bias.data_ptr()
     fn(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), rows, weight.shape[1], weight.stride(0))
     return y
+
+
+def bound(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -> Callable[[], None]:
+    """:func:`run` as a zero-argument call whose arguments (and output, (O,)) are made once: one ctypes
+    call a product, as close as Python gets to a native decode step calling the kernel from C (a
+    benchmark's floor). Same requirements as :func:`run`; the call holds its tensors (output last)."""
+    y = torch.empty(weight.shape[0], dtype=weight.dtype)  # (O,)
+    fn = _KERNELS[weight.dtype](lib)
+    b = None if bias is None else bias.data_ptr()
+    args = (
+        weight.data_ptr(),
+        x.data_ptr(),
+        b,
+        y.data_ptr(),
+        weight.shape[0],
+        weight.shape[1],
+        weight.stride(0),
+    )
+    return functools.partial(_call, fn, args, (weight, x, bias, y))
+
+
+def _call(fn: Callable[..., object], args: tuple, keep: tuple) -> None:
+    """``fn(*args)``; ``keep``: the tensors whose addresses ``args`` holds, alive as long as the call."""
+    fn(*args)
 
 
 def library() -> ctypes.CDLL | None:

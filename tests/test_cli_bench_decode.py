@@ -172,11 +172,7 @@ def test_a_rate_above_its_limit_is_refused_and_noise_is_no_gain():
     assert r["fraction_of_kernels"] == pytest.approx(0.5)
     slow_floor = timing.Timing(0.002, 0.002, 0.002, 9, 1)  # GEMVs alone slower than the whole step
     r2 = decode._row("multihead fp32", "multihead", "fp32", 10**6, steps, 4, slow_floor, 10e9)
-    assert (
-        r2["fraction_of_kernels"]
-        == decode.ABOVE_FLOOR
-        == "above its GEMVs alone: the floor's own calls or noise"
-    )
+    assert r2["fraction_of_kernels"] == decode.ABOVE_FLOOR == "above its GEMVs alone: inside the noise"
     assert r["vs_hf_fp32"] == pytest.approx(0.0032 / 0.003) and r["vs_hf_fp32_within_noise"] is True
     doc = {"preset": "p", "prompt_len": 1, "new_tokens": 4, "threads": 1, "rounds": 1,
            "read_bandwidth_GBps": 0.5, "rows": [r]}  # fmt: skip
@@ -219,8 +215,8 @@ def test_help_states_what_the_default_costs_and_probes_group_sizes(capsys):
 )
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8 g32", "int8 per row"])
 def test_the_floor_calls_native_kernels_directly_with_the_modules_numbers(kind, monkeypatch):
-    """kernels_alone runs a native layer's kernel as one bound ctypes call (as a native decode step calls
-    it from C), not through the module; the bound call computes what the module's forward does."""
+    """kernels_alone runs native layers' kernels in one native call (as a native decode step calls them
+    from C), not through the modules; each bound product computes what its module's forward does."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(200, 96, bias=True)
     if kind.startswith("int8"):
@@ -230,12 +226,12 @@ def test_the_floor_calls_native_kernels_directly_with_the_modules_numbers(kind, 
         dtype = torch.float32 if kind == "fp32" else torch.bfloat16
         layer = GemvLinear.from_linear(linear).to(dtype)
         x = torch.randn(1, 1, 200).to(dtype)
-    call = layer.native_product(x)
-    assert call is not None
-    call()
+    bound, twice = layer.native_product(x), layer.native_product(x)
+    assert bound is not None and twice is not None
+    native.products(native.library(), [bound, twice])()  # two products in one call
     with torch.no_grad():
         want = layer(x).reshape(-1)
-    assert torch.equal(call.args[-1][-1], want)  # the bound call's output: the module's numbers
+    assert torch.equal(bound.output, want) and torch.equal(twice.output, want)  # the module's numbers
     monkeypatch.setattr(type(layer), "forward", lambda *a: pytest.fail("the floor went through forward"))
     assert decode.kernels_alone(torch.nn.Sequential(layer), x.dtype, reps=2).ok
     assert layer.native_product(x[..., :100]) is None  # a call forward would not run natively

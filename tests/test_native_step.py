@@ -298,20 +298,16 @@ def test_a_failed_step_advances_only_the_caches_of_the_layers_that_ran():
     assert [kv.position for kv in cache] == [5, 4]
 
 
-@pytest.mark.parametrize("name", ["layer", "greedy"])
+@pytest.mark.parametrize("name", ["layer", "greedy", "product"])
 def test_the_self_check_refuses_a_build_whose_arguments_differ_from_the_ctypes_mirrors(name):
-    mirrors = {"layer": native.LayerArgs, "greedy": native.GreedyArgs}
+    mirrors = {"mh_layer_args_bytes": native.LayerArgs, "mh_greedy_args_bytes": native.GreedyArgs}
+    mirrors["mh_product_bytes"] = native.Product
+    wrong = f"mh_{name}_bytes" if name == "product" else f"mh_{name}_args_bytes"
 
-    class Built:  # a library built from sources whose mh_{name}_args gained a field
-        @staticmethod
-        def mh_layer_args_bytes():
-            return ctypes.sizeof(native.LayerArgs) + (8 if name == "layer" else 0)
-
-        @staticmethod
-        def mh_greedy_args_bytes():
-            return ctypes.sizeof(native.GreedyArgs) + (8 if name == "greedy" else 0)
+    class Built:  # a library built from sources whose struct `name` gained a field
+        def __getattr__(self, fn):
+            return lambda: ctypes.sizeof(mirrors[fn]) + (8 if fn == wrong else 0)
 
     why = native._self_check(Built())
     assert why is not None and f"{name} arguments take" in why and "disagree" in why
-    built = getattr(native.library(), f"mh_{name}_args_bytes")()
-    assert built == ctypes.sizeof(mirrors[name])  # this build agrees
+    assert getattr(native.library(), wrong)() == ctypes.sizeof(mirrors[wrong])  # this build agrees

@@ -33,8 +33,8 @@ for a small one. The KV cache is not counted (at a 256-token prompt it is about 
 rate above its limit is not printed: the table says the probe or the byte count is wrong instead.
 
 "GEMVs alone" (:func:`kernels_alone`) runs every linear layer of the contestant once with one token,
-back to back, with nothing between them (a native kernel called directly, as the native decode steps
-call it, not through its module): the step's floor for that weight format and kernel, shown as a
+back to back, with nothing between them (for a contestant whose products are native, in one native call,
+as its decode steps make them from C): the step's floor for that weight format and kernel, shown as a
 rate and as its own fraction of the bandwidth limit; "of GEMVs" is the step's rate over that floor. A row
 far below its limit with "of GEMVs" near 100% is held by its matrix-vector kernels, not by the rest of
 the step.
@@ -169,12 +169,12 @@ def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> 
 
     The floor of a step for this model's weight format and kernels: what the step would take if the
     rest (norms, rotary, attention over the cache, residuals, sampling, Python) cost nothing. Inputs are
-    ``(1, 1, in_features)`` of dtype ``activations``. A layer with a native kernel for the call
+    ``(1, 1, in_features)`` of dtype ``activations``. Where every layer runs a native kernel for the call
     (``native_product``: :class:`~multihead.models.gemv_linear.GemvLinear`,
     :class:`~multihead.models.int8_gemv_linear.Int8GemvLinear`, and a plain ``nn.Linear`` of a
-    TransformerLM whose decode steps run natively) runs it as one ctypes call with its arguments made
-    once, as a native decode step calls it from C, not through the module (a few microseconds of Python
-    a layer, which a step through the native layers does not pay).
+    TransformerLM whose decode steps run natively), the pass is one native call running them all
+    (:func:`multihead.native.products`), as a native decode step calls them from C; else each layer's
+    module is called (a few microseconds of Python a layer, which a native step does not pay).
 
     Raises:
         ValueError: a model without linear layers, or ``reps`` < 1.
@@ -186,17 +186,20 @@ def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> 
         raise ValueError(f"kernels_alone needs a model with linear layers; {type(model).__name__} has none")
     xs = [torch.randn(1, 1, m.in_features).to(activations) for m in layers]  # (1, 1, I) each
     native_steps = isinstance(model, TransformerLM) and model.why_not_native_steps is None
-    calls: list[Callable[[], object]] = []
-    for m, x in zip(layers, xs):  # a native kernel called directly, as a native step calls it from C
+    bounds = []
+    for m, x in zip(layers, xs):  # each layer's native product, where its forward would run one
         if native_steps and type(m) is nn.Linear:  # the step runs the native GEMV on its weight
             m = GemvLinear.from_linear(m)
         direct = getattr(m, "native_product", None)
-        call = None if direct is None else direct(x)
-        calls.append(functools.partial(m, x) if call is None else call)
+        bounds.append(None if direct is None else direct(x))
+    lib = native.library()
+    if lib is not None and all(b is not None for b in bounds):  # all of them in one native call
+        one_pass = native.products(lib, bounds)  # type: ignore[arg-type]
+    else:
 
-    def one_pass() -> None:
-        for call in calls:
-            call()
+        def one_pass() -> None:
+            for m, x in zip(layers, xs):
+                m(x)
 
     with torch.inference_mode():
         return timing.measure(one_pass, min_samples=reps)
@@ -352,9 +355,9 @@ def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.
     }
 
 
-#: "of GEMVs" where a step reads faster than its products alone: the floor's own calls (one ctypes call a
-#: product, which a native step makes from C) or the noise of two measurements
-ABOVE_FLOOR = "above its GEMVs alone: the floor's own calls or noise"
+#: "of GEMVs" where a step reads faster than its products alone: the noise of two measurements (or, for
+#: a row whose products run through their modules, the floor's own Python)
+ABOVE_FLOOR = "above its GEMVs alone: inside the noise"
 
 
 def _fraction(rate: float | None, limit: float | None, refusal: str = timing.ABOVE) -> float | str | None:

@@ -14,8 +14,6 @@ Shape legend: I input features, O output features, ... leading dims.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -77,21 +75,16 @@ class GemvLinear(nn.Linear):
                 return y.view(*x.shape[:-1], self.out_features)  # (..., O)
         return F.linear(x, w, self.bias)  # (..., O)
 
-    def native_product(self, x: Tensor) -> Callable[[], None] | None:
-        """The one-row product on ``x`` (I,) as a zero-argument native call, its arguments made once
-        (:func:`multihead.native.bound`: a benchmark's floor, as a native decode step calls the kernel);
-        None where :meth:`forward` would not run the native kernel on it."""
-        w, b, lib = self.weight, self.bias, native.library()
-        if (
-            lib is None
-            or self.why_not_native is not None
-            or x.dtype != w.dtype
-            or x.numel() != self.in_features
-        ):
+    def native_product(self, x: Tensor) -> native.Bound | None:
+        """The one-row product on ``x`` as :func:`multihead.native.bound` makes it (for
+        :func:`multihead.native.products`: a benchmark's floor, the kernels called from C as a native
+        decode step calls them); None where :meth:`forward` would not run the native kernel on it."""
+        w, b = self.weight, self.bias
+        if self.why_not_native is not None or x.dtype != w.dtype or x.numel() != self.in_features:
             return None
         if b is not None and (b.dtype != w.dtype or b.device.type != "cpu"):
             return None
-        return native.bound(lib, w, x.reshape(-1).contiguous(), None if b is None else b.contiguous())
+        return native.bound(w, x.reshape(-1).contiguous(), None if b is None else b.contiguous())
 
     def extra_repr(self) -> str:
         reason = self.why_not_native

@@ -23,8 +23,6 @@ Shape legend: I input features, O output features, Gr = ceil(I / group_size) gro
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -167,16 +165,15 @@ class Int8GemvLinear(BlockedRows):
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype), b)  # (..., O)
 
-    def native_product(self, x: Tensor) -> Callable[[], None] | None:
-        """The one-row product on ``x`` (I,) as a zero-argument native call (the activation's rounding and
-        the product, their arguments made once: :func:`multihead.native.int8.bound_q8`, a benchmark's
-        floor); None where :meth:`forward` would not run the native kernel."""
-        lib = native.library()
-        if lib is None or self.why_not_native is not None or x.numel() != self.in_features:
+    def native_product(self, x: Tensor) -> native.Bound | None:
+        """The one-row product on ``x`` as :func:`multihead.native.int8.bound_q8` makes it (for
+        :func:`multihead.native.products`: a benchmark's floor); None where :meth:`forward` would not run
+        the native kernel on it."""
+        if self.why_not_native is not None or x.numel() != self.in_features:
             return None
         x32 = x.reshape(-1).float().contiguous()  # (I,)
         return native_int8.bound_q8(
-            lib, self.weight_int8, self.scale, x32, self.bias, self.group_size, self.blocked
+            self.weight_int8, self.scale, x32, self.bias, self.group_size, self.blocked
         )
 
     def extra_repr(self) -> str:

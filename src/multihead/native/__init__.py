@@ -47,8 +47,10 @@ __all__ = [
     "DTYPES",
     "FLAGS",
     "KIND",
+    "Bound",
     "GreedyArgs",
     "LayerArgs",
+    "Product",
     "bound",
     "cache_dir",
     "dtypes",
@@ -59,6 +61,7 @@ __all__ = [
     "location",
     "notes",
     "open_library",
+    "products",
     "run",
     "threads",
     "unavailable",
@@ -70,6 +73,7 @@ SOURCES = (
     HERE / "decode_layer.c",
     HERE / "gemv_q8.c",
     HERE / "decode_greedy.c",
+    HERE / "products.c",
 )  # and their header, native.h
 HEADER = HERE / "native.h"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
@@ -196,6 +200,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.mh_decode_greedy.argtypes += [_I64, _PTR, _PTR, _PTR, _PTR]
     lib.mh_decode_greedy.restype = ctypes.c_int  # 0, -1: no memory, -2: weights the build refuses
     lib.mh_greedy_args_bytes.restype = _I64
+    lib.mh_products.argtypes = [_PTR, _I64]  # the (n,) Product array, n
+    lib.mh_products.restype = ctypes.c_int  # 0, -1: no memory, -2: blocked int8 rows the build refuses
+    lib.mh_product_bytes.restype = _I64
     lib.mh_rms_norm.argtypes = [
         _PTR,
         _PTR,
@@ -225,8 +232,9 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
 
 def _self_check(lib: ctypes.CDLL) -> str | None:
     """Run both kernels on odd shapes (every tail of the loops) and compare with torch; a reason or None."""
-    for name, mirror in (("layer", LayerArgs), ("greedy", GreedyArgs)):  # a mismatch: wrong addresses
-        built = getattr(lib, f"mh_{name}_args_bytes")()
+    mirrors = (("layer", LayerArgs, "args_"), ("greedy", GreedyArgs, "args_"), ("product", Product, ""))
+    for name, mirror, infix in mirrors:  # a mismatch would pass wrong addresses
+        built = getattr(lib, f"mh_{name}_{infix}bytes")()
         if built != ctypes.sizeof(mirror):
             return (
                 f"the built library's {name} arguments take {built} bytes, multihead.native."
@@ -456,28 +464,64 @@ def run(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -> Ten
     return y
 
 
-def bound(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -> Callable[[], None]:
-    """:func:`run` as a zero-argument call whose arguments (and output, (O,)) are made once: one ctypes
-    call a product, as close as Python gets to a native decode step calling the kernel from C (a
-    benchmark's floor). Same requirements as :func:`run`; the call holds its tensors (output last)."""
+class Product(ctypes.Structure):
+    """One batch-1 product of ``products.c``'s list (``mh_product``): weight, int8 scales or None, bias or
+    None, input, output, their shape and row stride, the group size (int8), the kind (:data:`KIND`, or
+    3 for int8 weights with fp32 input and output) and the int8 layout. Addresses only."""
+
+    _fields_ = [
+        ("w", _PTR),
+        ("s", _PTR),
+        ("b", _PTR),
+        ("x", _PTR),
+        ("y", _PTR),
+        ("rows", _I64),
+        ("cols", _I64),
+        ("ldw", _I64),
+        ("group", _I64),
+        ("kind", ctypes.c_int32),
+        ("blocked", ctypes.c_int32),
+    ]
+
+
+class Bound(NamedTuple):
+    """A product's arguments made once (:func:`bound`): the struct, the tensors whose addresses it holds,
+    and its output (O,)."""
+
+    product: Product
+    keep: tuple
+    output: Tensor
+
+
+def bound(weight: Tensor, x: Tensor, bias: Tensor | None) -> Bound:
+    """:func:`run`'s product as a :class:`Product` with its output made once, for :func:`products`. Same
+    requirements as :func:`run`."""
     y = torch.empty(weight.shape[0], dtype=weight.dtype)  # (O,)
-    fn = _KERNELS[weight.dtype](lib)
-    b = None if bias is None else bias.data_ptr()
-    args = (
-        weight.data_ptr(),
-        x.data_ptr(),
-        b,
-        y.data_ptr(),
-        weight.shape[0],
-        weight.shape[1],
-        weight.stride(0),
+    p = Product(
+        weight.data_ptr(), None, None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr()
     )
-    return functools.partial(_call, fn, args, (weight, x, bias, y))
+    p.rows, p.cols, p.ldw, p.kind = weight.shape[0], weight.shape[1], weight.stride(0), KIND[weight.dtype]
+    return Bound(p, (weight, x, bias), y)
 
 
-def _call(fn: Callable[..., object], args: tuple, keep: tuple) -> None:
-    """``fn(*args)``; ``keep``: the tensors whose addresses ``args`` holds, alive as long as the call."""
-    fn(*args)
+def products(lib: ctypes.CDLL, bounds: list[Bound]) -> Callable[[], None]:
+    """A zero-argument call that runs ``bounds``' products back to back in one native call
+    (``mh_products``), as a native decode step calls its kernels from C: the floor of a step, without the
+    interpreter between the products. The call holds the tensors.
+
+    Raises:
+        ValueError: (when called) the native code could not allocate its scratch memory or refused a
+            layout (the reason).
+    """
+    array = (Product * len(bounds))(*(b.product for b in bounds))
+    return functools.partial(_run_products, lib, array, len(bounds), tuple(bounds))
+
+
+def _run_products(lib: ctypes.CDLL, array: ctypes.Array, n: int, keep: tuple) -> None:
+    status = lib.mh_products(array, n)
+    if status != 0:
+        why = "no scratch memory" if status == -1 else "blocked int8 rows in a build that reads them in order"
+        raise ValueError(f"the native products failed: {why}")
 
 
 def library() -> ctypes.CDLL | None:

@@ -13,13 +13,11 @@ Shape legend: O rows (output features), I columns (input features), I64 = I roun
 from __future__ import annotations
 
 import ctypes
-import functools
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from . import library, unavailable
+from . import Bound, Product, library, unavailable
 from .layout import CHUNK, from_blocked, to_blocked
 
 __all__ = [
@@ -128,34 +126,23 @@ def gemv_q8(
 
 
 def bound_q8(
-    lib: ctypes.CDLL,
     weight: Tensor,
     scale: Tensor,
     x: Tensor,
     bias: Tensor | None,
     group_size: int | None,
     blocked: bool = False,
-) -> Callable[[], None]:
-    """:func:`run_q8` as a zero-argument call whose arguments and buffers are made once: the activation's
-    rounding to int8 and the product, two ctypes calls, as a native decode step makes them from C (a
-    benchmark's floor). Same requirements as :func:`run_q8`; the call holds its tensors (output last)."""
+) -> Bound:
+    """:func:`run_q8`'s product (the activation's rounding to int8, then the int8 product) as a
+    :class:`~multihead.native.Product` with its output made once, for :func:`multihead.native.products`.
+    Same requirements as :func:`run_q8`."""
     rows, cols = weight.shape
-    pad = (cols + 63) // 64 * 64
-    xq, xs = torch.empty(pad, dtype=torch.int8), torch.empty(pad // BLOCK)  # (I64,), (I64 / 32,)
     y = torch.empty(rows)  # (O,)
-    keep = (weight, scale, x, bias, xq, xs, y)
-    quantize = (x.data_ptr(), 0, cols, xq.data_ptr(), xs.data_ptr())
     b = None if bias is None else bias.data_ptr()
-    group = cols if group_size is None else group_size
-    pointers = (weight.data_ptr(), scale.data_ptr(), xq.data_ptr(), xs.data_ptr(), b, y.data_ptr())
-    product = (*pointers, rows, cols, cols, group, int(blocked))
-    return functools.partial(_run_bound, lib, quantize, product, keep)
-
-
-def _run_bound(lib: ctypes.CDLL, quantize: tuple, product: tuple, keep: tuple) -> None:
-    """The two calls of :func:`bound_q8`; ``keep``: the tensors whose addresses they hold."""
-    lib.mh_quantize_q8(*quantize)
-    lib.mh_gemv_q8(*product)
+    p = Product(weight.data_ptr(), scale.data_ptr(), b, x.data_ptr(), y.data_ptr())
+    p.rows, p.cols, p.ldw, p.kind = rows, cols, cols, 3  # native.h's MH_I8
+    p.group, p.blocked = cols if group_size is None else group_size, int(blocked)
+    return Bound(p, (weight, scale, x, bias), y)
 
 
 def run_q8(

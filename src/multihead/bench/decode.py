@@ -192,9 +192,9 @@ def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> 
             m = GemvLinear.from_linear(m)
         direct = getattr(m, "native_product", None)
         bounds.append(None if direct is None else direct(x))
-    lib = native.library()
-    if lib is not None and all(b is not None for b in bounds):  # all of them in one native call
-        one_pass = native.products(lib, bounds)  # type: ignore[arg-type]
+    lib, ready = native.library(), [b for b in bounds if b is not None]
+    if lib is not None and len(ready) == len(bounds):  # all of them in one native call
+        one_pass = native.products(lib, ready)
     else:
 
         def one_pass() -> None:

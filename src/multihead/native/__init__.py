@@ -225,6 +225,9 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
     lib.mh_gemv_q8.argtypes = [*[_PTR] * 6, *[_I64] * 4, ctypes.c_int]
     lib.mh_gemv_q8.restype = ctypes.c_int  # 0, -1: no scratch memory, -2: blocked in a build without it
     lib.mh_q8_blocked.restype = ctypes.c_int
+    # w, ws, x, b, y, n, rows, cols, ldw, G, blocked
+    lib.mh_gemm_q8.argtypes = [*[_PTR] * 5, *[_I64] * 5, ctypes.c_int]
+    lib.mh_gemm_q8.restype = ctypes.c_int  # 0, -1: no scratch memory, -2: blocked in a build without it
     # q, s, d, G, blocked, out
     lib.mh_dequantize_row_q8.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR]
     lib.mh_dequantize_row_q8.restype = None
@@ -284,9 +287,14 @@ def _self_check_q8(lib: ctypes.CDLL, g: torch.Generator) -> str | None:
             args = (xq.data_ptr(), xs.data_ptr(), None, y.data_ptr(), rows, cols, cols, group, blocked)
             lib.mh_gemv_q8(wl.data_ptr(), ws.data_ptr(), *args)
             err = float(((y.double() - ref).abs() / (wf.abs() @ xf.abs() + 1)).max())
+            how = f"{rows}x{cols} {'blocked' if blocked else 'in order'}, group {group}"
             if not err <= 1e-5:
-                how = f"{rows}x{cols} {'blocked' if blocked else 'in order'}, group {group}"
                 return f"the built int8 kernel disagrees with torch ({how}: error {err:.2e})"
+            many = torch.cat([x[None], torch.randn(5, cols, generator=g)])  # (6, I): 4 at once, then 2
+            ys = torch.empty(6, rows)  # (6, O)
+            lib.mh_gemm_q8(wl.data_ptr(), ws.data_ptr(), many.data_ptr(), None, ys.data_ptr(), 6, *args[4:])
+            if not torch.equal(ys[0], y):
+                return f"the built int8 kernel's rows at once disagree with its one row ({how})"
     return None
 
 

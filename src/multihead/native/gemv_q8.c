@@ -59,6 +59,7 @@ static inline int64_t blocked_at(int64_t c, int64_t full) {
 }
 
 #define MH_Q8_STACK_BYTES 32768 /* mh_gemv_q8's scratch on the stack up to this many bytes */
+#define MH_Q8_TILE 64           /* mh_gemm_q8: activation rows rounded and held at once */
 
 /* x (n values of the storage dtype kind) -> xq (ceil64(n) int8, zeros past n) and xs (ceil64(n) / 32
  * fp32 block scales, zeros past the last block). */
@@ -126,34 +127,16 @@ static inline __m512i offset_start(const int8_t *x) {
     return _mm512_sub_epi32(_mm512_setzero_si512(), sum);
 }
 
-/* One row, 64 columns a step: the weights offset to u8 (w + 128: the sign bit flipped) dotted with x as
- * s8 by VPDPBUSD, each lane starting at -128 * (its four x) (start[c], made once for every row), so
- * the int32 lane sums are exactly w . x. The scales of 16 blocks are multiplied once (xs[b] * ws[o, b]
- * in one vector) and each step permutes its two blocks' scales out of it; four accumulators. The last
- * partial step reads the row with a masked load: nothing past the row is touched. */
-static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, const float *xs,
-                           const __m512i *start, const __m512i *bstart, int64_t cols, int64_t G, int shift,
-                           int per_row) {
+/* The rest of one row after its first j whole 512-column chunks (their sums in a0, a1): whole 64-column
+ * steps in column order, then the last 1-8 steps, the last one maybe partial (a masked load: nothing past
+ * the row is touched); returns the row's sum. */
+static inline float row_rest(const int8_t *r, const float *wsr, const int8_t *xq, const float *xs,
+                             const __m512i *start, int64_t cols, int64_t G, int shift, int per_row, int64_t j,
+                             __m512 a0, __m512 a1) {
     const int64_t nc = (cols + 63) / 64, full = cols / 64, nblocks = (cols + 31) / 32;
     const __mmask64 tail = cols % 64 ? (((__mmask64)1 << (cols % 64)) - 1) : ~(__mmask64)0;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t j = 0;
-    if (bstart) /* blocked: lane l of the 8 vectors of 512 columns holds block 16 j + l */
-        for (; 8 * j + 8 <= full; j++) {
-            __m512 sc = _mm512_loadu_ps(xs + 16 * j);
-            if (!per_row) sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, 0xFFFF));
-            const int8_t *rj = r + 512 * j, *xj = xq + 512 * j;
-            __m512i s0 = bstart[j], s1 = _mm512_setzero_si512(); /* two chains of VPDPBUSD */
-#define MH_Q8_BSTEP(k, acc) \
-    acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(rj + 64 * k), flip), _mm512_loadu_si512(xj + 64 * k));
-            MH_Q8_BSTEP(0, s0) MH_Q8_BSTEP(1, s1) MH_Q8_BSTEP(2, s0) MH_Q8_BSTEP(3, s1)
-            MH_Q8_BSTEP(4, s0) MH_Q8_BSTEP(5, s1) MH_Q8_BSTEP(6, s0) MH_Q8_BSTEP(7, s1)
-#undef MH_Q8_BSTEP
-            const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)); /* 16 blocks' exact sums */
-            if (j & 1) a1 = _mm512_fmadd_ps(sums, sc, a1);
-            else a0 = _mm512_fmadd_ps(sums, sc, a0);
-        }
+    __m512 a2 = _mm512_setzero_ps(), a3 = a2;
     for (; 8 * j + 8 <= full; j++) { /* 8 whole steps: 512 columns, 16 blocks */
         __m512 sc = _mm512_loadu_ps(xs + 16 * j);
         if (!per_row) sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, 0xFFFF));
@@ -181,6 +164,71 @@ static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, 
         }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+/* One row, 64 columns a step: the weights offset to u8 (w + 128: the sign bit flipped) dotted with x as
+ * s8 by VPDPBUSD, each lane starting at -128 * (its four x) (start[c], made once for every row), so
+ * the int32 lane sums are exactly w . x. Blocked rows (bstart: each whole 512 columns' lane starts): 16
+ * blocks' sums a chunk, scaled by one vector (xs[b] * ws[o, b]). Rows in column order: the scales of 16
+ * blocks multiplied once and each step permuting its two blocks' scales out of them; four accumulators. */
+static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, const float *xs,
+                           const __m512i *start, const __m512i *bstart, int64_t cols, int64_t G, int shift,
+                           int per_row) {
+    const int64_t full = cols / 64;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    int64_t j = 0;
+    if (bstart) /* blocked: lane l of the 8 vectors of 512 columns holds block 16 j + l */
+        for (; 8 * j + 8 <= full; j++) {
+            __m512 sc = _mm512_loadu_ps(xs + 16 * j);
+            if (!per_row) sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, 0xFFFF));
+            const int8_t *rj = r + 512 * j, *xj = xq + 512 * j;
+            __m512i s0 = bstart[j], s1 = _mm512_setzero_si512(); /* two chains of VPDPBUSD */
+#define MH_Q8_BSTEP(k, acc) \
+    acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(rj + 64 * k), flip), _mm512_loadu_si512(xj + 64 * k));
+            MH_Q8_BSTEP(0, s0) MH_Q8_BSTEP(1, s1) MH_Q8_BSTEP(2, s0) MH_Q8_BSTEP(3, s1)
+            MH_Q8_BSTEP(4, s0) MH_Q8_BSTEP(5, s1) MH_Q8_BSTEP(6, s0) MH_Q8_BSTEP(7, s1)
+#undef MH_Q8_BSTEP
+            const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)); /* 16 blocks' exact sums */
+            if (j & 1) a1 = _mm512_fmadd_ps(sums, sc, a1);
+            else a0 = _mm512_fmadd_ps(sums, sc, a0);
+        }
+    return row_rest(r, wsr, xq, xs, start, cols, G, shift, per_row, j, a0, a1);
+}
+
+/* One blocked weight row against four activation rows t (xq[t], xs[t], their starts start[t], bstart[t]):
+ * each 64 weight bytes loaded once for the four; each row's sums in row_q8's order, so out[t] equals
+ * row_q8 of row t bit for bit. */
+static inline void rows4_q8(const int8_t *r, const float *wsr, const int8_t *const *xq, const float *const *xs,
+                            const __m512i *const *start, const __m512i *const *bstart, int64_t cols, int64_t G,
+                            int shift, int per_row, float *out) {
+    const int64_t full = cols / 64;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4][2];
+    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; 8 * j + 8 <= full; j++) {
+        const __m512 gs = per_row ? _mm512_setzero_ps() : group_scales(wsr, j, G, shift, 0xFFFF);
+        const int8_t *rj = r + 512 * j;
+        __m512i s[4][2];
+        for (int t = 0; t < 4; t++) s[t][0] = bstart[t][j], s[t][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(rj + 64 * k), flip);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++)
+                s[t][k & 1] = _mm512_dpbusd_epi32(s[t][k & 1], wu, _mm512_loadu_si512(xq[t] + 512 * j + 64 * k));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            __m512 sc = _mm512_loadu_ps(xs[t] + 16 * j);
+            if (!per_row) sc = _mm512_mul_ps(sc, gs);
+            const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s[t][0], s[t][1]));
+            acc[t][j & 1] = _mm512_fmadd_ps(sums, sc, acc[t][j & 1]);
+        }
+    }
+    for (int t = 0; t < 4; t++)
+        out[t] = row_rest(r, wsr, xq[t], xs[t], start[t], cols, G, shift, per_row, j, acc[t][0], acc[t][1]);
 }
 #elif MH_Q8_ISA >= 1
 static inline __m256i dot32(const int8_t *r, const int8_t *x) { /* 8 int32 sums of 4 products each */
@@ -223,6 +271,45 @@ static float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, const f
 }
 #endif
 
+#if MH_Q8_ISA == 3
+/* What every row's product with one activation x needs, made once in scratch (MH_Q8_SCRATCH(cols) bytes at
+ * 64): x in the weights' order (*xv: the blocked order when blocked, else xq itself), each 64 columns'
+ * lane starts (*start), and for blocked rows each whole 512 columns' (*bstart, else NULL). */
+static void prepare_x(const int8_t *xq, int64_t cols, int blocked, void *scratch, const int8_t **xv,
+                      const __m512i **start_out, const __m512i **bstart_out) {
+    const int64_t nc = (cols + 63) / 64, chunks = cols / 512;
+    __m512i *start = scratch, *bstart = NULL;
+    *xv = xq;
+    if (blocked) { /* x in the weights' order (the columns past the whole 512 as they are) */
+        int8_t *xb = (int8_t *)(start + nc);
+        memcpy(xb, xq, (size_t)(64 * nc));
+        for (int64_t c = 0; c < 512 * chunks; c += 4) memcpy(xb + blocked_at(c, 512 * chunks), xq + c, 4);
+        *xv = xb;
+        bstart = (__m512i *)(xb + 64 * nc);
+    }
+    for (int64_t c = 0; c < nc; c++) start[c] = offset_start(*xv + 64 * c);
+    for (int64_t j = 0; blocked && j < chunks; j++) { /* lane l: -128 * (block 16 j + l's 32 x) */
+        __m512i acc = start[8 * j];
+        for (int k = 1; k < 8; k++) acc = _mm512_add_epi32(acc, start[8 * j + k]);
+        bstart[j] = acc;
+    }
+    *start_out = start, *bstart_out = bstart;
+}
+
+static int scale_shift(int64_t G) { /* G = 32 << shift up to 512; -1: scales gathered */
+    for (int e = 0; e <= 4; e++)
+        if (G == ((int64_t)32 << e)) return e;
+    return -1;
+}
+#endif
+
+/* output o from its row's sum s: times the row's scale (per_row), plus its bias; one rounding for both
+ * (an explicit fused multiply-add), so that every product that calls it gives the same bits */
+static inline float q8_out(float s, const float *wsr, const float *b, int64_t o, int per_row) {
+    if (per_row) return b ? fmaf(s, wsr[0], b[o]) : s * wsr[0];
+    return b ? s + b[o] : s;
+}
+
 /* y (rows fp32) = W8 x + b: ws (rows, ldws) fp32 group scales (ldws = ceil(cols / G), 1 per row when
  * G >= cols), xq / xs from mh_quantize_q8 of x, b (rows fp32) or NULL. G: a multiple of 32, or >= cols.
  * blocked: the weights in the blocked layout (AVX512-VNNI builds; elsewhere -2). scratch: MH_Q8_SCRATCH(cols)
@@ -232,25 +319,10 @@ int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const fl
     const int per_row = G >= cols;
     const int64_t ldws = per_row ? 1 : (cols + G - 1) / G;
 #if MH_Q8_ISA == 3
-    int shift = -1; /* G = 32 << shift up to 512; -1: scales gathered */
-    for (int e = 0; e <= 4; e++)
-        if (G == ((int64_t)32 << e)) shift = e;
-    const int64_t nc = (cols + 63) / 64, chunks = cols / 512;
-    __m512i *start = scratch, *bstart = NULL; /* made once for every row */
-    const int8_t *xv = xq;
-    if (blocked) { /* x in the weights' order (the columns past the whole 512 as they are) */
-        int8_t *xb = (int8_t *)(start + nc);
-        memcpy(xb, xq, (size_t)(64 * nc));
-        for (int64_t c = 0; c < 512 * chunks; c += 4) memcpy(xb + blocked_at(c, 512 * chunks), xq + c, 4);
-        xv = xb;
-        bstart = (__m512i *)(xb + 64 * nc);
-    }
-    for (int64_t c = 0; c < nc; c++) start[c] = offset_start(xv + 64 * c);
-    for (int64_t j = 0; blocked && j < chunks; j++) { /* lane l: -128 * (block 16 j + l's 32 x) */
-        __m512i acc = start[8 * j];
-        for (int k = 1; k < 8; k++) acc = _mm512_add_epi32(acc, start[8 * j + k]);
-        bstart[j] = acc;
-    }
+    const int shift = scale_shift(G);
+    const int8_t *xv;
+    const __m512i *start, *bstart;
+    prepare_x(xq, cols, blocked, scratch, &xv, &start, &bstart);
 #define MH_Q8_ROW(r, wsr) row_q8(r, wsr, xv, xs, start, bstart, cols, G, shift, per_row)
 #else
     (void)scratch;
@@ -260,9 +332,7 @@ int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const fl
     MH_PARALLEL_ROWS
     for (int64_t o = 0; o < rows; o++) {
         const float *wsr = ws + o * ldws;
-        float s = MH_Q8_ROW(w + o * ldw, wsr);
-        if (per_row) s *= wsr[0];
-        y[o] = b ? s + b[o] : s;
+        y[o] = q8_out(MH_Q8_ROW(w + o * ldw, wsr), wsr, b, o, per_row);
     }
 #undef MH_Q8_ROW
     return 0;
@@ -280,6 +350,71 @@ int mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *
     const int status = mh_gemv_q8_into(w, ws, xq, xs, b, y, rows, cols, ldw, G, blocked, scratch);
     if (scratch != (void *)local) free(scratch);
     return status;
+}
+
+/* bytes of one activation row's part of mh_gemm_q8's scratch: xq, xs, the GEMV's scratch, each at 64 */
+static int64_t gemm_row_bytes(int64_t cols) {
+    const int64_t pad = (cols + 63) & ~(int64_t)63, xs_bytes = (pad / MH_Q8_BLOCK * 4 + 63) & ~(int64_t)63;
+    return pad + xs_bytes + ((MH_Q8_SCRATCH(cols) + 63) & ~(int64_t)63);
+}
+
+/* Y (n, rows) fp32 = X W8^T + b for n activation rows X (n, cols) fp32 (row stride cols): each row of X
+ * rounded to int8 as mh_quantize_q8, then every output as mh_gemv_q8 makes it (the same sums in the same
+ * order: Y[i] equals mh_gemv_q8 of row i bit for bit). W8, ws, b, G, blocked as mh_gemv_q8_into.
+ *
+ * The weights are read once for up to MH_Q8_TILE rows of X (rounded and held in scratch); each weight
+ * row, while in the caches, meets every row of the tile; with AVX512-VNNI and blocked rows four
+ * activation rows share each 64-byte weight load. Returns 0, -1 when the scratch cannot be allocated,
+ * -2 for the blocked layout in a build that is not AVX512-VNNI's (Y then unwritten). */
+int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b, float *y, int64_t n, int64_t rows,
+               int64_t cols, int64_t ldw, int64_t G, int blocked) {
+#if MH_Q8_ISA != 3
+    if (blocked) return -2;
+#endif
+    if (n <= 0) return 0;
+    const int per_row = G >= cols;
+    const int64_t ldws = per_row ? 1 : (cols + G - 1) / G, pad = (cols + 63) & ~(int64_t)63;
+    const int64_t tile = n < MH_Q8_TILE ? n : MH_Q8_TILE, per = gemm_row_bytes(cols);
+    const int64_t xs_bytes = (pad / MH_Q8_BLOCK * 4 + 63) & ~(int64_t)63;
+    char *buf = aligned_alloc(64, (size_t)(tile * per));
+    if (!buf) return -1;
+    (void)xs_bytes; /* used where the rows are prepared (AVX512-VNNI) */
+    const int8_t *xq[MH_Q8_TILE];
+    const float *xs[MH_Q8_TILE];
+#if MH_Q8_ISA == 3
+    const int shift = scale_shift(G);
+    const int8_t *xv[MH_Q8_TILE];
+    const __m512i *start[MH_Q8_TILE], *bstart[MH_Q8_TILE];
+#endif
+    for (int64_t i0 = 0; i0 < n; i0 += tile) {
+        const int64_t m = n - i0 < tile ? n - i0 : tile;
+        for (int64_t t = 0; t < m; t++) { /* row i0 + t of X, rounded, and what its products need */
+            char *row = buf + t * per;
+            mh_quantize_q8(x + (i0 + t) * cols, MH_F32, cols, (int8_t *)row, (float *)(row + pad));
+            xq[t] = (const int8_t *)row, xs[t] = (const float *)(row + pad);
+#if MH_Q8_ISA == 3
+            prepare_x(xq[t], cols, blocked, row + pad + xs_bytes, &xv[t], &start[t], &bstart[t]);
+#endif
+        }
+        float *yt = y + i0 * rows;
+        MH_PARALLEL_ROWS
+        for (int64_t o = 0; o < rows; o++) {
+            const int8_t *r = w + o * ldw;
+            const float *wsr = ws + o * ldws;
+            float s[MH_Q8_TILE];
+            int64_t t = 0;
+#if MH_Q8_ISA == 3
+            for (; blocked && t + 4 <= m; t += 4)
+                rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, shift, per_row, s + t);
+            for (; t < m; t++) s[t] = row_q8(r, wsr, xv[t], xs[t], start[t], bstart[t], cols, G, shift, per_row);
+#else
+            for (; t < m; t++) s[t] = row_q8(r, wsr, xq[t], xs[t], cols, G, per_row);
+#endif
+            for (t = 0; t < m; t++) yt[t * rows + o] = q8_out(s[t], wsr, b, o, per_row);
+        }
+    }
+    free(buf);
+    return 0;
 }
 
 /* whether this build reads the blocked layout (AVX512-VNNI) */

@@ -1,5 +1,7 @@
 """The native int8 matrix-vector product (``gemv_q8.c``): int8 weights with fp32 scales per group of
-inputs or per output row, times an activation vector rounded to int8 in blocks of 32.
+inputs or per output row, times an activation vector rounded to int8 in blocks of 32; and the same for
+several activation rows at once (:func:`gemm_q8`: a prefill, a batch), each row as the vector product
+makes it.
 
 ``y[o] = sum_b ws[o, g(b)] * xs[b] * sum_{i in b} W8[o, i] xq[i] (+ bias[o])``: the activation x is
 rounded once per product (:func:`quantize_activations`: symmetric, ``xs[b] = absmax / 127`` per block b
@@ -7,7 +9,8 @@ of 32 values, ``xq = round(x / xs)``), the block sums are exact int32 (AVX512-VN
 products where the CPU has them, AVX2 or plain C elsewhere) and are scaled and added in fp32. The
 weights are one byte each: a decode step reads a quarter of its fp32 bytes.
 
-Shape legend: O rows (output features), I columns (input features), I64 = I rounded up to 64.
+Shape legend: O rows (output features), I columns (input features), I64 = I rounded up to 64, N rows of
+activations.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from . import Bound, Product, library, unavailable
 from .layout import CHUNK, from_blocked, to_blocked
 
 __all__ = [
-    "BLOCK", "CHUNK", "ISA", "bound_q8", "from_blocked", "gemv_q8", "isa", "quantize_activations",
-    "reads_blocked", "run_q8", "to_blocked",
+    "BLOCK", "CHUNK", "ISA", "bound_q8", "from_blocked", "gemm_q8", "gemv_q8", "isa", "quantize_activations",
+    "reads_blocked", "run_gemm_q8", "run_q8", "to_blocked",
 ]  # fmt: skip
 
 BLOCK = 32  # activation values per int8 scale (native.h's MH_Q8_BLOCK)
@@ -98,31 +101,76 @@ def gemv_q8(
         MemoryError: a row over 10900 wide and no memory for the product's scratch (3 x its width in bytes).
     """
     lib = _checked_library()
+    _check("gemv_q8", lib, weight, scale, x, bias, group_size, blocked, "(I,)")
+    return run_q8(lib, weight.contiguous(), scale.contiguous(), x.contiguous(), bias, group_size, blocked)
+
+
+def _check(
+    name: str,
+    lib: ctypes.CDLL,
+    weight: Tensor,
+    scale: Tensor,
+    x: Tensor,
+    bias: Tensor | None,
+    group_size: int | None,
+    blocked: bool,
+    x_shape: str,
+) -> None:
+    """The checks of :func:`gemv_q8` (x (I,)) and :func:`gemm_q8` (x (N, I)), named after the caller."""
     tensors = [weight, scale, x] if bias is None else [weight, scale, x, bias]
     if weight.dtype != torch.int8 or any(t.dtype != torch.float32 for t in tensors[1:]):
         raise ValueError(
-            f"gemv_q8 needs an int8 weight and fp32 scale, x and bias, got {[t.dtype for t in tensors]}"
+            f"{name} needs an int8 weight and fp32 scale, x and bias, got {[t.dtype for t in tensors]}"
         )
     if any(t.device.type != "cpu" for t in tensors):
-        raise ValueError(f"gemv_q8 runs on the CPU, got tensors on {[str(t.device) for t in tensors]}")
+        raise ValueError(f"{name} runs on the CPU, got tensors on {[str(t.device) for t in tensors]}")
     if group_size is not None and not (group_size == 32 or (group_size > 0 and group_size % 64 == 0)):
-        raise ValueError(f"gemv_q8 group_size must be 32, a multiple of 64 or None, got {group_size}")
+        raise ValueError(f"{name} group_size must be 32, a multiple of 64 or None, got {group_size}")
     rows, cols = weight.shape if weight.dim() == 2 else (-1, -1)
     groups = (rows,) if group_size is None else (rows, -(-cols // group_size))
-    if rows < 0 or x.shape != (cols,) or tuple(scale.shape) != groups:
+    x_ok = x.shape == (cols,) if x_shape == "(I,)" else (x.dim() == 2 and x.shape[1] == cols)
+    if rows < 0 or not x_ok or tuple(scale.shape) != groups:
         raise ValueError(
-            f"gemv_q8 needs weight (O, I), scale {'(O,)' if group_size is None else '(O, ceil(I / group))'} "
-            f"and x (I,), got {tuple(weight.shape)}, {tuple(scale.shape)} and {tuple(x.shape)}"
+            f"{name} needs weight (O, I), scale {'(O,)' if group_size is None else '(O, ceil(I / group))'} "
+            f"and x {x_shape}, got {tuple(weight.shape)}, "
+            f"{tuple(scale.shape)} and {tuple(x.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (rows,):
-        raise ValueError(f"gemv_q8 needs bias (O,) = ({rows},), got {tuple(bias.shape)}")
+        raise ValueError(f"{name} needs bias (O,) = ({rows},), got {tuple(bias.shape)}")
     if torch.is_grad_enabled() and x.requires_grad:
-        raise ValueError("gemv_q8 has no backward; call it under torch.no_grad()")
+        raise ValueError(f"{name} has no backward; call it under torch.no_grad()")
     if blocked and not lib.mh_q8_blocked():
         raise ValueError(
             f"blocked=True needs the AVX512-VNNI kernel, this one is {isa()}: pass weights in column order"
         )
-    return run_q8(lib, weight.contiguous(), scale.contiguous(), x.contiguous(), bias, group_size, blocked)
+
+
+def gemm_q8(
+    weight: Tensor,
+    scale: Tensor,
+    x: Tensor,
+    bias: Tensor | None = None,
+    group_size: int | None = None,
+    blocked: bool = False,
+) -> Tensor:
+    """:func:`gemv_q8` for N activation rows at once: ``x (N, I) -> (N, O)``, row n equal bit for bit to
+    ``gemv_q8(weight, scale, x[n], ...)`` (each row rounded to int8 per block of 32, the same sums in the
+    same order), the weights read once for up to 64 rows (a prefill or a batch of decode steps reads
+    them once instead of once a row; four rows share each weight load where the kernel is AVX512-VNNI's).
+
+    Args: as :func:`gemv_q8`, with x fp32 (N, I).
+
+    Returns:
+        fp32 (N, O).
+
+    Raises:
+        ValueError: as :func:`gemv_q8` (x must be (N, I)).
+        MemoryError: no memory for the rounded rows (about 4.2 x I bytes a row, up to 64 rows).
+    """
+    lib = _checked_library()
+    _check("gemm_q8", lib, weight, scale, x, bias, group_size, blocked, "(N, I)")
+    w, s, xc = weight.contiguous(), scale.contiguous(), x.contiguous()
+    return run_gemm_q8(lib, w, s, xc, bias, group_size, blocked)
 
 
 def bound_q8(
@@ -179,4 +227,29 @@ def run_q8(
     if status != 0:
         need = 3 * (-(-cols // 64) * 64) + 64
         raise MemoryError(f"the int8 GEMV could not allocate {need} bytes of scratch")
+    return y
+
+
+def run_gemm_q8(
+    lib: ctypes.CDLL,
+    weight: Tensor,
+    scale: Tensor,
+    x: Tensor,
+    bias: Tensor | None,
+    group_size: int | None,
+    blocked: bool = False,
+) -> Tensor:
+    """:func:`gemm_q8` without the checks, for callers that made them once: weight int8 (O, I) (blocked
+    or not) and scale fp32 contiguous, x fp32 (N, I) and bias fp32 (O,) contiguous -> fp32 (N, O)."""
+    rows, cols = weight.shape
+    n = x.shape[0]
+    y = torch.empty(n, rows)  # (N, O)
+    group = cols if group_size is None else group_size
+    b = None if bias is None else bias.data_ptr()
+    pointers = (weight.data_ptr(), scale.data_ptr(), x.data_ptr(), b, y.data_ptr())
+    status = lib.mh_gemm_q8(*pointers, n, rows, cols, cols, group, int(blocked))
+    if status == -2:
+        raise ValueError(f"the blocked layout needs the AVX512-VNNI kernel, this one is {isa()}")
+    if status != 0:
+        raise MemoryError(f"the int8 product could not allocate scratch for {min(n, 64)} rows of {cols}")
     return y

@@ -83,6 +83,9 @@ void mh_quantize_q8(const void *x, int kind, int64_t n, int8_t *xq, float *xs);
 int mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
                int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked);
 int mh_q8_blocked(void); /* whether this build reads the blocked layout */
+/* Y (n, rows) = X W8^T + b for n fp32 rows X (n, cols); 0, -1 without scratch memory, -2 as mh_gemv_q8 */
+int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b, float *y, int64_t n, int64_t rows,
+               int64_t cols, int64_t ldw, int64_t G, int blocked);
 void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int blocked, float *out);
 /* mh_gemv_q8's scratch: each lane's start, x in the blocked order, the blocks' starts */
 #define MH_Q8_SCRATCH(cols) (3 * (((cols) + 63) & ~(int64_t)63) + 64)

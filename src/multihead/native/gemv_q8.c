@@ -59,7 +59,9 @@ static inline int64_t blocked_at(int64_t c, int64_t full) {
 }
 
 #define MH_Q8_STACK_BYTES 32768 /* mh_gemv_q8's scratch on the stack up to this many bytes */
-#define MH_Q8_TILE 64           /* mh_gemm_q8: activation rows rounded and held at once */
+#define MH_Q8_TILE 64           /* mh_gemm_q8: activation rows rounded and held at once, */
+#define MH_Q8_WBLOCK 64         /* met by this many weight rows at a time (kept in the caches), */
+#define MH_Q8_XBLOCK 8          /* each against this many activation rows in a pass */
 
 /* x (n values of the storage dtype kind) -> xq (ceil64(n) int8, zeros past n) and xs (ceil64(n) / 32
  * fp32 block scales, zeros past the last block). */
@@ -127,10 +129,33 @@ static inline __m512i offset_start(const int8_t *x) {
     return _mm512_sub_epi32(_mm512_setzero_si512(), sum);
 }
 
+/* The sums of 16 lanes of four vectors in one tree of halves (the 256-bit halves added, then the 128-bit
+ * halves, then lanes 0 + 2 and 1 + 3, then those two): out[t] the sum of v[t]. Every row's sum is made by
+ * this tree (reduce16 for one row), so a row's product has the same bits whichever way it was made. */
+static inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E)); /* each 128 bits: lanes 0 + 2, 1 + 3 */
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1)); /* and those two */
+    _Alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, v);
+    out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
+}
+
+static inline float reduce16(__m512 v) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); /* AVX512F */
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_permute_ps(q, 0x4E));
+    q = _mm_add_ps(q, _mm_permute_ps(q, 0xB1));
+    return _mm_cvtss_f32(q);
+}
+
 /* The rest of one row after its first j whole 512-column chunks (their sums in a0, a1): whole 64-column
  * steps in column order, then the last 1-8 steps, the last one maybe partial (a masked load: nothing past
- * the row is touched); returns the row's sum. */
-static inline float row_rest(const int8_t *r, const float *wsr, const int8_t *xq, const float *xs,
+ * the row is touched); returns the row's 16 lane sums (reduce16 gives the row's sum). */
+static inline __m512 row_rest(const int8_t *r, const float *wsr, const int8_t *xq, const float *xs,
                              const __m512i *start, int64_t cols, int64_t G, int shift, int per_row, int64_t j,
                              __m512 a0, __m512 a1) {
     const int64_t nc = (cols + 63) / 64, full = cols / 64, nblocks = (cols + 31) / 32;
@@ -163,7 +188,7 @@ static inline float row_rest(const int8_t *r, const float *wsr, const int8_t *xq
             a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pair_index((int)(c - 8 * j)), sc), a0);
         }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
 }
 
 /* One row, 64 columns a step: the weights offset to u8 (w + 128: the sign bit flipped) dotted with x as
@@ -193,7 +218,7 @@ static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, 
             if (j & 1) a1 = _mm512_fmadd_ps(sums, sc, a1);
             else a0 = _mm512_fmadd_ps(sums, sc, a0);
         }
-    return row_rest(r, wsr, xq, xs, start, cols, G, shift, per_row, j, a0, a1);
+    return reduce16(row_rest(r, wsr, xq, xs, start, cols, G, shift, per_row, j, a0, a1));
 }
 
 /* One blocked weight row against four activation rows t (xq[t], xs[t], their starts start[t], bstart[t]):
@@ -227,8 +252,10 @@ static inline void rows4_q8(const int8_t *r, const float *wsr, const int8_t *con
             acc[t][j & 1] = _mm512_fmadd_ps(sums, sc, acc[t][j & 1]);
         }
     }
+    __m512 v[4];
     for (int t = 0; t < 4; t++)
-        out[t] = row_rest(r, wsr, xq[t], xs[t], start[t], cols, G, shift, per_row, j, acc[t][0], acc[t][1]);
+        v[t] = row_rest(r, wsr, xq[t], xs[t], start[t], cols, G, shift, per_row, j, acc[t][0], acc[t][1]);
+    reduce4(v[0], v[1], v[2], v[3], out);
 }
 #elif MH_Q8_ISA >= 1
 static inline __m256i dot32(const int8_t *r, const int8_t *x) { /* 8 int32 sums of 4 products each */
@@ -397,20 +424,30 @@ int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b,
 #endif
         }
         float *yt = y + i0 * rows;
-        MH_PARALLEL_ROWS
-        for (int64_t o = 0; o < rows; o++) {
-            const int8_t *r = w + o * ldw;
-            const float *wsr = ws + o * ldws;
-            float s[MH_Q8_TILE];
-            int64_t t = 0;
-#if MH_Q8_ISA == 3
-            for (; blocked && t + 4 <= m; t += 4)
-                rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, shift, per_row, s + t);
-            for (; t < m; t++) s[t] = row_q8(r, wsr, xv[t], xs[t], start[t], bstart[t], cols, G, shift, per_row);
-#else
-            for (; t < m; t++) s[t] = row_q8(r, wsr, xq[t], xs[t], cols, G, per_row);
+        const int64_t blocks = (rows + MH_Q8_WBLOCK - 1) / MH_Q8_WBLOCK;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (rows * cols >= MH_PAR_MIN)
 #endif
-            for (t = 0; t < m; t++) yt[t * rows + o] = q8_out(s[t], wsr, b, o, per_row);
+        for (int64_t k = 0; k < blocks; k++) { /* weight rows o0 .. o1 - 1, kept in the caches */
+            const int64_t o0 = k * MH_Q8_WBLOCK, o1 = o0 + MH_Q8_WBLOCK < rows ? o0 + MH_Q8_WBLOCK : rows;
+            for (int64_t t0 = 0; t0 < m; t0 += MH_Q8_XBLOCK) { /* against a few activation rows at a time */
+                const int64_t t1 = t0 + MH_Q8_XBLOCK < m ? t0 + MH_Q8_XBLOCK : m;
+                for (int64_t o = o0; o < o1; o++) {
+                    const int8_t *r = w + o * ldw;
+                    const float *wsr = ws + o * ldws;
+                    float s[MH_Q8_XBLOCK];
+                    int64_t t = t0;
+#if MH_Q8_ISA == 3
+                    for (; blocked && t + 4 <= t1; t += 4)
+                        rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, shift, per_row, s + t - t0);
+                    for (; t < t1; t++)
+                        s[t - t0] = row_q8(r, wsr, xv[t], xs[t], start[t], bstart[t], cols, G, shift, per_row);
+#else
+                    for (; t < t1; t++) s[t - t0] = row_q8(r, wsr, xq[t], xs[t], cols, G, per_row);
+#endif
+                    for (t = t0; t < t1; t++) yt[t * rows + o] = q8_out(s[t - t0], wsr, b, o, per_row);
+                }
+            }
         }
     }
     free(buf);

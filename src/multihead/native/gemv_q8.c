@@ -389,9 +389,10 @@ static int64_t gemm_row_bytes(int64_t cols) {
  * rounded to int8 as mh_quantize_q8, then every output as mh_gemv_q8 makes it (the same sums in the same
  * order: Y[i] equals mh_gemv_q8 of row i bit for bit). W8, ws, b, G, blocked as mh_gemv_q8_into.
  *
- * The weights are read once for up to MH_Q8_TILE rows of X (rounded and held in scratch); each weight
- * row, while in the caches, meets every row of the tile; with AVX512-VNNI and blocked rows four
- * activation rows share each 64-byte weight load. Returns 0, -1 when the scratch cannot be allocated,
+ * The weights are read once for up to MH_Q8_TILE rows of X (rounded and held in scratch): each block of
+ * MH_Q8_WBLOCK weight rows, kept in the caches, meets the tile's rows MH_Q8_XBLOCK at a time (those in
+ * the nearest cache); with AVX512-VNNI and blocked rows four activation rows share each 64-byte weight
+ * load (rows4_q8). Returns 0, -1 when the scratch cannot be allocated,
  * -2 for the blocked layout in a build that is not AVX512-VNNI's (Y then unwritten). */
 int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b, float *y, int64_t n, int64_t rows,
                int64_t cols, int64_t ldw, int64_t G, int blocked) {

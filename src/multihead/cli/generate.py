@@ -7,6 +7,8 @@
                                                           convert` folder; text needs DIR/tokenizer.json
     multihead generate --preset llama-155m --weights bf16 an inference copy in bf16 with native decode
                                                           steps where the model allows them
+    multihead generate --preset llama-155m --weights int8 int8 weights, a scale per 32 (--group-size):
+                                                          native VNNI steps, prompts and batches
 
 Prints the new tokens and the speed: prefill time and decode tokens/s (one-token steps on the KV cache),
 each the median of generations repeated until they are long enough to time (a few times the one run
@@ -53,6 +55,18 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, str]:
 
         tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     return model, tokenizer, str(args.model)
+
+
+def _group(text: str | None) -> int | None:
+    """--group-size: inputs per int8 weight scale (default 32), or "row" for one scale per output row."""
+    if text is None:
+        return 32
+    if text == "row":
+        return None
+    n = int(text) if text.isdigit() else 0
+    if n != 32 and (n <= 0 or n % 64 != 0):
+        raise ValueError(f"--group-size takes 32, 64 (or another multiple of 64) or row, got {text!r}")
+    return n
 
 
 def _prompt(args: argparse.Namespace, vocab: int, tokenizer: Any) -> torch.Tensor:
@@ -117,14 +131,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     """Load or build the model, generate, print tokens (and text) and speed."""
     from rich.console import Console
 
+    if args.group_size is not None and args.weights != "int8":
+        given = "no --weights was given" if args.weights is None else f"not to --weights {args.weights}"
+        raise ValueError(f"--group-size applies to --weights int8; {given}")
     lm, tokenizer, what = _model(args)
-    native_steps = None
+    native_steps, params = None, None
     if args.weights is not None:
         from ..models import quant
 
-        lm = quant.quantize(lm, weights=args.weights, kv=None)  # kernel "auto": native where it builds
+        int8 = args.weights == "int8"
+        group = _group(args.group_size) if int8 else None
+        params = sum(p.numel() for p in lm.parameters())  # int8 weights are buffers: counted before
+        # kernel "auto": native where it builds; group None: the float formats' (and int8's per row)
+        lm = quant.quantize(lm, weights=args.weights, kv=None, group_size=group)
         native_steps = lm.why_not_native_steps or "yes"
-        what = f"{what}, {args.weights} weights"
+        scales = "" if not int8 else " (a scale per row)" if group is None else f" (groups of {group})"
+        what = f"{what}, {args.weights} weights{scales}"
     ids = _prompt(args, lm.vocab_size, tokenizer)
     with Console(stderr=True).status(f"generating {args.max_new_tokens} tokens with {what}"):
         out, prefill, decode = _timed(lm, ids, args)
@@ -134,7 +156,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     why = "one token" if steps <= 0 else decode.why
     doc: dict[str, Any] = {
         "model": what,
-        "params": sum(p.numel() for p in lm.parameters()),
+        "params": params if params is not None else sum(p.numel() for p in lm.parameters()),
         "cache": args.cache,
         "weights": args.weights,
         "native_steps": native_steps,
@@ -198,10 +220,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", choices=list(KINDS), default="dense", help="KV cache kind (default dense)")
     p.add_argument(
         "--weights",
-        choices=["fp32", "bf16", "fp16"],
+        choices=["fp32", "bf16", "fp16", "int8"],
         default=None,
-        help="decode an inference copy in this dtype, batch-1 steps native where the model allows "
+        help="decode an inference copy in this format, batch-1 steps native where the model allows "
         "(mh.quant.quantize(lm, weights=..., kv=None)); default: the model as loaded",
+    )
+    p.add_argument(
+        "--group-size",
+        metavar="N",
+        default=None,
+        help="with --weights int8: inputs per weight scale, 32 (default), 64 or another multiple of 64, or "
+        "row for one scale per output row",
     )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample)")

@@ -163,7 +163,7 @@ def test_without_a_compiler_gemv_linear_runs_f_linear_and_says_why(monkeypatch):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-def test_gemv_linear_runs_the_kernel_for_one_row_and_f_linear_otherwise(dtype, bias, monkeypatch):
+def test_gemv_linear_runs_the_kernel_for_one_row_and_f_linear_for_a_prompt(dtype, bias, monkeypatch):
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 200, bias=bias).to(dtype)
     layer = GemvLinear.from_linear(lin)
@@ -178,7 +178,7 @@ def test_gemv_linear_runs_the_kernel_for_one_row_and_f_linear_otherwise(dtype, b
             assert y.shape == (*shape[:-1], 200) and y.dtype == dtype
             torch.testing.assert_close(y, lin(x), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4)
         assert len(calls) == 3
-        for shape in ((2, 96), (3, 7, 96)):  # several rows: F.linear, bit for bit
+        for shape in ((3, 7, 96), (17, 96)):  # more rows than ROWS_NATIVE (a prompt): F.linear, bit for bit
             x = torch.randn(shape).to(dtype)
             assert torch.equal(layer(x), lin(x))
     assert len(calls) == 3

@@ -63,6 +63,7 @@ __all__ = [
     "open_library",
     "products",
     "run",
+    "run_rows",
     "threads",
     "unavailable",
 ]
@@ -185,6 +186,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     for fn in (lib.mh_gemv_f32, lib.mh_gemv_bf16, lib.mh_gemv_f16):
         fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]  # w, x, bias or NULL, y, O, I, row stride
         fn.restype = None
+    # kind, w, x, bias or NULL, y, n, O, I, row stride
+    lib.mh_gemv_rows.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    lib.mh_gemv_rows.restype = ctypes.c_int  # 0, -2: a kind without a kernel in this build
     lib.mh_gemv_has_dpbf16.restype = ctypes.c_int
     lib.mh_gemv_has_f16.restype = ctypes.c_int
     lib.mh_dtypes = DTYPES if lib.mh_gemv_has_f16() else DTYPES[:2]  # type: ignore[attr-defined]  # asked once
@@ -259,6 +263,12 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
             err = float(((y.double() - ref).abs() / (ref.abs() + 1)).max())
             if not err <= tol:
                 return f"the built kernel disagrees with torch ({dtype}, {rows}x{cols}: error {err:.2e})"
+            xs = torch.cat([x[None], torch.randn(2, cols, generator=g).to(dtype)])  # (3, I)
+            ys = torch.empty(3, rows, dtype=dtype)  # (3, O)
+            pointers = (w.data_ptr(), xs.data_ptr(), b.data_ptr(), ys.data_ptr())
+            lib.mh_gemv_rows(KIND[dtype], *pointers, 3, rows, cols, w.stride(0))
+            if not torch.equal(ys[0], y):
+                return f"the built kernel's rows at once disagree with its one row ({dtype}, {rows}x{cols})"
     return _self_check_q8(lib, g)
 
 
@@ -469,6 +479,18 @@ def run(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -> Ten
     fn = _KERNELS[weight.dtype](lib)
     b = None if bias is None else bias.data_ptr()
     fn(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), rows, weight.shape[1], weight.stride(0))
+    return y
+
+
+def run_rows(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`run` for N rows at once (a batch's decode step): x (N, I) contiguous -> (N, O), row n with the
+    bits :func:`run` gives ``x[n]``, the weights read from memory once (``mh_gemv_rows``)."""
+    rows, n = weight.shape[0], x.shape[0]
+    y = torch.empty(n, rows, dtype=weight.dtype)  # (N, O)
+    b = None if bias is None else bias.data_ptr()
+    args = (weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n, rows, weight.shape[1], weight.stride(0))
+    if lib.mh_gemv_rows(KIND[weight.dtype], *args) != 0:
+        raise ValueError(f"this build has no native kernel for {weight.dtype}")  # dtypes() excludes it
     return y
 
 

@@ -177,3 +177,37 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
     MH_STREAM_ROWS(w, x, load_bf16, load_bf16, bf16_to_f32, bf16_to_f32, MH_STORE_BF16);
 #endif
 }
+
+/* Y (n, rows) = X W^T + b for n activation rows X (n, cols) of the storage dtype kind (MH_F32, MH_BF16,
+ * MH_F16; row stride cols), W and b as the one-row kernels take them: a batch's decode step. The weights
+ * are read from memory once: each block of rows (about MH_ROWS_BLOCK_BYTES of them, kept in the caches)
+ * is multiplied by every row of X in turn by the one-row kernel of kind, so row t of Y has the bits that
+ * kernel gives row t of X alone. Blocks are split across the threads (each block's products then run on
+ * its thread). Returns 0, or -2 for a kind the build has no kernel for (fp16 without MH_HAS_F16). */
+#define MH_ROWS_BLOCK_BYTES ((int64_t)128 << 10)
+int mh_gemv_rows(int kind, const void *w, const void *x, const void *b, void *y, int64_t n, int64_t rows,
+                 int64_t cols, int64_t ldw) {
+    if (kind == MH_F16 && !MH_HAS_F16) return -2;
+    if (kind != MH_F32 && kind != MH_BF16 && kind != MH_F16) return -2;
+    const int64_t esz = kind == MH_F32 ? 4 : 2, row_bytes = (cols > 0 ? cols : 1) * esz;
+    const int64_t block = MH_ROWS_BLOCK_BYTES / row_bytes > 0 ? MH_ROWS_BLOCK_BYTES / row_bytes : 1;
+    const int64_t blocks = (rows + block - 1) / block;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (blocks > 1 && n * rows * cols >= MH_PAR_MIN)
+#endif
+    for (int64_t k = 0; k < blocks; k++) {
+        const int64_t o0 = k * block, m = rows - o0 < block ? rows - o0 : block;
+        const char *wk = (const char *)w + o0 * ldw * esz, *bk = b ? (const char *)b + o0 * esz : NULL;
+        for (int64_t t = 0; t < n; t++) {
+            const void *xt = (const char *)x + t * cols * esz;
+            void *yt = (char *)y + (t * rows + o0) * esz;
+            if (kind == MH_F32)
+                mh_gemv_f32((const float *)wk, xt, (const float *)bk, yt, m, cols, ldw);
+            else if (kind == MH_BF16)
+                mh_gemv_bf16((const uint16_t *)wk, xt, (const uint16_t *)bk, yt, m, cols, ldw);
+            else
+                mh_gemv_f16((const uint16_t *)wk, xt, (const uint16_t *)bk, yt, m, cols, ldw);
+        }
+    }
+    return 0;
+}

@@ -100,6 +100,9 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
 /* fp16 W, x, bias, y as their 16-bit patterns; a no-op without MH_HAS_F16 */
 void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
                  int64_t cols, int64_t ldw);
+/* Y (n, rows) = X W^T + b for n rows X (n, cols) of kind, each row as its one-row kernel gives it; 0 or -2 */
+int mh_gemv_rows(int kind, const void *w, const void *x, const void *b, void *y, int64_t n, int64_t rows,
+                 int64_t cols, int64_t ldw);
 void mh_rms_norm(const void *x, const void *g, void *out, int64_t d, float eps, int kind);
 
 /* The fixed arguments of one layer of a decode step (decode_layer.c, mh_decode_layers): the norms' gains,

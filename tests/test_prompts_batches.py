@@ -1,4 +1,4 @@
-"""benchmarks/int8_prompts.py: its rows on a tiny model, llama-bench's JSON read as its prompt rows, and
+"""benchmarks/prompts_batches.py: its rows on a tiny model, llama-bench's JSON read as its prompt rows, and
 its argument checks."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import int8_prompts
+import prompts_batches
 
 
-def test_a_tiny_run_gives_every_row_for_both_models(capsys):
-    result = int8_prompts.main(
+def test_a_tiny_run_gives_every_row_for_every_model(capsys):
+    result = prompts_batches.main(
         ["--preset", "llama-tiny", "--lengths", "3", "20", "--batches", "2", "--samples", "1"]
     )
     assert set(result["prompts"]) == {3, 20} and set(result["batches"]) == {2}
     for row in [*result["prompts"].values(), *result["batches"].values()]:
-        assert set(row) == {"int8", "fp32"} and all(v > 0 for v in row.values())
+        assert set(row) == {"int8", "fp32", "bf16"} and all(v > 0 for v in row.values())
     out = capsys.readouterr().out
     assert "| 20 |" in out and "| 2 |" in out and "llama.cpp" in out
 
@@ -30,13 +30,13 @@ def test_llama_bench_json_gives_its_prompt_rows():
         {"n_prompt": 256, "n_gen": 0, "avg_ts": 588.6},
         {"n_prompt": 0, "n_gen": 32, "avg_ts": 90.0},  # a decode row: not a prompt's
     ])  # fmt: skip
-    assert int8_prompts.parse_llama_bench(out) == {8: 287.0, 256: 588.6}
+    assert prompts_batches.parse_llama_bench(out) == {8: 287.0, 256: 588.6}
 
 
 def test_bad_arguments_name_the_fix(capsys):
     with pytest.raises(SystemExit):
-        int8_prompts.main(["--samples", "0"])
+        prompts_batches.main(["--samples", "0"])
     assert "--samples must be at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        int8_prompts.main(["--lengths", "0"])
+        prompts_batches.main(["--lengths", "0"])
     assert "--lengths and --batches must be at least 1" in capsys.readouterr().err

@@ -1,23 +1,24 @@
-"""Prompts and batches of an int8 model: the time to the first token after prompts of a few lengths, and
-the decode step of a batch of sequences, for the int8 model (groups of 32, int8 cache, native kernels)
-beside the same model in fp32, and, given a llama.cpp build and the model as a q8_0 GGUF, llama.cpp's
-prompt processing on the same lengths (``llama-bench -p L -n 0``).
+"""Prompts and batches on the CPU: the time to the first token after prompts of a few lengths, and the
+decode step of a batch of sequences, for the int8 model (groups of 32, int8 cache) and the fp32 and bf16
+models with native decode kernels (``mh.quant.quantize``), and, given a llama.cpp build and the model as
+a q8_0 GGUF, llama.cpp's prompt processing on the same lengths (``llama-bench -p L -n 0``).
 
-    python benchmarks/int8_prompts.py --threads 1
-    python benchmarks/int8_prompts.py --threads 1 --llama-bench BUILD/bin/llama-bench \\
+    python benchmarks/prompts_batches.py --threads 1
+    python benchmarks/prompts_batches.py --threads 1 --llama-bench BUILD/bin/llama-bench \\
         --gguf WORK/model-q8_0.gguf
 
 The GGUF is the one ``benchmarks/llamacpp_decode.py --work WORK`` writes (the same preset, the same
 random weights; benchmarks/LLAMACPP.md says how to build llama.cpp offline). A prompt's time is
 ``model.generate(prompt, 1)``: the prompt's layers, the output head on its last position and the pick;
-the int8 and fp32 models are timed interleaved (:func:`multihead.cost.timing.measure_all`, the fastest
-sample: load only ever adds time). A batch's step is ``(t(9) - t(1)) / 8`` of ``generate`` on a batch of
-16-token prompts. llama.cpp's figure is its prompt-processing rate, which does not include a pick.
+the models are timed interleaved (:func:`multihead.cost.timing.measure_all`, the fastest sample: load
+only ever adds time). A batch's step is ``(t(9) - t(1)) / 8`` of ``generate`` on a batch of 16-token
+prompts. llama.cpp's figure is its prompt-processing rate, which does not include a pick.
 
-Every row of several activations in an int8 model runs the native multi-row product
+Several rows of activations in an int8 model run the native multi-row product
 (:func:`multihead.native.int8.gemm_q8`): each row rounded to int8 as a decode step rounds it, the weights
-read once for up to 64 rows. Before it, such calls multiplied by the weight dequantized to fp32, which
-cost a whole dequantization of every weight per call (docs/cpu-decode.md).
+read once for up to 64 rows. In the fp32 and bf16 models up to four rows (a small batch's step) run the
+native row kernels, the weights read once (:func:`multihead.native.run_rows`); more rows are
+``F.linear``'s (docs/cpu-decode.md).
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ NEW = 9  # tokens generated to time a batch's steps: (t(NEW) - t(1)) / (NEW - 1)
 
 
 def build(preset: str) -> dict[str, torch.nn.Module]:
-    """The preset's random-weight model (seed 0) in fp32 and as int8 (groups of 32, int8 cache, native)."""
+    """The preset's random-weight model (seed 0) as int8 (groups of 32, int8 cache) and in fp32 and bf16,
+    each with the native kernels (``quantize``'s "auto" on a TransformerLM)."""
     torch.manual_seed(0)
     base = mh.pretrained.random_lm(preset).eval()
-    int8 = quant.quantize(base, weights="int8", kv="int8", kernel="native", group_size=32)
-    return {"int8": int8, "fp32": base}
+    return {
+        "int8": quant.quantize(base, weights="int8", kv="int8", kernel="native", group_size=32),
+        "fp32": quant.quantize(base, weights="fp32", kv=None),
+        "bf16": quant.quantize(base, weights="bf16", kv=None),
+    }
 
 
 def first_token(models: dict[str, torch.nn.Module], prompt: torch.Tensor, samples: int) -> dict[str, float]:
@@ -109,27 +114,29 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(result: dict) -> str:
+    names = list(next(iter(result["prompts"].values())).keys())  # the models, in build()'s order
+    theirs = result["llamacpp_prompt_tok_s"]
     lines = [
         f"{result['preset']}, {result['threads']} thread(s); time to the first token "
         "(tokens/s of the prompt)",
-        "| prompt | int8 | fp32 | llama.cpp q8_0 prompt | int8 / llama.cpp |",
-        "|---:|---:|---:|---:|---:|",
+        f"| prompt | {' | '.join(names)} | llama.cpp q8_0 prompt | int8 / llama.cpp |",
+        "|---:|" + "---:|" * (len(names) + 2),
     ]
-    theirs = result["llamacpp_prompt_tok_s"]
     for length, t in result["prompts"].items():
-        ours = length / t["int8"]
         other = theirs.get(length)
+        cells = [f"{t[k] * 1e3:.0f} ms ({length / t[k]:.0f})" for k in names]
+        ratio = "-" if other is None else f"{length / t['int8'] / other:.2f}x"
         lines.append(
-            f"| {length} | {t['int8'] * 1e3:.0f} ms ({ours:.0f}) | {t['fp32'] * 1e3:.0f} ms "
-            f"({length / t['fp32']:.0f}) | {'-' if other is None else f'{other:.0f} tok/s'} | "
-            f"{'-' if other is None else f'{ours / other:.2f}x'} |"
+            f"| {length} | {' | '.join(cells)} | {'-' if other is None else f'{other:.0f} tok/s'} | {ratio} |"
         )
-    lines += ["", "| batch (16-token prompts) | int8 step | fp32 step |", "|---:|---:|---:|"]
+    lines += [
+        "",
+        f"| batch (16-token prompts): one step | {' | '.join(names)} |",
+        "|---:|" + "---:|" * len(names),
+    ]
     for b, t in result["batches"].items():
-        lines.append(
-            f"| {b} | {t['int8'] * 1e3:.1f} ms ({b / t['int8']:.0f} tok/s) | "
-            f"{t['fp32'] * 1e3:.1f} ms ({b / t['fp32']:.0f} tok/s) |"
-        )
+        cells = [f"{t[k] * 1e3:.1f} ms ({b / t[k]:.0f} tok/s)" for k in names]
+        lines.append(f"| {b} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -138,7 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--preset", default="llama-155m", help="a random-weight model shape (default llama-155m)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lengths", type=int, nargs="+", default=[8, 64, 256], help="prompt lengths")
-    p.add_argument("--batches", type=int, nargs="+", default=[4, 16], help="batch sizes of the decode rows")
+    p.add_argument(
+        "--batches", type=int, nargs="+", default=[2, 4, 16], help="batch sizes of the decode rows"
+    )
     p.add_argument("--samples", type=int, default=3, help="samples of each call (llama-bench: its runs)")
     p.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench, for its prompt rates")
     p.add_argument(

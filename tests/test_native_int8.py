@@ -81,6 +81,25 @@ def test_activation_rounding_is_torchs(n):
     assert torch.equal(xs, scale) and torch.equal(xq.view(-1, 32).float(), q)
 
 
+@needs_native
+@pytest.mark.parametrize("n", [64, 96 + 17])  # whole blocks (vector code where AVX-512), and a scalar tail
+def test_activation_rounding_of_ties_extremes_and_non_numbers(n):
+    """Exact halves round to even; a NaN is passed over by the block's largest |x| and becomes 0; an inf
+    makes its block's scale inf (every value then 0: x / inf, inf / inf a NaN); the whole blocks (AVX-512
+    code) and the tail (plain C) agree with one reference."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randint(-40, 41, (n,), generator=g) / 2.0) * (127 / 20)  # many exact halves of the step
+    x[5], x[40], x[50] = float("nan"), float("inf"), -3e38
+    x[n - 3] = float("nan")  # in the tail block too
+    xq, xs = native_int8.quantize_activations(x)
+    pad = -(-n // 64) * 64
+    blocks = F.pad(x, (0, pad - n)).view(-1, 32)  # (I64 / 32, 32)
+    scale = torch.where(blocks.isnan(), 0.0, blocks.abs()).amax(1) / 127.0  # NaN passed over; inf kept
+    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[:, None]).clamp(-127, 127)
+    q = torch.where(q.isnan(), 0.0, q)  # (I64 / 32, 32)
+    assert torch.equal(xs, scale) and torch.equal(xq.view(-1, 32).float(), q)
+
+
 @pytest.mark.parametrize("group", GROUPS)
 def test_group_rounding_bound_and_odd_widths(group):
     w = torch.randn(6, 100, generator=torch.Generator().manual_seed(0))  # 100: a short last group

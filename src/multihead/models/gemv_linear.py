@@ -53,7 +53,7 @@ class GemvLinear(nn.Linear):
 
     @property
     def why_not_native(self) -> str | None:
-        """None when one-row calls run the native kernel, else why they run ``F.linear``."""
+        """None when calls of 1 to ROWS_NATIVE rows run the native kernels, else why they run ``F.linear``."""
         reason = native.unavailable()
         if reason is not None:
             return reason
@@ -107,5 +107,5 @@ class GemvLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         reason = self.why_not_native
-        how = "native GEMV for one row" if reason is None else f"F.linear ({reason})"
+        how = f"native GEMV for 1-{ROWS_NATIVE} rows" if reason is None else f"F.linear ({reason})"
         return f"{super().extra_repr()}, {how}"

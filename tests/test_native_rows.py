@@ -69,3 +69,31 @@ def test_a_batch_generates_what_each_sequence_generates_alone(weights):
         both = q.generate(ids, 8)
         alone = torch.cat([q.generate(ids[i : i + 1], 8) for i in range(3)])
     assert torch.equal(both, alone)
+
+
+@needs_native
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_a_flop_counter_sees_the_step_s_matrix_products(weights, monkeypatch):
+    """Under a torch dispatch mode (here FlopCounterMode) the native kernels stand aside: a batch-1
+    decode step of a native model runs its eager modules (no native step, no native GEMV), so the
+    counted products are the step's, as mh.cost.estimate gives them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from multihead import cost
+    from multihead.models import native_step
+
+    torch.manual_seed(0)
+    lm = mh.TransformerLM(100, 64, 2, 4, 96, n_kv_heads=2, tie_embeddings=False).eval()
+    q = quant.quantize(lm, weights=weights, kv=None, group_size=32 if weights == "int8" else None)
+    for m in q.modules():  # the attention as matrix products the counter sees (not a fused kernel)
+        if isinstance(m, mh.MultiHeadAttention):
+            m.backend = "matrix"
+    steps = []
+    monkeypatch.setattr(native_step, "decode_step", lambda *a: steps.append(1) / 0)
+    cache = q.make_cache(1, 32)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        q(torch.randint(0, 100, (1, 12)), cache=cache)  # the prompt
+        before = counter.get_total_flops()
+        q(torch.randint(0, 100, (1, 1)), cache=cache)  # one step
+    want = cost.estimate(lm, 1, 13, phase="decode").matmul_flops
+    assert not steps and abs((counter.get_total_flops() - before) - want) <= 0.01 * want

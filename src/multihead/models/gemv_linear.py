@@ -82,7 +82,8 @@ class GemvLinear(nn.Linear):
 
     def _native_fits(self, x: Tensor) -> bool:
         """Whether the native kernels can take this call: x of the weight's dtype, both on the CPU, no
-        gradient wanted, the weight's columns contiguous, a bias (if any) of the same dtype on the CPU."""
+        gradient wanted, the weight's columns contiguous, a bias (if any) of the same dtype on the CPU, no
+        torch dispatch mode watching (:func:`multihead.native.watched`)."""
         w, b = self.weight, self.bias
         return (
             x.shape[-1] == self.in_features
@@ -92,6 +93,7 @@ class GemvLinear(nn.Linear):
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
             and (w.stride(-1) == 1 or self.in_features == 1)
             and (b is None or (b.dtype == w.dtype and b.device.type == "cpu"))
+            and not native.watched()  # a FLOP counter or fake tensors see F.linear, not a native call
         )
 
     def native_product(self, x: Tensor) -> native.Bound | None:

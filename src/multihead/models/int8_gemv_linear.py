@@ -158,6 +158,7 @@ class Int8GemvLinear(BlockedRows):
             and w.device.type == "cpu"
             and x.is_floating_point()
             and not (torch.is_grad_enabled() and x.requires_grad)
+            and not native.watched()  # a FLOP counter or fake tensors see F.linear, not a native call
         ):
             lib = native.library()
             if lib is not None:

@@ -223,6 +223,8 @@ def why_not_call(
             return hooked
     if torch.is_grad_enabled() and any(p.requires_grad for p in model.final_norm.parameters()):
         return "gradients are on"
+    if native.watched():
+        return "a torch dispatch mode is on (a FLOP counter, fake tensors): it sees the eager step's ops"
     if attention_mask is not None and not bool(attention_mask.all()):
         return "the attention mask has padding"
     c = cache[0]

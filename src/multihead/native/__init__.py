@@ -40,6 +40,7 @@ from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import build, cache, first_load, layout
 
@@ -66,6 +67,7 @@ __all__ = [
     "run_rows",
     "threads",
     "unavailable",
+    "watched",
 ]
 
 HERE = Path(__file__).parent
@@ -398,6 +400,12 @@ def _load() -> _Loaded:
     if repaired:
         warnings.warn("multihead.native: " + "; ".join(repaired), RuntimeWarning, stacklevel=3)
     return _Loaded(lib, reason, so if lib is not None else None, tuple(notes))
+
+
+def watched() -> bool:
+    """Whether a torch dispatch mode is active (a FLOP counter, fake tensors, a debugging mode): it sees
+    torch's operators only, so callers run those instead of the native kernels while it is on."""
+    return is_in_torch_dispatch_mode()
 
 
 def unavailable() -> str | None:

@@ -51,6 +51,9 @@ def test_generate_json_with_int8_cache_and_sampling(capsys):
     assert doc["prompt_tokens"] == 3 and doc["new_tokens"] == 5 and doc["cache"] == "int8"
     assert len(doc["tokens"]) == 2
     assert doc["decode_tokens_per_s"] > 0 if doc["decode_note"] is None else "too short" in doc["decode_note"]
+    if doc["decode_tokens_per_s"] is not None:  # the rate with the range its time's spread allows
+        low, high = doc["decode_tokens_per_s_spread"]
+        assert 0 < low <= doc["decode_tokens_per_s"] <= high
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])

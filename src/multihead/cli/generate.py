@@ -12,7 +12,8 @@
 
 Prints the new tokens and the speed: prefill time and decode tokens/s (one-token steps on the KV cache),
 each the median of generations repeated until they are long enough to time (a few times the one run
-the tokens need), with its spread, or "too short to measure".
+the tokens need), with its spread (for the rate: the rates its time's spread allows), or "too short to
+measure".
 """
 
 from __future__ import annotations
@@ -153,6 +154,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     new = out[:, ids.shape[1] :]  # (batch, new)
     steps = new.shape[1] - 1  # decode steps after the first token (which the prefill gives)
     decode_rate = decode.rate(steps * args.batch) if steps > 0 else None
+    spread = None  # the rates the decode time's spread allows: the figure's own uncertainty
+    if decode_rate is not None and decode.low and decode.high:
+        spread = [steps * args.batch / decode.high, steps * args.batch / decode.low]
     why = "one token" if steps <= 0 else decode.why
     doc: dict[str, Any] = {
         "model": what,
@@ -167,6 +171,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "prefill_spread_s": [prefill.low, prefill.high],
         "decode_s": decode.median,
         "decode_tokens_per_s": decode_rate,
+        "decode_tokens_per_s_spread": spread,
         "decode_note": None if decode_rate is not None else why,
         "tokens": new.tolist(),
     }
@@ -182,6 +187,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for r, row in enumerate(doc.get("text") or new.tolist()):
         console.print(f"[{r}] {row}", markup=False)
     rate = f"n/a ({why})" if decode_rate is None else f"{decode_rate:.1f} tokens/s"
+    if spread is not None:
+        rate += f" ({spread[0]:.1f}-{spread[1]:.1f})"
     if native_steps is not None:
         rate += f" (native steps: {native_steps})"
     console.print(

@@ -29,9 +29,11 @@ Kernels (the first three library ones):
   along the input, or None for one per output channel): one-row calls run the native int8 GEMV
   (:mod:`multihead.native.int8`: activations rounded to int8 per block of 32 as llama.cpp's q8_0,
   VNNI dot products), and a TransformerLM of the LLaMA shape takes every one-token decode step as one
-  native call per layer, the int8 KV cache included (:mod:`.native_step`). Other calls (a prefill)
-  are ``F.linear`` on the dequantized weight. On the 155M LLaMA shape, one thread, about 2.4x the
-  fbgemm kernel's decode rate (BENCHMARKS.md, "int8 native decoding").
+  native call per layer, the int8 KV cache included (:mod:`.native_step`). Calls of several rows (a
+  prefill, a batch's step) run the native multi-row product, each row as the one-row GEMV gives it
+  (:func:`multihead.native.int8.gemm_q8`); training calls are ``F.linear`` on the dequantized weight.
+  On the 155M LLaMA shape, one thread, about 2.4x the fbgemm kernel's decode rate (BENCHMARKS.md,
+  "int8 native decoding") and prompts level with llama.cpp's q8_0 ("int8 prompts and batches").
 
 ``"auto"`` takes native for a TransformerLM where the native kernels build (and whenever ``group_size`` is
 given); else fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine (speed first: the
@@ -44,8 +46,8 @@ whose linears run a faster kernel, chosen by ``kernel``:
 
 - ``"native"`` (what ``"auto"`` picks for a TransformerLM where :mod:`multihead.native` builds, and for
   fp16): every ``nn.Linear`` becomes a :class:`GemvLinear` holding the same tensors (a tied head stays
-  tied), whose one-row calls run the native GEMV; and a :class:`~multihead.TransformerLM` of the LLaMA
-  shape takes each one-token decode step as one native call for all its layers (:mod:`.native_step`;
+  tied), whose calls of one to four rows run the native GEMV; and a :class:`~multihead.TransformerLM` of
+  the LLaMA shape takes each one-token decode step as one native call for all its layers (:mod:`.native_step`;
   ``why_not_native_steps`` says when it cannot). The 155M LLaMA shape then decodes at 81-90% of the
   memory's bandwidth limit in fp32 and bf16 (fp16: about 70%), about 2x transformers in fp32 and fp16
   and 3x in bf16 (BENCHMARKS.md, "Native decoding"). Greedy tokens equal the eager model's.

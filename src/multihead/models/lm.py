@@ -126,7 +126,7 @@ class TransformerLM(nn.Module):
         )
         # Pre-LN leaves the residual stream un-normalised (GPT-2 ln_f, LLaMA norm); post-LN ends normed.
         self.final_norm = make_norm(norm, d_model, norm_eps) if norm_first else nn.Identity()
-        # an nn.Linear whose one-row calls (a decode step's logits) run the native GEMV where it builds
+        # an nn.Linear whose calls of 1-4 rows (a decode step's or a small batch's logits) run the native GEMV
         self.lm_head = GemvLinear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
         if tie_embeddings:

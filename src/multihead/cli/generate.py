@@ -136,13 +136,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         given = "no --weights was given" if args.weights is None else f"not to --weights {args.weights}"
         raise ValueError(f"--group-size applies to --weights int8; {given}")
     lm, tokenizer, what = _model(args)
-    native_steps, params = None, None
+    native_steps = None
+    params = sum(p.numel() for p in lm.parameters())  # before any int8 weights become buffers
     if args.weights is not None:
         from ..models import quant
 
         int8 = args.weights == "int8"
         group = _group(args.group_size) if int8 else None
-        params = sum(p.numel() for p in lm.parameters())  # int8 weights are buffers: counted before
         # kernel "auto": native where it builds; group None: the float formats' (and int8's per row)
         lm = quant.quantize(lm, weights=args.weights, kv=None, group_size=group)
         native_steps = lm.why_not_native_steps or "yes"
@@ -160,7 +160,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     why = "one token" if steps <= 0 else decode.why
     doc: dict[str, Any] = {
         "model": what,
-        "params": params if params is not None else sum(p.numel() for p in lm.parameters()),
+        "params": params,
         "cache": args.cache,
         "weights": args.weights,
         "native_steps": native_steps,

@@ -163,11 +163,11 @@ class Int8GemvLinear(BlockedRows):
             lib = native.library()
             if lib is not None:
                 x32 = x.reshape(-1, self.in_features).float().contiguous()  # (N, I)
-                args = (self.scale, self.bias, self.group_size, self.blocked)
-                if x32.shape[0] == 1:  # a decode step: the GEMV, its scratch on the stack
-                    y = native_int8.run_q8(lib, w, args[0], x32[0], *args[1:])  # (O,)
-                else:  # a prefill or a batch: the weights read once for up to 64 rows
-                    y = native_int8.run_gemm_q8(lib, w, args[0], x32, *args[1:])  # (N, O)
+                # one row (a decode step): the GEMV, its scratch on the stack; several (a prefill, a
+                # batch): the multi-row product, the weights read once for up to 64 rows
+                one = x32.shape[0] == 1
+                run = native_int8.run_q8 if one else native_int8.run_gemm_q8
+                y = run(lib, w, self.scale, x32[0] if one else x32, self.bias, self.group_size, self.blocked)
                 return y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., O)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype), b)  # (..., O)

@@ -406,10 +406,13 @@ int mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *
     return status;
 }
 
+/* bytes of a rounded row's block scales (pad values), rounded up to 64 */
+static int64_t xs_bytes_of(int64_t pad) { return (pad / MH_Q8_BLOCK * 4 + 63) & ~(int64_t)63; }
+
 /* bytes of one activation row's part of mh_gemm_q8's scratch: xq, xs, the GEMV's scratch, each at 64 */
 static int64_t gemm_row_bytes(int64_t cols) {
-    const int64_t pad = (cols + 63) & ~(int64_t)63, xs_bytes = (pad / MH_Q8_BLOCK * 4 + 63) & ~(int64_t)63;
-    return pad + xs_bytes + ((MH_Q8_SCRATCH(cols) + 63) & ~(int64_t)63);
+    const int64_t pad = (cols + 63) & ~(int64_t)63;
+    return pad + xs_bytes_of(pad) + ((MH_Q8_SCRATCH(cols) + 63) & ~(int64_t)63);
 }
 
 /* Y (n, rows) fp32 = X W8^T + b for n activation rows X (n, cols) fp32 (row stride cols): each row of X
@@ -430,10 +433,8 @@ int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b,
     const int per_row = G >= cols;
     const int64_t ldws = per_row ? 1 : (cols + G - 1) / G, pad = (cols + 63) & ~(int64_t)63;
     const int64_t tile = n < MH_Q8_TILE ? n : MH_Q8_TILE, per = gemm_row_bytes(cols);
-    const int64_t xs_bytes = (pad / MH_Q8_BLOCK * 4 + 63) & ~(int64_t)63;
     char *buf = aligned_alloc(64, (size_t)(tile * per));
     if (!buf) return -1;
-    (void)xs_bytes; /* used where the rows are prepared (AVX512-VNNI) */
     const int8_t *xq[MH_Q8_TILE];
     const float *xs[MH_Q8_TILE];
 #if MH_Q8_ISA == 3
@@ -448,7 +449,7 @@ int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b,
             mh_quantize_q8(x + (i0 + t) * cols, MH_F32, cols, (int8_t *)row, (float *)(row + pad));
             xq[t] = (const int8_t *)row, xs[t] = (const float *)(row + pad);
 #if MH_Q8_ISA == 3
-            prepare_x(xq[t], cols, blocked, row + pad + xs_bytes, &xv[t], &start[t], &bstart[t]);
+            prepare_x(xq[t], cols, blocked, row + pad + xs_bytes_of(pad), &xv[t], &start[t], &bstart[t]);
 #endif
         }
         float *yt = y + i0 * rows;

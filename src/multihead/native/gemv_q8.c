@@ -9,8 +9,10 @@
  *
  * The inner sums are exact int32; each block's sum is scaled and added in fp32. The weights are one byte
  * each, so a decode step reads a quarter of the fp32 bytes and its speed is still the memory's read
- * bandwidth: one row at a time, independent accumulators, the block scales applied to whole vectors of
- * partial sums (no horizontal sum per block).
+ * bandwidth: independent accumulators, the block scales applied to whole vectors of partial sums (no
+ * horizontal sum per block), and with AVX512-VNNI two rows at a time, one from each half of the matrix
+ * (two streams read side by side, each 64 bytes of x loaded once for both: on a Zen 5 core the model's
+ * products read 1.10x the GB/s of one row at a time, 90% of a plain read of as many bytes against 82%).
  *
  * Layouts: a row as it is ("plain"), or "blocked" (blocked != 0, AVX512-VNNI builds only): every whole
  * 512 columns of a row (16 blocks of 32) stored with their blocks interleaved four bytes at a time, byte
@@ -248,6 +250,45 @@ static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, 
     return reduce16(row_rest(r, wsr, xq, xs, start, cols, G, shift, per_row, j, a0, a1));
 }
 
+/* Two weight rows (r[0], r[1], their scales wsr[0], wsr[1]) against one activation, each 64 bytes of x
+ * loaded once for both; each row's sums in row_q8's order, so out[u] equals row_q8 of row u bit for bit.
+ * The decode GEMV pairs rows from the two halves of a matrix: two streams read side by side, which a core
+ * pulls from memory faster than one. Kept in registers and specialized by its callers (per_row, shift
+ * constant): with the accumulators indexed at run time or the scale's branches in the loop, it spilled to
+ * the stack and read slower than one row at a time. */
+static inline __attribute__((always_inline)) void rows2_q8(const int8_t *r0, const int8_t *r1, const float *ws0,
+                                                            const float *ws1, const int8_t *xq, const float *xs,
+                                                            const __m512i *start, const __m512i *bstart,
+                                                            int64_t cols, int64_t G, int shift, int per_row,
+                                                            float *out) {
+    const int64_t full = cols / 64;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0; /* row 0's, row 1's: even, odd chunks */
+    int64_t j = 0;
+    for (; bstart && 8 * j + 8 <= full; j++) {
+        const __m512 xsj = _mm512_loadu_ps(xs + 16 * j);
+        const int8_t *xj = xq + 512 * j, *p0 = r0 + 512 * j, *p1 = r1 + 512 * j;
+        __m512i s0 = bstart[j], s1 = _mm512_setzero_si512(), t0 = s0, t1 = s1;
+#define MH_Q8_PSTEP(k, s, t)                                                                            \
+    {                                                                                                   \
+        const __m512i xv = _mm512_loadu_si512(xj + 64 * k);                                             \
+        s = _mm512_dpbusd_epi32(s, _mm512_xor_si512(_mm512_loadu_si512(p0 + 64 * k), flip), xv);       \
+        t = _mm512_dpbusd_epi32(t, _mm512_xor_si512(_mm512_loadu_si512(p1 + 64 * k), flip), xv);       \
+    }
+        MH_Q8_PSTEP(0, s0, t0) MH_Q8_PSTEP(1, s1, t1) MH_Q8_PSTEP(2, s0, t0) MH_Q8_PSTEP(3, s1, t1)
+        MH_Q8_PSTEP(4, s0, t0) MH_Q8_PSTEP(5, s1, t1) MH_Q8_PSTEP(6, s0, t0) MH_Q8_PSTEP(7, s1, t1)
+#undef MH_Q8_PSTEP
+        const __m512 sc0 = per_row ? xsj : _mm512_mul_ps(xsj, group_scales(ws0, j, G, shift, 0xFFFF));
+        const __m512 sc1 = per_row ? xsj : _mm512_mul_ps(xsj, group_scales(ws1, j, G, shift, 0xFFFF));
+        const __m512 sum0 = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)); /* 16 blocks' exact sums */
+        const __m512 sum1 = _mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1));
+        if (j & 1) a1 = _mm512_fmadd_ps(sum0, sc0, a1), b1 = _mm512_fmadd_ps(sum1, sc1, b1);
+        else a0 = _mm512_fmadd_ps(sum0, sc0, a0), b0 = _mm512_fmadd_ps(sum1, sc1, b0);
+    }
+    out[0] = reduce16(row_rest(r0, ws0, xq, xs, start, cols, G, shift, per_row, j, a0, a1));
+    out[1] = reduce16(row_rest(r1, ws1, xq, xs, start, cols, G, shift, per_row, j, b0, b1));
+}
+
 /* One blocked weight row against four activation rows t (xq[t], xs[t], their starts start[t], bstart[t]):
  * each 64 weight bytes loaded once for the four; each row's sums in row_q8's order, so out[t] equals
  * row_q8 of row t bit for bit. */
@@ -383,11 +424,33 @@ int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const fl
     if (blocked) return -2; /* the blocked layout is AVX512-VNNI's */
 #define MH_Q8_ROW(r, wsr) row_q8(r, wsr, xq, xs, cols, G, per_row)
 #endif
+#if MH_Q8_ISA == 3
+    const int64_t half = rows / 2; /* rows o and o + half side by side; an odd last row alone */
+    MH_PARALLEL_ROWS /* its work test: rows * cols, all of them */
+    for (int64_t o = 0; o < half; o++) {
+        const int8_t *r0 = w + o * ldw, *r1 = w + (o + half) * ldw;
+        const float *ws0 = ws + o * ldws, *ws1 = ws + (o + half) * ldws;
+        float s[2];
+        if (per_row) /* the common cases with their constants, so that the loop carries no branch */
+            rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, 0, 1, s);
+        else if (shift == 0)
+            rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, 0, 0, s);
+        else
+            rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, shift, 0, s);
+        y[o] = q8_out(s[0], ws0, b, o, per_row);
+        y[o + half] = q8_out(s[1], ws1, b, o + half, per_row);
+    }
+    for (int64_t o = 2 * half; o < rows; o++) {
+        const float *wsr = ws + o * ldws;
+        y[o] = q8_out(MH_Q8_ROW(w + o * ldw, wsr), wsr, b, o, per_row);
+    }
+#else
     MH_PARALLEL_ROWS
     for (int64_t o = 0; o < rows; o++) {
         const float *wsr = ws + o * ldws;
         y[o] = q8_out(MH_Q8_ROW(w + o * ldw, wsr), wsr, b, o, per_row);
     }
+#endif
 #undef MH_Q8_ROW
     return 0;
 }

@@ -329,12 +329,13 @@ needs_blocked = pytest.mark.skipif(
 @needs_blocked
 @pytest.mark.parametrize(
     ("rows", "cols", "group"),
-    [(3, 512, 32), (5, 1024, None), (4, 1100, 32), (3, 1100, 64), (2, 2816, 128), (3, 1600, 192),
-     (6, 2048, 512), (2, 33000, 32)],
+    [(1, 512, 32), (3, 512, 32), (5, 1024, None), (4, 1100, 32), (3, 1100, 64), (2, 2816, 128),
+     (3, 1600, 192), (6, 2048, 512), (2, 33000, 32), (7, 1024, 32)],
 )  # fmt: skip
 def test_int8_gemv_on_blocked_rows_matches_float64(rows, cols, group):
     """The kernel on rows in the blocked layout (whole 512s and a tail; scales of every group size, per
-    row; past the stack's scratch) against float64 on the same int8 numbers in column order."""
+    row; past the stack's scratch; one row alone, and odd counts, whose last row is not paired) against
+    float64 on the same int8 numbers in column order."""
     from multihead.native.layout import to_blocked
 
     g = torch.Generator().manual_seed(cols + rows)

@@ -1,9 +1,13 @@
 /* Batch-1 matrix-vector products for decoding: y = W x, W (rows, cols) row-major with row stride ldw.
  *
  * A decode step multiplies every weight matrix by one vector, so it is a single pass over the weights
- * and its speed is the memory's read bandwidth. The loops below keep it there: one row at a time (one
- * sequential stream for the hardware prefetcher) with four independent accumulators (a single one
- * would wait on the latency of each fused multiply-add instead of on memory), fp32 accumulation.
+ * and its speed is the memory's read bandwidth. The loops below keep it there: independent accumulators
+ * (a single one would wait on the latency of each fused multiply-add instead of on memory), fp32
+ * accumulation, and for the widening kernels (fp32, fp16, bf16 without AVX512-BF16) two rows at a time,
+ * one from each half of the matrix: two sequential streams, which one core pulls from memory faster than
+ * one (measured on a Zen 5 core, the 41 products of a 155M LLaMA-shaped model, one thread: fp16
+ * 1.03-1.05x the GB/s of one row at a time, fp32 1.01-1.07x). The AVX512-BF16 kernel reads one row at
+ * a time: paired, it read 0.90-0.95x as fast there.
  *
  * mh_gemv_f32:  fp32 W, fp32 x, fp32 bias b (or NULL), fp32 y = W x + b.
  * mh_gemv_bf16: the same in bf16 (accumulated in fp32 with the bias, rounded to nearest even once).
@@ -66,15 +70,39 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
     return (uint16_t)(u >> 16);
 }
 
-/* The row loop the widening kernels share: row o of W against x with eight independent accumulators of
- * 16 lanes (128 values of the row in flight per pass: fewer passes wait on the memory), then the tails.
- * LOAD_W(p) / LOAD_X(p) widen 16 values at p to fp32 lanes, ONE_W(v) / ONE_X(v) one value; STORE(o, s)
- * writes output o from the row's fp32 sum s. Reads rows, cols, ldw of the enclosing kernel. */
+/* The row loop the widening kernels share: rows o and o + rows / 2 side by side (two streams read at
+ * once, each 16 values of x widened once for both: a core pulls two streams from memory faster than
+ * one), each with eight independent accumulators of 16 lanes (128 values of a row in flight per pass),
+ * then the tails; an odd last row alone, in the same order. LOAD_W(p) / LOAD_X(p) widen 16 values at p
+ * to fp32 lanes, ONE_W(v) / ONE_X(v) one value; STORE(o, s) writes output o from the row's fp32 sum s.
+ * Reads rows, cols, ldw of the enclosing kernel. A row's sums are the same, paired or alone. */
 #define MH_STREAM_ROWS(W, X, LOAD_W, LOAD_X, ONE_W, ONE_X, STORE)                                            \
     do {                                                                                                     \
-        const int64_t c128_ = cols & ~(int64_t)127, c16_ = cols & ~(int64_t)15;                             \
+        const int64_t c128_ = cols & ~(int64_t)127, c16_ = cols & ~(int64_t)15, half_ = rows / 2;           \
         MH_PARALLEL_ROWS                                                                                     \
-        for (int64_t o = 0; o < rows; o++) {                                                                 \
+        for (int64_t o = 0; o < half_; o++) {                                                                \
+            const __typeof__(&(W)[0]) r = (W) + o * ldw, q = r + half_ * ldw;                                \
+            v16 a[8] = {{0}}, c[8] = {{0}};                                                                  \
+            int64_t i = 0;                                                                                   \
+            for (; i < c128_; i += 128)                                                                      \
+                for (int k = 0; k < 8; k++) {                                                                \
+                    const v16 xv = LOAD_X((X) + i + 16 * k);                                                 \
+                    a[k] += LOAD_W(r + i + 16 * k) * xv;                                                     \
+                    c[k] += LOAD_W(q + i + 16 * k) * xv;                                                     \
+                }                                                                                            \
+            for (; i < c16_; i += 16) {                                                                      \
+                const v16 xv = LOAD_X((X) + i);                                                              \
+                a[0] += LOAD_W(r + i) * xv;                                                                  \
+                c[0] += LOAD_W(q + i) * xv;                                                                  \
+            }                                                                                                \
+            float s = hsum16(((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])));             \
+            float t = hsum16(((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7])));             \
+            for (int64_t j = i; j < cols; j++) s += ONE_W(r[j]) * ONE_X((X)[j]);                             \
+            for (int64_t j = i; j < cols; j++) t += ONE_W(q[j]) * ONE_X((X)[j]);                             \
+            STORE(o, s);                                                                                     \
+            STORE(o + half_, t);                                                                             \
+        }                                                                                                    \
+        for (int64_t o = 2 * half_; o < rows; o++) {                                                         \
             const __typeof__(&(W)[0]) r = (W) + o * ldw;                                                     \
             v16 a[8] = {{0}};                                                                                \
             int64_t i = 0;                                                                                   \

@@ -18,6 +18,13 @@ embedding lookup is this tree's; the output head is not in the step.
 compares instead, with this tree's library alone, the int8 model whose rows lie in the blocked layout
 (what ``quantize`` keeps where the kernel is AVX512-VNNI's) against a copy of it with every row put back
 in column order (the kernel's plain layout), the same way.
+
+    python benchmarks/native_layers_ab.py /tmp/before/src --products --precision int8 --threads 1
+
+times instead the model's matrix-vector products alone (every linear layer and the output head, one
+token, in one native call as a step makes them: :func:`multihead.native.products`) through each build,
+interleaved, three rounds: each build's GB/s over the weights' bytes and its share of a plain read of
+as many bytes measured right after (:func:`multihead.bench.floors.read_bandwidth`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ import torch
 import multihead as mh
 from multihead import native
 from multihead.bench import timing
+from multihead.bench.floors import read_bandwidth
 from multihead.models import native_step, quant
+from multihead.models.gemv_linear import GemvLinear
 from multihead.native import hugepages
 
 PRECISIONS = {
@@ -117,10 +126,49 @@ def _timed(models: dict, context: int, precision: str, threads: int, lib_of: dic
         )
 
 
+def product_bounds(model: torch.nn.Module) -> tuple[list[native.Bound], int]:
+    """Every native product of ``model``'s linear layers (the head included) on a random token, and the
+    bytes of their weights (and int8 scales).
+
+    Raises:
+        ValueError: a layer whose call would not run a native kernel.
+    """
+    bounds, nbytes = [], 0
+    for m in model.modules():
+        if isinstance(m, quant.Int8GemvLinear):
+            x, nbytes = torch.randn(1, 1, m.in_features), nbytes + m.weight_int8.nbytes + m.scale.nbytes
+        elif isinstance(m, GemvLinear):
+            x, nbytes = torch.randn(1, 1, m.in_features).to(m.weight.dtype), nbytes + m.weight.nbytes
+        else:
+            continue
+        bound = m.native_product(x)  # (1, 1, I) in, the layer's own product
+        if bound is None:
+            raise ValueError(f"{type(m).__name__} {m.extra_repr()} runs no native kernel here")
+        bounds.append(bound)
+    return bounds, nbytes
+
+
+def _products(model: torch.nn.Module, precision: str, threads: int, lib_of: dict) -> None:
+    """The model's products through each named library, interleaved, three rounds; prints GB/s and the
+    share of a plain read of as many bytes, measured after each round."""
+    bounds, nbytes = product_bounds(model)
+    calls = {name: native.products(lib, bounds) for name, lib in lib_of.items()}
+    for _ in range(3):
+        got = timing.measure_all(calls, min_total=3.0)
+        probe = read_bandwidth(nbytes)
+        rates = {k: nbytes / got[k].median for k in calls}
+        shown = ", ".join(f"{k} {r / 1e9:.1f} GB/s ({r / probe:.0%})" for k, r in rates.items())
+        print(
+            f"{precision}, {threads} thread(s), {len(bounds)} products, {nbytes / 1e6:.0f} MB: {shown}; "
+            f"plain read {probe / 1e9:.1f} GB/s; this / other {timing.compare(got['this'], got['other'])}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("other_src", type=Path, nargs="?", help="the other tree's src directory")
     p.add_argument("--layouts", action="store_true", help="blocked int8 rows against rows in column order")
+    p.add_argument("--products", action="store_true", help="the products alone (layers and head), not the layers")
     p.add_argument("--precision", default="int8", choices=list(PRECISIONS))
     p.add_argument("--preset", default="llama-155m")
     p.add_argument("--context", type=int, default=256, help="cached positions before the step (default 256)")
@@ -128,6 +176,8 @@ def main() -> None:
     args = p.parse_args()
     if (args.other_src is None) == (not args.layouts):
         raise SystemExit("give the other tree's src directory, or --layouts (not both)")
+    if args.products and args.layouts:
+        raise SystemExit("--products compares two trees' kernels: give the other tree's src, not --layouts")
     reason = native.unavailable()
     if reason is not None:
         raise SystemExit(f"the native kernels are unavailable here: {reason}")
@@ -148,6 +198,9 @@ def main() -> None:
             _timed(models, args.context, args.precision, args.threads, dict.fromkeys(models, lib))
             return
         other = native.open_library(build_other(args.other_src, Path(tmp)))
+        if args.products:
+            _products(model, args.precision, args.threads, {"this": native.library(), "other": other})
+            return
         models = {"this": model, "other": model}
         _timed(models, args.context, args.precision, args.threads, {"this": native.library(), "other": other})
 

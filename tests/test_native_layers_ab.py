@@ -52,3 +52,25 @@ def test_layouts_compare_blocked_rows_with_a_copy_in_column_order():
     assert not plain.embed.blocked and torch.equal(plain.embed.weight_int8, model.embed.int8_weight)
     with pytest.raises(ValueError, match="no blocked int8 rows"):
         native_layers_ab.in_column_order(quant.quantize(lm, weights="fp32", kernel="native"))
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"native kernels unavailable: {REASON}")
+@pytest.mark.parametrize("weights", ["int8", "fp32", "bf16"])
+def test_products_mode_binds_every_linear_and_the_head(weights):
+    """--products: one native product per linear layer and the output head, the weights' bytes counted
+    (int8 scales included), and the products run through either build."""
+    import torch
+
+    import multihead as mh
+    from multihead.models import quant
+
+    torch.manual_seed(0)
+    lm = mh.TransformerLM(100, 512, 2, 4, 640, n_kv_heads=2).eval()
+    model = quant.quantize(lm, weights=weights, kv=None, kernel="native", group_size=32 if weights == "int8" else None)
+    bounds, nbytes = native_layers_ab.product_bounds(model)
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, quant.Int8GemvLinear))]
+    assert len(bounds) == len(linears) >= 2 * 4 + 1  # each layer's projections (4 or more), the head
+    size = {"int8": 1, "fp32": 4, "bf16": 2}[weights]
+    weights_only = sum(m.in_features * m.out_features * size for m in model.modules() if hasattr(m, "in_features"))
+    assert nbytes == weights_only + (weights_only // 32 * 4 if weights == "int8" else 0)
+    native.products(native.library(), bounds)()  # runs

@@ -212,19 +212,39 @@ def test_quantize_native_decodes_the_tokens_of_the_plain_model():
 
 
 @needs_native
-def test_products_split_over_threads_give_the_same_bits():
+@pytest.mark.parametrize("rows", [700, 701])  # pairs of rows side by side; an odd last row alone
+def test_products_split_over_threads_give_the_same_bits(rows):
+    """Each row is summed by one thread whichever takes it (the threads take their own parts, then what
+    is left of the others'): 1-4 threads give the same bits, every row written (against torch)."""
+    from multihead.models.int8_gemv_linear import dequantize_groups, quantize_groups
+    from multihead.native import int8 as native_int8
+
     torch.manual_seed(0)
-    w, x = torch.randn(700, 512), torch.randn(512)  # above the size that wakes the threads
+    w, x = torch.randn(rows, 512), torch.randn(512)  # above the size that wakes the threads
+    w8, scale = quantize_groups(torch.randn(rows, 1024), 32)
+    x8 = torch.randn(1024)
+
+    def products() -> list[torch.Tensor]:
+        got = [native.gemv(w, x), native.gemv(w.bfloat16(), x.bfloat16())]
+        if torch.float16 in native.library().mh_dtypes:
+            got.append(native.gemv(w.half(), x.half()))
+        return [*got, native_int8.gemv_q8(w8, scale, x8, None, 32)]
+
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert native.threads() == 1
-        one = [native.gemv(w, x), native.gemv(w.bfloat16(), x.bfloat16())]
-        torch.set_num_threads(2)
-        many = [native.gemv(w, x), native.gemv(w.bfloat16(), x.bfloat16())]
+        one = products()
+        many = []
+        for threads in (2, 3, 4):
+            torch.set_num_threads(threads)
+            many.append(products())
     finally:
         torch.set_num_threads(before)
-    assert all(torch.equal(a, b) for a, b in zip(one, many))  # each row is summed by one thread
+    assert all(torch.equal(a, b) for got in many for a, b in zip(one, got))
+    torch.testing.assert_close(one[0], w @ x, rtol=1e-5, atol=1e-4)
+    want8 = dequantize_groups(w8, scale, 32, torch.float32) @ x8  # (O,)
+    torch.testing.assert_close(one[-1], want8, rtol=0.02, atol=0.02 * float(want8.abs().max()))
 
 
 @needs_native

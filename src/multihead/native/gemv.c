@@ -79,8 +79,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
 #define MH_STREAM_ROWS(W, X, LOAD_W, LOAD_X, ONE_W, ONE_X, STORE)                                            \
     do {                                                                                                     \
         const int64_t c128_ = cols & ~(int64_t)127, c16_ = cols & ~(int64_t)15, half_ = rows / 2;           \
-        MH_PARALLEL_ROWS                                                                                     \
-        for (int64_t o = 0; o < half_; o++) {                                                                \
+        MH_BALANCED_FOR(half_, rows * cols >= MH_PAR_MIN, o, {                                             \
             const __typeof__(&(W)[0]) r = (W) + o * ldw, q = r + half_ * ldw;                                \
             v16 a[8] = {{0}}, c[8] = {{0}};                                                                  \
             int64_t i = 0;                                                                                   \
@@ -101,7 +100,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
             for (int64_t j = i; j < cols; j++) t += ONE_W(q[j]) * ONE_X((X)[j]);                             \
             STORE(o, s);                                                                                     \
             STORE(o + half_, t);                                                                             \
-        }                                                                                                    \
+        });                                                                                                  \
         for (int64_t o = 2 * half_; o < rows; o++) {                                                         \
             const __typeof__(&(W)[0]) r = (W) + o * ldw;                                                     \
             v16 a[8] = {{0}};                                                                                \
@@ -183,8 +182,7 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
                   int64_t cols, int64_t ldw) {
 #if MH_DPBF16
     const int64_t c256 = cols & ~(int64_t)255, c32 = cols & ~(int64_t)31;
-    MH_PARALLEL_ROWS
-    for (int64_t o = 0; o < rows; o++) { /* 8 accumulators: 512 bytes of the row in flight per pass */
+    MH_BALANCED_FOR(rows, rows * cols >= MH_PAR_MIN, o, { /* 8 accumulators: 512 bytes of a row per pass */
         const uint16_t *r = w + o * ldw;
         __m512 a[8];
         for (int k = 0; k < 8; k++) a[k] = _mm512_setzero_ps();
@@ -199,7 +197,7 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
         float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
         for (; i < cols; i++) s += bf16_to_f32(r[i]) * bf16_to_f32(x[i]);
         y[o] = f32_to_bf16(b ? s + bf16_to_f32(b[o]) : s);
-    }
+    });
 #else
 #define MH_STORE_BF16(o, s) (y[o] = f32_to_bf16(b ? (s) + bf16_to_f32(b[o]) : (s)))
     MH_STREAM_ROWS(w, x, load_bf16, load_bf16, bf16_to_f32, bf16_to_f32, MH_STORE_BF16);

@@ -405,6 +405,28 @@ static inline float q8_out(float s, const float *wsr, const float *b, int64_t o,
     return b ? s + b[o] : s;
 }
 
+#if MH_Q8_ISA == 3
+/* rows o and o + half of W8 side by side into y (rows2_q8 with the common cases' constants, so that its
+ * loop carries no branch) */
+static inline __attribute__((always_inline)) void pair_q8(int64_t o, int64_t half, const int8_t *w, const float *ws,
+                                                          const int8_t *xv, const float *xs, const __m512i *start,
+                                                          const __m512i *bstart, const float *b, float *y,
+                                                          int64_t cols, int64_t ldw, int64_t ldws, int64_t G,
+                                                          int shift, int per_row) {
+    const int8_t *r0 = w + o * ldw, *r1 = w + (o + half) * ldw;
+    const float *ws0 = ws + o * ldws, *ws1 = ws + (o + half) * ldws;
+    float s[2];
+    if (per_row)
+        rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, 0, 1, s);
+    else if (shift == 0)
+        rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, 0, 0, s);
+    else
+        rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, shift, 0, s);
+    y[o] = q8_out(s[0], ws0, b, o, per_row);
+    y[o + half] = q8_out(s[1], ws1, b, o + half, per_row);
+}
+#endif
+
 /* y (rows fp32) = W8 x + b: ws (rows, ldws) fp32 group scales (ldws = ceil(cols / G), 1 per row when
  * G >= cols), xq / xs from mh_quantize_q8 of x, b (rows fp32) or NULL. G: a multiple of 32, or >= cols.
  * blocked: the weights in the blocked layout (AVX512-VNNI builds; elsewhere -2). scratch: MH_Q8_SCRATCH(cols)
@@ -426,30 +448,17 @@ int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const fl
 #endif
 #if MH_Q8_ISA == 3
     const int64_t half = rows / 2; /* rows o and o + half side by side; an odd last row alone */
-    MH_PARALLEL_ROWS /* its work test: rows * cols, all of them */
-    for (int64_t o = 0; o < half; o++) {
-        const int8_t *r0 = w + o * ldw, *r1 = w + (o + half) * ldw;
-        const float *ws0 = ws + o * ldws, *ws1 = ws + (o + half) * ldws;
-        float s[2];
-        if (per_row) /* the common cases with their constants, so that the loop carries no branch */
-            rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, 0, 1, s);
-        else if (shift == 0)
-            rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, 0, 0, s);
-        else
-            rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, shift, 0, s);
-        y[o] = q8_out(s[0], ws0, b, o, per_row);
-        y[o + half] = q8_out(s[1], ws1, b, o + half, per_row);
-    }
+    MH_BALANCED_FOR(half, rows * cols >= MH_PAR_MIN, o, /* the work test: rows * cols, all of them */
+                    pair_q8(o, half, w, ws, xv, xs, start, bstart, b, y, cols, ldw, ldws, G, shift, per_row));
     for (int64_t o = 2 * half; o < rows; o++) {
         const float *wsr = ws + o * ldws;
         y[o] = q8_out(MH_Q8_ROW(w + o * ldw, wsr), wsr, b, o, per_row);
     }
 #else
-    MH_PARALLEL_ROWS
-    for (int64_t o = 0; o < rows; o++) {
+    MH_BALANCED_FOR(rows, rows * cols >= MH_PAR_MIN, o, {
         const float *wsr = ws + o * ldws;
         y[o] = q8_out(MH_Q8_ROW(w + o * ldw, wsr), wsr, b, o, per_row);
-    }
+    });
 #endif
 #undef MH_Q8_ROW
     return 0;

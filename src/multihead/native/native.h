@@ -30,13 +30,68 @@ static inline uint16_t mh_f2h(float f) {
 #define MH_HAS_F16 0
 #endif
 
-/* Rows split across the OpenMP threads (torch's pool: torch.set_num_threads sets their number) when the
- * matrix is large enough to pay for waking them (reads rows and cols); one thread without OpenMP. */
+/* Products split their rows across the OpenMP threads (torch's pool: torch.set_num_threads sets their
+ * number) when the matrix has at least this many elements, enough to pay for waking them; one thread
+ * without OpenMP. */
 #define MH_PAR_MIN ((int64_t)1 << 18) /* elements */
+
+/* A loop over n items split across the OpenMP threads and balanced as it runs. Each thread first takes
+ * its own contiguous part from its front, MH_SPAN_CHUNK items at a time (one stream of reads, as a static
+ * split), then the parts still left to the others from their backs: a thread the machine slows down (a
+ * memory-bound product's two halves differ by ~8% from one call to the next on a 2-core virtual machine)
+ * does not hold every other thread at the loop's end. A part is its front and back in one 64-bit word
+ * (low and high 32 bits), taken by compare-and-swap; the items are independent. Without OpenMP, in order. */
+#define MH_SPAN_CHUNK 16
+#define MH_MAX_SPANS 64
 #ifdef _OPENMP
-#define MH_PARALLEL_ROWS _Pragma("omp parallel for schedule(static) if (rows * cols >= MH_PAR_MIN)")
+#include <omp.h>
+#include <stdatomic.h>
+typedef struct {
+    _Alignas(64) _Atomic uint64_t fb; /* front (low 32 bits), back (high 32) */
+} mh_span;
+
+/* up to MH_SPAN_CHUNK items of span s, from its back (steal) or front; their count (0: none left), the
+ * first at *at */
+static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at) {
+    uint64_t v = atomic_load_explicit(&s->fb, memory_order_relaxed);
+    for (;;) {
+        const uint32_t f = (uint32_t)v, b = (uint32_t)(v >> 32);
+        if (f >= b) return 0;
+        const uint32_t k = b - f < MH_SPAN_CHUNK ? b - f : MH_SPAN_CHUNK;
+        const uint64_t nv = back ? ((uint64_t)(b - k) << 32) | f : ((uint64_t)b << 32) | (f + k);
+        if (atomic_compare_exchange_weak_explicit(&s->fb, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
+            *at = back ? b - k : f;
+            return k;
+        }
+    }
+}
+
+/* for (I = 0; I < N; I++) the statement after I, on the team when PAR (N < 2^32; it may not leave the
+ * loop) */
+#define MH_BALANCED_FOR(N, PAR, I, ...)                                                                   \
+    do {                                                                                                   \
+        const int64_t n_ = (N);                                                                            \
+        const int par_ = (PAR);                                                                            \
+        int T_ = omp_get_max_threads();                                                                    \
+        T_ = T_ > MH_MAX_SPANS ? MH_MAX_SPANS : (T_ < 1 ? 1 : T_);                                         \
+        mh_span spans_[MH_MAX_SPANS];                                                                      \
+        for (int t_ = 0; t_ < T_; t_++)                                                                    \
+            atomic_init(&spans_[t_].fb, (uint64_t)(n_ * t_ / T_) | ((uint64_t)(n_ * (t_ + 1) / T_) << 32)); \
+        _Pragma("omp parallel if (par_)") {                                                                 \
+            const int me_ = omp_get_thread_num();                                                          \
+            for (int v_ = 0; v_ < T_; v_++) { /* its own part from the front, then the others' backs */    \
+                mh_span *s_ = &spans_[(me_ + v_) % T_];                                                    \
+                int64_t at_, k_;                                                                           \
+                while ((k_ = mh_span_take(s_, v_ > 0, &at_)) > 0)                                          \
+                    for (int64_t I = at_; I < at_ + k_; I++) __VA_ARGS__;                                  \
+            }                                                                                              \
+        }                                                                                                  \
+    } while (0)
 #else
-#define MH_PARALLEL_ROWS
+#define MH_BALANCED_FOR(N, PAR, I, ...)                                                                    \
+    do {                                                                                                   \
+        for (int64_t I = 0; I < (N); I++) __VA_ARGS__;                                                     \
+    } while (0)
 #endif
 
 /* 16 fp32 lanes (GCC / Clang vector extensions) and their sum as a tree of halves: 4 vector adds

@@ -168,7 +168,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("other_src", type=Path, nargs="?", help="the other tree's src directory")
     p.add_argument("--layouts", action="store_true", help="blocked int8 rows against rows in column order")
-    p.add_argument("--products", action="store_true", help="the products alone (layers and head), not the layers")
+    p.add_argument("--products", action="store_true", help="the products alone, not the layers")
     p.add_argument("--precision", default="int8", choices=list(PRECISIONS))
     p.add_argument("--preset", default="llama-155m")
     p.add_argument("--context", type=int, default=256, help="cached positions before the step (default 256)")

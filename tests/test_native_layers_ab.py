@@ -66,11 +66,12 @@ def test_products_mode_binds_every_linear_and_the_head(weights):
 
     torch.manual_seed(0)
     lm = mh.TransformerLM(100, 512, 2, 4, 640, n_kv_heads=2).eval()
-    model = quant.quantize(lm, weights=weights, kv=None, kernel="native", group_size=32 if weights == "int8" else None)
+    group = 32 if weights == "int8" else None
+    model = quant.quantize(lm, weights=weights, kv=None, kernel="native", group_size=group)
     bounds, nbytes = native_layers_ab.product_bounds(model)
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, quant.Int8GemvLinear))]
     assert len(bounds) == len(linears) >= 2 * 4 + 1  # each layer's projections (4 or more), the head
     size = {"int8": 1, "fp32": 4, "bf16": 2}[weights]
-    weights_only = sum(m.in_features * m.out_features * size for m in model.modules() if hasattr(m, "in_features"))
+    weights_only = sum(m.in_features * m.out_features * size for m in linears)
     assert nbytes == weights_only + (weights_only // 32 * 4 if weights == "int8" else 0)
     native.products(native.library(), bounds)()  # runs

@@ -1,4 +1,4 @@
-/* One decode step of one pre-LN LLaMA-style layer for one token (batch 1), in place on x:
+/* One decode step of one pre-LN LLaMA-style layer for one token of each of B rows, in place on x:
  *
  *   h = RMSNorm(x) * g_attn                                   (fp32 statistics)
  *   q | k | v = W_qkv h                                       (Hq*D | Hkv*D | Hkv*D rows)
@@ -12,8 +12,9 @@
  * arithmetic is fp32. In bf16 / fp16 every intermediate is rounded to T where torch's modules round
  * it (the norm's output before and after the gain, each projection, the rotated q and k, the attention
  * output, each residual sum, silu and the gated product), so the step follows the eager model of that
- * dtype up to the order of the sums. Matrices are row-major with contiguous rows (leading dimension = columns); the cache of
- * the layer is (Hkv, max_len, D) at batch 0 with the given head stride and position stride D.
+ * dtype up to the order of the sums. Matrices are row-major with contiguous rows (leading dimension =
+ * columns); the cache of the layer is (B, Hkv, max_len, D) with the given head stride, position stride D
+ * and batch stride Hkv head strides.
  */
 #include <math.h>
 #include <stdint.h>
@@ -363,16 +364,25 @@ typedef struct {
     void *scratch; /* int8 weights: mh_gemv_q8_into's, 64-aligned */
 } weights;
 
-/* y = W_p x; int8 weights quantize x first, unless fresh == 0 (x was the last product's input too) */
-static void project(const weights *W, int p, const void *x, void *y, int64_t rows, int64_t cols, int kind,
-                    int fresh) {
+/* Y = X W_p^T for B rows of X (B, cols) into Y (B, rows), each row as the one-row product gives it. One
+ * row: the one-row GEMV (int8 weights quantize x first, unless fresh == 0: x was the last product's input
+ * too); several: the multi-row products, which read the weights once for all of them and give each row
+ * the bits of its one-row product. Returns 0, or -1 when the int8 product's scratch cannot be allocated. */
+static int project(const weights *W, int p, const void *x, void *y, int64_t rows, int64_t cols, int kind, int fresh,
+                   int64_t B) {
+    if (B > 1 && W->s[p] == NULL)
+        return mh_gemv_rows(kind, W->w[p], x, NULL, y, B, rows, cols, cols) == 0 ? 0 : -1; /* kind: checked */
+    if (B > 1)
+        return mh_gemm_q8((const int8_t *)W->w[p], W->s[p], (const float *)x, NULL, (float *)y, B, rows, cols, cols,
+                          W->group, W->blocked);
     if (W->s[p] == NULL) {
         gemv(W->w[p], x, y, rows, cols, kind);
-        return;
+        return 0;
     }
     if (fresh) mh_quantize_q8(x, kind, cols, W->xq, W->xs);
     mh_gemv_q8_into((const int8_t *)W->w[p], W->s[p], W->xq, W->xs, NULL, (float *)y, rows, cols, cols, W->group,
                     W->blocked, W->scratch); /* cannot fail: the layout was checked on entry */
+    return 0;
 }
 
 /* write the rotated key or the value of one kv head (D values of kind) at cache row dst: a copy, or for
@@ -393,90 +403,115 @@ static void cache_write(void *dst, float *scale, const void *src, int64_t D, int
     }
 }
 
-/* the layer of the file's comment; ckind: the cache's kind (kind, or MH_I8 with scales ks, vs) */
+/* the layer of the file's comment for B rows x (B, d), each with its own cache (batch stride: Hkv heads;
+ * the caches are contiguous (B, Hkv, max_len, D), their scales (B, Hkv, max_len)), all at position pos;
+ * ckind: the cache's kind (kind, or MH_I8 with scales ks, vs). Each row gets the bits a step of it alone
+ * gives it. */
 static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, void *k_cache, void *v_cache,
                  float *ks, float *vs, int64_t k_head_stride, int64_t v_head_stride, int64_t s_head_stride,
                  int64_t pos, const float *cos, const float *sin, int interleaved, int64_t d, int64_t Hq,
-                 int64_t Hkv, int64_t D, int64_t F, float eps, float scale, int kind, int ckind) {
+                 int64_t Hkv, int64_t D, int64_t F, float eps, float scale, int kind, int ckind, int64_t B) {
     const int64_t esz = kind == MH_F32 ? 4 : 2, cesz = ckind == MH_I8 ? 1 : esz;
     const int64_t G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
-    /* activations in the storage dtype (4-byte slots), then fp32 scratch, then the int8 input */
+    const int64_t kb = Hkv * k_head_stride, vb = Hkv * v_head_stride, sb = Hkv * s_head_stride; /* batch strides */
+    /* activations of the B rows in the storage dtype (4-byte slots), then fp32 scratch, then the int8 input */
     const int64_t per_head = G * D * 2 + G * L; /* q, out, scores of one kv head's attention */
-    const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = Hkv * per_head + F;
+    const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = B * Hkv * per_head + F;
     const int64_t widest = d > Hq * D ? (d > F ? d : F) : (Hq * D > F ? Hq * D : F);
     const int64_t nq = (widest + 63) & ~(int64_t)63;
-    char *buf = malloc((size_t)(n_act * 4 + n_f32 * 4 + nq / MH_Q8_BLOCK * 4 + nq + 64 + MH_Q8_SCRATCH(nq)));
+    char *buf = malloc((size_t)(B * n_act * 4 + n_f32 * 4 + nq / MH_Q8_BLOCK * 4 + nq + 64 + MH_Q8_SCRATCH(nq)));
     if (!buf) return -1;
-    char *h = buf, *qkv = h + d * 4, *att = qkv + nqkv * 4, *gate = att + Hq * D * 4, *up = gate + F * 4;
-    float *heads = (float *)(buf + n_act * 4), *act = heads + Hkv * per_head;
+    char *h = buf, *qkv = h + B * d * 4, *att = qkv + B * nqkv * 4, *gate = att + B * Hq * D * 4;
+    char *up = gate + B * F * 4;
+    float *heads = (float *)(buf + B * n_act * 4), *act = heads + B * Hkv * per_head;
     W->xs = act + F;
     W->xq = (int8_t *)(W->xs + nq / MH_Q8_BLOCK);
     W->scratch = (void *)(((uintptr_t)(W->xq + nq) + 63) & ~(uintptr_t)63); /* MH_Q8_SCRATCH(nq) at 64 */
+    int status = 0;
+#define MH_ROW(p, b, n) ((char *)(p) + (b) * (n) * esz) /* row b of B rows of n values of the storage dtype */
 
     /* attention block */
-    mh_rms_norm(x, g_attn, h, d, eps, kind);
-    project(W, P_QKV, h, qkv, nqkv, d, kind, 1);
-    char *q = qkv, *k = qkv + Hq * D * esz, *v = k + Hkv * D * esz;
-    for (int64_t i = 0; i < Hq; i++) rope(q + i * D * esz, D, cos, sin, interleaved, kind);
-    for (int64_t j = 0; j < Hkv; j++) {
-        rope(k + j * D * esz, D, cos, sin, interleaved, kind);
-        const int64_t ks_at = j * s_head_stride + pos;
-        cache_write((char *)k_cache + (j * k_head_stride + pos * D) * cesz, ks ? ks + ks_at : NULL,
-                    k + j * D * esz, D, kind, ckind);
-        cache_write((char *)v_cache + (j * v_head_stride + pos * D) * cesz, vs ? vs + ks_at : NULL,
-                    v + j * D * esz, D, kind, ckind);
+    for (int64_t b = 0; b < B; b++) mh_rms_norm(MH_ROW(x, b, d), g_attn, MH_ROW(h, b, d), d, eps, kind);
+    if ((status = project(W, P_QKV, h, qkv, nqkv, d, kind, 1, B)) != 0) goto out;
+    for (int64_t b = 0; b < B; b++) {
+        char *q = MH_ROW(qkv, b, nqkv), *k = q + Hq * D * esz, *v = k + Hkv * D * esz;
+        for (int64_t i = 0; i < Hq; i++) rope(q + i * D * esz, D, cos, sin, interleaved, kind);
+        for (int64_t j = 0; j < Hkv; j++) {
+            rope(k + j * D * esz, D, cos, sin, interleaved, kind);
+            const int64_t ks_at = b * sb + j * s_head_stride + pos;
+            cache_write((char *)k_cache + (b * kb + j * k_head_stride + pos * D) * cesz, ks ? ks + ks_at : NULL,
+                        k + j * D * esz, D, kind, ckind);
+            cache_write((char *)v_cache + (b * vb + j * v_head_stride + pos * D) * cesz, vs ? vs + ks_at : NULL,
+                        v + j * D * esz, D, kind, ckind);
+        }
     }
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (Hkv > 1 && G * L * D >= (1 << 15))
+#pragma omp parallel for schedule(static) if (B * Hkv > 1 && B * G * L * D >= (1 << 15))
 #endif
-    for (int64_t j = 0; j < Hkv; j++) { /* kv heads in parallel, each with its own scratch */
-        float *qf = heads + j * per_head, *of = qf + G * D, *scores = of + G * D;
+    for (int64_t bj = 0; bj < B * Hkv; bj++) { /* rows' kv heads in parallel, each with its own scratch */
+        const int64_t b = bj / Hkv, j = bj % Hkv;
+        const char *q = MH_ROW(qkv, b, nqkv);
+        char *a = MH_ROW(att, b, Hq * D);
+        float *qf = heads + bj * per_head, *of = qf + G * D, *scores = of + G * D;
         for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, kind);
-        attend(qf, (char *)k_cache + j * k_head_stride * cesz, (char *)v_cache + j * v_head_stride * cesz,
-               ks ? ks + j * s_head_stride : NULL, vs ? vs + j * s_head_stride : NULL, L, D, G, scale, ckind,
-               of, scores);
-        for (int64_t i = 0; i < G * D; i++) put(att, j * G * D + i, of[i], kind);
+        attend(qf, (char *)k_cache + (b * kb + j * k_head_stride) * cesz,
+               (char *)v_cache + (b * vb + j * v_head_stride) * cesz, ks ? ks + b * sb + j * s_head_stride : NULL,
+               vs ? vs + b * sb + j * s_head_stride : NULL, L, D, G, scale, ckind, of, scores);
+        for (int64_t i = 0; i < G * D; i++) put(a, j * G * D + i, of[i], kind);
     }
-    project(W, P_O, att, h, d, Hq * D, kind, 1);
-    for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
+    if ((status = project(W, P_O, att, h, d, Hq * D, kind, 1, B)) != 0) goto out;
+    for (int64_t i = 0; i < B * d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
 
     /* feed-forward block */
-    mh_rms_norm(x, g_ffn, h, d, eps, kind);
-    project(W, P_W1, h, gate, F, d, kind, 1);
-    project(W, P_W3, h, up, F, d, kind, 0); /* the same input: quantized once */
-    for (int64_t i = 0; i < F; i++) act[i] = get(gate, i, kind);
-    silu(act, F);
-    for (int64_t i = 0; i < F; i++) put(gate, i, rnd(act[i], kind) * get(up, i, kind), kind);
-    project(W, P_W2, gate, h, d, F, kind, 1);
-    for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
+    for (int64_t b = 0; b < B; b++) mh_rms_norm(MH_ROW(x, b, d), g_ffn, MH_ROW(h, b, d), d, eps, kind);
+    if ((status = project(W, P_W1, h, gate, F, d, kind, 1, B)) != 0) goto out;
+    if ((status = project(W, P_W3, h, up, F, d, kind, 0, B)) != 0) goto out; /* the same input: quantized once */
+    for (int64_t b = 0; b < B; b++) {
+        char *gb = MH_ROW(gate, b, F), *ub = MH_ROW(up, b, F);
+        for (int64_t i = 0; i < F; i++) act[i] = get(gb, i, kind);
+        silu(act, F);
+        for (int64_t i = 0; i < F; i++) put(gb, i, rnd(act[i], kind) * get(ub, i, kind), kind);
+    }
+    if ((status = project(W, P_W2, gate, h, d, F, kind, 1, B)) != 0) goto out;
+    for (int64_t i = 0; i < B * d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
+#undef MH_ROW
+out:
     free(buf);
-    return 0;
+    return status;
 }
 
-/* Every layer of one decode step in one call, in order, in place on x: layer i with the fixed arguments
- * a[i] (native.h's mh_layer_args) and its rotary rows cos[i], sin[i] at position pos; then out = the final
- * RMSNorm of x with gain g_final.
+/* sizeof(mh_layer_args): what the ctypes mirror must match (checked as the library loads) */
+int64_t mh_layer_args_bytes(void) { return (int64_t)sizeof(mh_layer_args); }
+
+/* Every layer of one decode step of B rows in one call, in order, in place on x (B, d): layer i with the
+ * fixed arguments a[i] (native.h's mh_layer_args) and its rotary rows cos[i], sin[i] at position pos (every
+ * row at the same position: a batch without padding); then out (B, d) = the final RMSNorm of x with gain
+ * g_final.
  * - weights: of the storage dtype kind (a[i].s all NULL), or int8 (a[i].s[p] the fp32 scales of weight p
  *   per group of a[i].group inputs, as mh_gemv_q8, in the blocked layout when a[i].blocked), which need
  *   fp32 activations (kind MH_F32);
  * - cache: of the storage dtype (k_scale, v_scale NULL), or int8 with an fp32 scale per position
- *   (k_scale, v_scale (Hkv, max_len) at head stride s_head_stride).
+ *   (k_scale, v_scale (B, Hkv, max_len) at head stride s_head_stride); the caches (B, Hkv, max_len, D),
+ *   contiguous, row b's at b * Hkv head strides.
+ * Row b of the result has the bits a step of row b alone gives it: one row runs the one-row GEMVs, several
+ * the multi-row products (the weights read once for all the rows), which give each row those bits.
  * One call a step instead of one per layer of 25 arguments, and the final norm in it: on the 8-layer
  * llama-155m shape (int8, one thread) the step's time outside the native code went from 0.36-0.45 ms to
  * 0.20-0.27 ms (with the int8 embedding row dequantized natively too), the interpreter being slow once the
  * weights streaming through the caches have evicted its working set.
  * *done receives the layers that ran (each wrote its cache at pos). Returns 0,
- * or the failing layer's -1 (no scratch memory) or -2 (int8 weights with another kind, or blocked ones in a
- * build that does not read them; checked for every layer before any runs). */
-/* sizeof(mh_layer_args): what the ctypes mirror must match (checked as the library loads) */
-int64_t mh_layer_args_bytes(void) { return (int64_t)sizeof(mh_layer_args); }
-
-int mh_decode_layers(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
-                     const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done) {
+ * or the failing layer's -1 (no scratch memory) or -2 (int8 weights with another kind, blocked ones in a
+ * build that does not read them, or several fp16 rows without fp16 kernels; checked for every layer before
+ * any runs). */
+int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
+                    const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done,
+                    int64_t B) {
     *done = 0;
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n; i++) {
+        if (B > 1 && a[i].kind == MH_F16 && !MH_HAS_F16) return -2;
         for (int p = 0; p < 5; p++)
             if (a[i].s[p] && (a[i].kind != MH_F32 || (a[i].blocked && !mh_q8_blocked()))) return -2;
+    }
     for (int64_t i = 0; i < n; i++) {
         const mh_layer_args *l = &a[i];
         weights W = {{l->w[0], l->w[1], l->w[2], l->w[3], l->w[4]}, {l->s[0], l->s[1], l->s[2], l->s[3], l->s[4]},
@@ -484,10 +519,19 @@ int mh_decode_layers(void *x, const mh_layer_args *a, int64_t n, int64_t pos, co
         const int ckind = l->k_scale && l->v_scale ? MH_I8 : l->kind;
         const int status = layer(x, l->g_attn, l->g_ffn, &W, l->k_cache, l->v_cache, l->k_scale, l->v_scale,
                                  l->k_head_stride, l->v_head_stride, l->s_head_stride, pos, cos[i], sin[i],
-                                 l->interleaved, l->d, l->Hq, l->Hkv, l->D, l->F, l->eps, l->scale, l->kind, ckind);
+                                 l->interleaved, l->d, l->Hq, l->Hkv, l->D, l->F, l->eps, l->scale, l->kind, ckind,
+                                 B);
         if (status != 0) return status;
         *done = i + 1;
     }
-    if (n > 0) mh_rms_norm(x, g_final, out, a[0].d, eps_final, a[0].kind); /* the model's final norm */
+    const int64_t d = n > 0 ? a[0].d : 0, esz = n > 0 && a[0].kind == MH_F32 ? 4 : 2;
+    for (int64_t b = 0; n > 0 && b < B; b++) /* the model's final norm, row by row */
+        mh_rms_norm((char *)x + b * d * esz, g_final, (char *)out + b * d * esz, d, eps_final, a[0].kind);
     return 0;
+}
+
+/* mh_decode_batch of one row */
+int mh_decode_layers(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
+                     const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done) {
+    return mh_decode_batch(x, a, n, pos, cos, sin, g_final, eps_final, out, done, 1);
 }

@@ -74,10 +74,14 @@ static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at) {
         const int par_ = (PAR);                                                                            \
         int T_ = omp_get_max_threads();                                                                    \
         T_ = T_ > MH_MAX_SPANS ? MH_MAX_SPANS : (T_ < 1 ? 1 : T_);                                         \
+        if (!par_ || T_ == 1 || omp_in_parallel()) { /* one thread: no team (entering one costs ~1 us) */  \
+            for (int64_t I = 0; I < n_; I++) __VA_ARGS__;                                                  \
+            break;                                                                                         \
+        }                                                                                                  \
         mh_span spans_[MH_MAX_SPANS];                                                                      \
         for (int t_ = 0; t_ < T_; t_++)                                                                    \
             atomic_init(&spans_[t_].fb, (uint64_t)(n_ * t_ / T_) | ((uint64_t)(n_ * (t_ + 1) / T_) << 32)); \
-        _Pragma("omp parallel if (par_)") {                                                                 \
+        _Pragma("omp parallel") {                                                                          \
             const int me_ = omp_get_thread_num();                                                          \
             for (int v_ = 0; v_ < T_; v_++) { /* its own part from the front, then the others' backs */    \
                 mh_span *s_ = &spans_[(me_ + v_) % T_];                                                    \
@@ -176,7 +180,10 @@ typedef struct {
     int32_t blocked, interleaved, kind, unused;
 } mh_layer_args;
 
-/* every layer of one decode step and the final norm (decode_layer.c) */
+/* every layer of one decode step and the final norm (decode_layer.c): of B rows, of one */
+int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
+                    const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done,
+                    int64_t B);
 int mh_decode_layers(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
                      const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done);
 

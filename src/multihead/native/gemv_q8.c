@@ -291,38 +291,55 @@ static inline __attribute__((always_inline)) void rows2_q8(const int8_t *r0, con
 
 /* One blocked weight row against four activation rows t (xq[t], xs[t], their starts start[t], bstart[t]):
  * each 64 weight bytes loaded once for the four; each row's sums in row_q8's order, so out[t] equals
- * row_q8 of row t bit for bit. */
-static inline void rows4_q8(const int8_t *r, const float *wsr, const int8_t *const *xq, const float *const *xs,
-                            const __m512i *const *start, const __m512i *const *bstart, int64_t cols, int64_t G,
-                            int shift, int per_row, float *out) {
+ * row_q8 of row t bit for bit. Its accumulators are named registers (indexed at run time they went to the
+ * stack) and its callers pass per_row and shift as constants where they can (no branch in the loop). */
+static inline __attribute__((always_inline)) void rows4_q8(const int8_t *r, const float *wsr,
+                                                           const int8_t *const *xq, const float *const *xs,
+                                                           const __m512i *const *start,
+                                                           const __m512i *const *bstart, int64_t cols, int64_t G,
+                                                           int shift, int per_row, float *out) {
     const int64_t full = cols / 64;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[4][2];
-    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    const int8_t *x0 = xq[0], *x1 = xq[1], *x2 = xq[2], *x3 = xq[3];
+    __m512 a0 = _mm512_setzero_ps(), b0 = a0, c0 = a0, d0 = a0; /* rows 0-3: even chunks */
+    __m512 a1 = a0, b1 = a0, c1 = a0, d1 = a0;                   /* odd chunks */
     int64_t j = 0;
     for (; 8 * j + 8 <= full; j++) {
         const __m512 gs = per_row ? _mm512_setzero_ps() : group_scales(wsr, j, G, shift, 0xFFFF);
         const int8_t *rj = r + 512 * j;
-        __m512i s[4][2];
-        for (int t = 0; t < 4; t++) s[t][0] = bstart[t][j], s[t][1] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) {
-            const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(rj + 64 * k), flip);
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; t++)
-                s[t][k & 1] = _mm512_dpbusd_epi32(s[t][k & 1], wu, _mm512_loadu_si512(xq[t] + 512 * j + 64 * k));
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < 4; t++) {
-            __m512 sc = _mm512_loadu_ps(xs[t] + 16 * j);
-            if (!per_row) sc = _mm512_mul_ps(sc, gs);
-            const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s[t][0], s[t][1]));
-            acc[t][j & 1] = _mm512_fmadd_ps(sums, sc, acc[t][j & 1]);
-        }
+        const int64_t o = 512 * j;
+        __m512i sa0 = bstart[0][j], sb0 = bstart[1][j], sc0 = bstart[2][j], sd0 = bstart[3][j];
+        __m512i sa1 = _mm512_setzero_si512(), sb1 = sa1, sc1 = sa1, sd1 = sa1;
+#define MH_Q8_R4STEP(k, sa, sb, sc, sd)                                                                 \
+    {                                                                                                   \
+        const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(rj + 64 * k), flip);                    \
+        sa = _mm512_dpbusd_epi32(sa, wu, _mm512_loadu_si512(x0 + o + 64 * k));                          \
+        sb = _mm512_dpbusd_epi32(sb, wu, _mm512_loadu_si512(x1 + o + 64 * k));                          \
+        sc = _mm512_dpbusd_epi32(sc, wu, _mm512_loadu_si512(x2 + o + 64 * k));                          \
+        sd = _mm512_dpbusd_epi32(sd, wu, _mm512_loadu_si512(x3 + o + 64 * k));                          \
+    }
+        MH_Q8_R4STEP(0, sa0, sb0, sc0, sd0) MH_Q8_R4STEP(1, sa1, sb1, sc1, sd1)
+        MH_Q8_R4STEP(2, sa0, sb0, sc0, sd0) MH_Q8_R4STEP(3, sa1, sb1, sc1, sd1)
+        MH_Q8_R4STEP(4, sa0, sb0, sc0, sd0) MH_Q8_R4STEP(5, sa1, sb1, sc1, sd1)
+        MH_Q8_R4STEP(6, sa0, sb0, sc0, sd0) MH_Q8_R4STEP(7, sa1, sb1, sc1, sd1)
+#undef MH_Q8_R4STEP
+#define MH_Q8_R4SCALE(t, s0, s1, e, od)                                                                  \
+    {                                                                                                   \
+        __m512 sc = _mm512_loadu_ps(xs[t] + 16 * j);                                                    \
+        if (!per_row) sc = _mm512_mul_ps(sc, gs);                                                       \
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));                               \
+        if (j & 1) od = _mm512_fmadd_ps(sums, sc, od);                                                  \
+        else e = _mm512_fmadd_ps(sums, sc, e);                                                          \
+    }
+        MH_Q8_R4SCALE(0, sa0, sa1, a0, a1) MH_Q8_R4SCALE(1, sb0, sb1, b0, b1)
+        MH_Q8_R4SCALE(2, sc0, sc1, c0, c1) MH_Q8_R4SCALE(3, sd0, sd1, d0, d1)
+#undef MH_Q8_R4SCALE
     }
     __m512 v[4];
-    for (int t = 0; t < 4; t++)
-        v[t] = row_rest(r, wsr, xq[t], xs[t], start[t], cols, G, shift, per_row, j, acc[t][0], acc[t][1]);
+    v[0] = row_rest(r, wsr, x0, xs[0], start[0], cols, G, shift, per_row, j, a0, a1);
+    v[1] = row_rest(r, wsr, x1, xs[1], start[1], cols, G, shift, per_row, j, b0, b1);
+    v[2] = row_rest(r, wsr, x2, xs[2], start[2], cols, G, shift, per_row, j, c0, c1);
+    v[3] = row_rest(r, wsr, x3, xs[3], start[3], cols, G, shift, per_row, j, d0, d1);
     reduce4(v[0], v[1], v[2], v[3], out);
 }
 #elif MH_Q8_ISA >= 1
@@ -539,8 +556,13 @@ int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b,
                     float s[MH_Q8_XBLOCK];
                     int64_t t = t0;
 #if MH_Q8_ISA == 3
-                    for (; blocked && t + 4 <= t1; t += 4)
-                        rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, shift, per_row, s + t - t0);
+                    for (; blocked && t + 4 <= t1; t += 4) /* the common cases with their constants */
+                        if (per_row)
+                            rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, 0, 1, s + t - t0);
+                        else if (shift == 0)
+                            rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, 0, 0, s + t - t0);
+                        else
+                            rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, shift, 0, s + t - t0);
                     for (; t < t1; t++)
                         s[t - t0] = row_q8(r, wsr, xv[t], xs[t], start[t], bstart[t], cols, G, shift, per_row);
 #else

@@ -121,3 +121,76 @@ def test_batches_past_the_native_rows_take_the_eager_step():
     got, _ = _token_by_token(fp32, tokens)  # 17 rows: the eager step, the float64 model's numbers
     want, _ = _token_by_token(copy.deepcopy(lm).double(), tokens)
     assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("kw", MODELS)
+def test_a_native_prompt_has_the_bits_of_its_tokens_stepped_one_by_one(kw, monkeypatch):
+    """A prompt in native calls (int8: chunks of up to ROWS_INT8 tokens; here 150 = 64 + 64 + 22) and then
+    its continuation (a second prompt at a filled cache): each token's state and cache row as the one-token
+    steps give them, each token attending to the positions up to its own."""
+    model = quant.quantize(_lm(), kernel="native", **kw)
+    n = 150 if kw["weights"] == "int8" else native_step.ROWS_FLOAT
+    tokens = torch.randint(0, 300, (1, n + 5), generator=torch.Generator().manual_seed(6))
+    prompts: list[int] = []
+    calls = count_native_steps(monkeypatch, prompts)
+    cache = model.make_cache(1, 200)
+    with torch.inference_mode():
+        got = torch.cat(
+            [
+                model.hidden_states(tokens[:, :n], cache=cache),
+                model.hidden_states(tokens[:, n:], cache=cache),
+            ],
+            1,
+        )
+    assert prompts == [n, 5] and not calls and cache[0].position == n + 5
+    want, stepped = _token_by_token(model, tokens, max_len=200)
+    assert torch.equal(got, want)
+    for kv, kv1 in zip(cache, stepped):
+        assert torch.equal(kv.k, kv1.k) and torch.equal(kv.v, kv1.v)
+
+
+def test_a_native_fp32_prompt_matches_the_float64_model():
+    lm = _lm()
+    tokens = torch.randint(0, 300, (1, 13), generator=torch.Generator().manual_seed(7))
+    fast = quant.quantize(lm, weights="fp32", kv=None, kernel="native")
+    ref = copy.deepcopy(lm).double()
+    with torch.inference_mode():
+        cache, rcache = fast.make_cache(1, 32), ref.make_cache(1, 32)
+        got, want = fast.hidden_states(tokens, cache=cache), ref.hidden_states(tokens, cache=rcache)
+    assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+    torch.testing.assert_close(cache[1].v[:, :, :13].double(), rcache[1].v[:, :, :13], rtol=1e-5, atol=1e-5)
+
+
+def test_long_float_prompts_and_padded_ones_take_the_eager_layers():
+    lm = _lm()
+    fp32 = quant.quantize(lm, weights="fp32", kv=None, kernel="native")
+    long = torch.zeros(1, native_step.ROWS_FLOAT + 1, dtype=torch.long)
+    five = torch.zeros(1, 5, dtype=torch.long)
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    mask[0, 0] = False
+    with torch.inference_mode():
+        assert native_step.why_not_call(fp32, long, None, fp32.make_cache(1, 32)).startswith(
+            "17 tokens (native steps of float weights take up to 16;"
+        )
+        assert (
+            native_step.why_not_call(fp32, five, None, fp32.make_cache(1, 4))
+            == "the cache is full (4 positions)"
+        )
+        assert (
+            native_step.why_not_call(fp32, five, mask, fp32.make_cache(1, 32))
+            == "the attention mask has padding"
+        )
+
+
+@pytest.mark.parametrize("kw", [MODELS[1], MODELS[3]])
+def test_generation_runs_its_prompt_natively(kw, monkeypatch):
+    model = quant.quantize(_lm(), kernel="native", **kw)
+    prompt = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(8))
+    prompts: list[int] = []
+    calls = count_native_steps(monkeypatch, prompts)
+    with torch.inference_mode():
+        got = model.generate(prompt, 8)
+    assert prompts == [12] and len(calls) == 7
+    with torch.inference_mode():  # the first new token: what the prompt fed one token at a time gives
+        hs, _ = _token_by_token(model, prompt, max_len=32)
+        assert int(model.lm_head(hs[:, -1:]).argmax(-1)) == int(got[0, 12])

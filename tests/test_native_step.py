@@ -188,12 +188,15 @@ def test_calls_that_take_the_eager_step():
     fast = _native(_lm(), "fp32")
     one = torch.tensor([[5]])
     dense = fast.make_cache(1, 16)
-    assert native_step.why_not_call(fast, one, None, None) == "not a one-token cached call"
+    assert native_step.why_not_call(fast, one, None, None) == "not a cached call"
     assert native_step.why_not_call(fast, torch.tensor([[5], [6]]), None, fast.make_cache(2, 16)) is None
     assert native_step.why_not_call(fast, torch.tensor([[5], [6]]), None, dense) == (
         "the cache holds 1 rows for a call of 2"
     )
-    assert native_step.why_not_call(fast, torch.tensor([[5, 6]]), None, dense)
+    assert native_step.why_not_call(fast, torch.tensor([[5, 6]]), None, dense) is None  # a prompt of two
+    assert native_step.why_not_call(fast, torch.tensor([[5, 6], [7, 8]]), None, fast.make_cache(2, 16)) == (
+        "2 tokens of each of 2 rows (native steps take one token of several rows, or one row)"
+    )
     assert (
         native_step.why_not_call(fast, one, torch.tensor([[0, 1]]), dense) == "the attention mask has padding"
     )

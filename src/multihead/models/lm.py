@@ -174,8 +174,8 @@ class TransformerLM(nn.Module):
         self.check_ids(ids)
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} entries but the model has {len(self.layers)} layers")
-        if cache is not None and ids.shape[1:] == (1,) and self._native_step_fits(ids, attention_mask, cache):
-            return native_step.decode_step(self, ids, cache)  # (B, 1, d)
+        if cache is not None and self._native_step_fits(ids, attention_mask, cache):
+            return native_step.decode_step(self, ids, cache)  # (B, N, d), B or N 1
         B, N = ids.shape
         past = 0 if cache is None else int(cache[0].position)
         real = None if attention_mask is None else as_real(attention_mask, B, past + N, "T = cached + new")

@@ -221,13 +221,21 @@ def why_not_call(
     Cheap: made on every call (the model's structure is :func:`why_not_model`'s, asked once; its
     forward hooks are scanned again only after a hook was registered anywhere). ``cache_kind``: the kind
     of cache the steps need, "dense" or "int8" (the model's attention rounds keys and values to int8)."""
-    if cache is None or ids.dim() != 2 or ids.shape[1] != 1:
-        return "not a one-token cached call"
-    B = ids.shape[0]
-    if B > ROWS_FLOAT:
-        cap = ROWS_INT8 if isinstance(_projections(model.layers[0])[0], Int8GemvLinear) else ROWS_FLOAT
+    if cache is None or ids.dim() != 2:
+        return "not a cached call"
+    B, N = ids.shape
+    if B > 1 and N > 1:
+        return f"{N} tokens of each of {B} rows (native steps take one token of several rows, or one row)"
+    if B * N > ROWS_FLOAT:
+        int8 = isinstance(_projections(model.layers[0])[0], Int8GemvLinear)
+        cap = ROWS_INT8 if int8 else ROWS_FLOAT
         if B > cap:
             return f"a batch of {B} rows (native steps take up to {cap} rows of this model's weights)"
+        if N > ROWS_FLOAT and not int8:
+            return (
+                f"{N} tokens (native steps of float weights take up to {ROWS_FLOAT}; "
+                "torch's matrix products are faster for more)"
+            )
     if model.__dict__.get("_native_hooks_stamp") != RemovableHandle.next_id:  # a hook was registered
         hooked = _hooks_reason_cached(model)
         if hooked is not None:
@@ -247,7 +255,7 @@ def why_not_call(
         model.__dict__["_native_caches"] = tuple(weakref.ref(kv) for kv in cache)
     if cache[-1].position != c.position:
         return "the layers' caches hold different numbers of positions"
-    if c.position >= c.max_len:
+    if c.position + N > c.max_len:
         return f"the cache is full ({c.max_len} positions)"
     if c.k.shape[0] != B:
         return f"the cache holds {c.k.shape[0]} rows for a call of {B}"
@@ -344,10 +352,12 @@ def _plan(model: Any, cache: list[KVCache], lib: ctypes.CDLL) -> _Plan:
 
 
 def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
-    """The final-normed hidden states (B, 1, d) of tokens ``ids`` (B, 1) at position ``cache[0].position``
-    (every row at that position: a batch without padding), every layer's keys and values written into
-    ``cache`` there (and the caches advanced). Each row has the bits a step of it alone gives it: several
-    rows run the multi-row products, which read the weights once for all of them.
+    """The final-normed hidden states of ``ids`` at position ``cache[0].position`` on: (B, 1, d) for one
+    token of each of B rows (every row at that position: a batch without padding), or (1, N, d) for N
+    tokens of one row (a prompt, run in chunks of up to ``ROWS_INT8`` tokens); every layer's keys and values
+    written into ``cache`` there (and the caches advanced). Each row has the bits a one-token step of it
+    alone gives it: several rows run the multi-row products, which read the weights once for all of them,
+    and a prompt's token attends to the positions up to its own, as its step would.
 
     The caller checked :func:`why_not_model` and :func:`why_not_call`. The layers' arguments are
     gathered at the first step of each list of caches; a step is then one native call for all the layers.
@@ -355,13 +365,24 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
     Raises:
         ValueError: the native library cannot allocate its scratch memory.
     """
+    if ids.shape[1] == 1:
+        return _rows(model, ids, cache, seq=False)  # (B, 1, d)
+    chunks = ids.split(ROWS_INT8, dim=1)  # (1, <= ROWS_INT8) each
+    return torch.cat(
+        [_rows(model, c.reshape(-1, 1), cache, seq=True).view(1, c.shape[1], -1) for c in chunks], 1
+    )
+
+
+def _rows(model: Any, ids: Tensor, cache: list[KVCache], seq: bool) -> Tensor:
+    """One native call for the R tokens ``ids`` (R, 1): R rows at one position, or (``seq``) R consecutive
+    tokens of one row. Returns their final-normed states (R, 1, d)."""
     lib = native.library()
     assert lib is not None
     plan = _plan(model, cache, lib)
     pos = int(cache[0].position)
-    x = _embedding(model, ids, plan.dtype)  # (B, d) the residual stream, updated in place
-    xp, (B, d) = x.data_ptr(), x.shape
-    tables = _rotary_rows(plan, pos, 1)  # rows of kept tables: their addresses stay valid
+    x = _embedding(model, ids, plan.dtype)  # (R, d) the residual stream, updated in place
+    xp, (R, d) = x.data_ptr(), x.shape
+    tables = _rotary_rows(plan, pos, R if seq else 1)  # rows of kept tables: their addresses stay valid
     n = len(plan.rotaries)
     if len(tables) == 1:
         cos, sin = next(iter(tables.values()))
@@ -369,17 +390,19 @@ def decode_step(model: Any, ids: Tensor, cache: list[KVCache]) -> Tensor:
     else:
         plan.cos[:] = [tables[id(r)][0].data_ptr() for r in plan.rotaries]
         plan.sin[:] = [tables[id(r)][1].data_ptr() for r in plan.rotaries]
-    h = torch.empty(B, d, dtype=plan.dtype)  # (B, d) the final norm of x
+    h = torch.empty(R, d, dtype=plan.dtype)  # (R, d) the final norm of x
     final, done = (plan.addresses[0], plan.eps, h.data_ptr()), ctypes.byref(plan.done)
-    if B == 1:
+    if R == 1:
         status = plan.lib.mh_decode_layers(xp, plan.args, n, pos, plan.cos, plan.sin, *final, done)
     else:
-        status = plan.lib.mh_decode_batch(xp, plan.args, n, pos, plan.cos, plan.sin, *final, done, B)
+        status = plan.lib.mh_decode_batch(
+            xp, plan.args, n, pos, plan.cos, plan.sin, *final, done, R, int(seq)
+        )
     for kv in cache[: plan.done.value]:
-        kv.advance(1)
+        kv.advance(R if seq else 1)
     if status != 0:  # -2 cannot happen: why_not_model checked the weights against the build
         raise ValueError("the native decode layers could not allocate their scratch memory")
-    return h.view(B, 1, d)  # (B, 1, d)
+    return h.view(R, 1, d)  # (R, 1, d)
 
 
 #: a token id (1, 1) to ask whether a decode step would run natively (a greedy run picks ids in range)

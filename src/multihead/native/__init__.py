@@ -199,8 +199,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     # eps, its output, int64 *done
     lib.mh_decode_layers.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR]
     lib.mh_decode_layers.restype = ctypes.c_int  # 0, -1: no scratch memory, -2: weights the build refuses
-    # the same, then the number of rows B (x, out: (B, d))
-    lib.mh_decode_batch.argtypes = [*lib.mh_decode_layers.argtypes, _I64]
+    # the same, then the number of rows B (x, out: (B, d)) and whether they are one sequence's tokens
+    lib.mh_decode_batch.argtypes = [*lib.mh_decode_layers.argtypes, _I64, ctypes.c_int32]
     lib.mh_decode_batch.restype = ctypes.c_int
     lib.mh_layer_args_bytes.restype = _I64
     # the (n,) LayerArgs, n, position, GreedyArgs, the final norm's gain and eps, h, steps, last, eos, the

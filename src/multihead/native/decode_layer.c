@@ -410,10 +410,14 @@ static void cache_write(void *dst, float *scale, const void *src, int64_t D, int
 static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, void *k_cache, void *v_cache,
                  float *ks, float *vs, int64_t k_head_stride, int64_t v_head_stride, int64_t s_head_stride,
                  int64_t pos, const float *cos, const float *sin, int interleaved, int64_t d, int64_t Hq,
-                 int64_t Hkv, int64_t D, int64_t F, float eps, float scale, int kind, int ckind, int64_t B) {
+                 int64_t Hkv, int64_t D, int64_t F, float eps, float scale, int kind, int ckind, int64_t B,
+                 int seq) {
     const int64_t esz = kind == MH_F32 ? 4 : 2, cesz = ckind == MH_I8 ? 1 : esz;
-    const int64_t G = Hq / Hkv, L = pos + 1, nqkv = (Hq + 2 * Hkv) * D;
-    const int64_t kb = Hkv * k_head_stride, vb = Hkv * v_head_stride, sb = Hkv * s_head_stride; /* batch strides */
+    const int64_t G = Hq / Hkv, L = pos + (seq ? B : 1), nqkv = (Hq + 2 * Hkv) * D; /* L: the most keys a row reads */
+    /* row b's cache (batch strides; one sequence: all rows in batch 0), position, and rotary row */
+    const int64_t kb = seq ? 0 : Hkv * k_head_stride, vb = seq ? 0 : Hkv * v_head_stride, sb = seq ? 0 : Hkv * s_head_stride;
+#define MH_POS(b) (seq ? pos + (b) : pos)
+#define MH_ROT(t, b) ((t) + (seq ? (b) * (D / 2) : 0))
     /* activations of the B rows in the storage dtype (4-byte slots), then fp32 scratch, then the int8 input */
     const int64_t per_head = G * D * 2 + G * L; /* q, out, scores of one kv head's attention */
     const int64_t n_act = d + nqkv + Hq * D + 2 * F, n_f32 = B * Hkv * per_head + F;
@@ -435,20 +439,22 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
     if ((status = project(W, P_QKV, h, qkv, nqkv, d, kind, 1, B)) != 0) goto out;
     for (int64_t b = 0; b < B; b++) {
         char *q = MH_ROW(qkv, b, nqkv), *k = q + Hq * D * esz, *v = k + Hkv * D * esz;
-        for (int64_t i = 0; i < Hq; i++) rope(q + i * D * esz, D, cos, sin, interleaved, kind);
+        const float *cb = MH_ROT(cos, b), *sn = MH_ROT(sin, b);
+        for (int64_t i = 0; i < Hq; i++) rope(q + i * D * esz, D, cb, sn, interleaved, kind);
         for (int64_t j = 0; j < Hkv; j++) {
-            rope(k + j * D * esz, D, cos, sin, interleaved, kind);
-            const int64_t ks_at = b * sb + j * s_head_stride + pos;
-            cache_write((char *)k_cache + (b * kb + j * k_head_stride + pos * D) * cesz, ks ? ks + ks_at : NULL,
-                        k + j * D * esz, D, kind, ckind);
-            cache_write((char *)v_cache + (b * vb + j * v_head_stride + pos * D) * cesz, vs ? vs + ks_at : NULL,
-                        v + j * D * esz, D, kind, ckind);
+            rope(k + j * D * esz, D, cb, sn, interleaved, kind);
+            const int64_t ks_at = b * sb + j * s_head_stride + MH_POS(b);
+            cache_write((char *)k_cache + (b * kb + j * k_head_stride + MH_POS(b) * D) * cesz,
+                        ks ? ks + ks_at : NULL, k + j * D * esz, D, kind, ckind);
+            cache_write((char *)v_cache + (b * vb + j * v_head_stride + MH_POS(b) * D) * cesz,
+                        vs ? vs + ks_at : NULL, v + j * D * esz, D, kind, ckind);
         }
     }
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (B * Hkv > 1 && B * G * L * D >= (1 << 15))
 #endif
-    for (int64_t bj = 0; bj < B * Hkv; bj++) { /* rows' kv heads in parallel, each with its own scratch */
+    for (int64_t bj = 0; bj < B * Hkv; bj++) { /* rows' kv heads in parallel, each with its own scratch; */
+        /* a row of one sequence reads the keys up to its own position (the later rows' are written too) */
         const int64_t b = bj / Hkv, j = bj % Hkv;
         const char *q = MH_ROW(qkv, b, nqkv);
         char *a = MH_ROW(att, b, Hq * D);
@@ -456,7 +462,7 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
         for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, kind);
         attend(qf, (char *)k_cache + (b * kb + j * k_head_stride) * cesz,
                (char *)v_cache + (b * vb + j * v_head_stride) * cesz, ks ? ks + b * sb + j * s_head_stride : NULL,
-               vs ? vs + b * sb + j * s_head_stride : NULL, L, D, G, scale, ckind, of, scores);
+               vs ? vs + b * sb + j * s_head_stride : NULL, MH_POS(b) + 1, D, G, scale, ckind, of, scores);
         for (int64_t i = 0; i < G * D; i++) put(a, j * G * D + i, of[i], kind);
     }
     if ((status = project(W, P_O, att, h, d, Hq * D, kind, 1, B)) != 0) goto out;
@@ -475,6 +481,8 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
     if ((status = project(W, P_W2, gate, h, d, F, kind, 1, B)) != 0) goto out;
     for (int64_t i = 0; i < B * d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
 #undef MH_ROW
+#undef MH_POS
+#undef MH_ROT
 out:
     free(buf);
     return status;
@@ -484,9 +492,11 @@ out:
 int64_t mh_layer_args_bytes(void) { return (int64_t)sizeof(mh_layer_args); }
 
 /* Every layer of one decode step of B rows in one call, in order, in place on x (B, d): layer i with the
- * fixed arguments a[i] (native.h's mh_layer_args) and its rotary rows cos[i], sin[i] at position pos (every
- * row at the same position: a batch without padding); then out (B, d) = the final RMSNorm of x with gain
- * g_final.
+ * fixed arguments a[i] (native.h's mh_layer_args) and its rotary rows cos[i], sin[i]; then out (B, d) = the
+ * final RMSNorm of x with gain g_final. The rows are either B sequences at one position pos (seq == 0: a
+ * batch without padding; one rotary row, each row's own cache) or B consecutive tokens of one sequence at
+ * positions pos .. pos + B - 1 (seq != 0: a prompt's chunk; B rotary rows, the cache of batch 0, each
+ * row attending to the positions up to its own).
  * - weights: of the storage dtype kind (a[i].s all NULL), or int8 (a[i].s[p] the fp32 scales of weight p
  *   per group of a[i].group inputs, as mh_gemv_q8, in the blocked layout when a[i].blocked), which need
  *   fp32 activations (kind MH_F32);
@@ -505,7 +515,7 @@ int64_t mh_layer_args_bytes(void) { return (int64_t)sizeof(mh_layer_args); }
  * any runs). */
 int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
                     const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done,
-                    int64_t B) {
+                    int64_t B, int32_t seq) {
     *done = 0;
     for (int64_t i = 0; i < n; i++) {
         if (B > 1 && a[i].kind == MH_F16 && !MH_HAS_F16) return -2;
@@ -520,7 +530,7 @@ int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, con
         const int status = layer(x, l->g_attn, l->g_ffn, &W, l->k_cache, l->v_cache, l->k_scale, l->v_scale,
                                  l->k_head_stride, l->v_head_stride, l->s_head_stride, pos, cos[i], sin[i],
                                  l->interleaved, l->d, l->Hq, l->Hkv, l->D, l->F, l->eps, l->scale, l->kind, ckind,
-                                 B);
+                                 B, seq);
         if (status != 0) return status;
         *done = i + 1;
     }
@@ -533,5 +543,5 @@ int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, con
 /* mh_decode_batch of one row */
 int mh_decode_layers(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
                      const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done) {
-    return mh_decode_batch(x, a, n, pos, cos, sin, g_final, eps_final, out, done, 1);
+    return mh_decode_batch(x, a, n, pos, cos, sin, g_final, eps_final, out, done, 1, 0);
 }

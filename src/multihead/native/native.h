@@ -183,7 +183,7 @@ typedef struct {
 /* every layer of one decode step and the final norm (decode_layer.c): of B rows, of one */
 int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
                     const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done,
-                    int64_t B);
+                    int64_t B, int32_t seq);
 int mh_decode_layers(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
                      const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done);
 

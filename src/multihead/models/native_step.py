@@ -57,10 +57,11 @@ __all__ = ["decode_step", "greedy_steps", "huge_pages", "why_not_call", "why_not
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "w1", "w3", "w2")  # the order of the native layer's weights
 
-#: the most rows of a batch's step the native layers take: with int8 weights as many as the multi-row
-#: product rounds and holds at once; with float weights (each block of rows met by every row in turn) as
-#: many as measured faster than the eager layers (llama-155m, one thread: 8 rows fp32 81 against 92 ms a
-#: step, bf16 33 against 65; 16 rows 115 against 121 and 59 against 71)
+#: the most rows of one native call: with int8 weights as many as the multi-row product rounds and holds
+#: at once (a longer prompt runs in chunks of as many tokens); with float weights (each block of rows met
+#: by every row in turn) as many as measured faster than the eager layers (llama-155m, one thread: a
+#: batch's step of 8 rows fp32 81 against 92 ms, bf16 33 against 65; 16 rows 115 against 121 and 59
+#: against 71), and a float prompt longer than that runs the eager layers
 ROWS_INT8, ROWS_FLOAT = 64, 16
 
 
@@ -217,7 +218,10 @@ def why_not_call(
     cache: list[KVCache] | None,
     cache_kind: str = "dense",
 ) -> str | None:
-    """Why this call of ``model.hidden_states`` is not a native decode step, or None when it is.
+    """Why this call of ``model.hidden_states`` is not a native decode step, or None when it is. Native
+    calls take one token of each of up to ``ROWS_INT8`` rows (int8 weights) or ``ROWS_FLOAT`` rows (float
+    weights) at one position, or a prompt of one row (int8: any length; float: up to ``ROWS_FLOAT``)
+    without padding.
     Cheap: made on every call (the model's structure is :func:`why_not_model`'s, asked once; its
     forward hooks are scanned again only after a hook was registered anywhere). ``cache_kind``: the kind
     of cache the steps need, "dense" or "int8" (the model's attention rounds keys and values to int8)."""
@@ -537,20 +541,22 @@ def _rotary_rows(plan: _Plan, pos: int, n: int) -> dict[int, tuple[Tensor, Tenso
 
 
 def _embedding(model: Any, ids: Tensor, dtype: torch.dtype) -> Tensor:
-    """The input embeddings of the B tokens ``ids`` (B, 1), a fresh contiguous (B, d) tensor: row copies of
-    a float table, an int8 table's rows dequantized natively, else the embedding module's own lookup."""
-    emb, flat = model.embed, [int(i) for i in ids.view(-1)]
-    if type(emb) is not nn.Embedding:
-        row = getattr(emb, "native_row", None)  # an int8 table's row in one native call
-        rows = [row(i) for i in flat] if row is not None and dtype == torch.float32 else []
-        found = [r for r in rows if r is not None]
-        if not found or len(found) < len(flat):
-            return emb(ids.view(-1)).to(dtype).contiguous()  # (B, d)
-        return found[0].view(1, -1) if len(found) == 1 else torch.stack(found)  # (B, d)
-    table = emb.weight  # (V, d)
-    d = table.shape[1]
-    x = torch.empty(len(flat), d, dtype=dtype)  # (B, d)
-    row, size = table.stride(0) * table.element_size(), d * table.element_size()
-    for b, i in enumerate(flat):
-        ctypes.memmove(x.data_ptr() + b * size, table.data_ptr() + i * row, size)
-    return x
+    """The input embeddings of the R tokens ``ids`` (R, 1), a fresh contiguous (R, d) tensor. One token: a
+    row copy of a float table or an int8 table's row dequantized natively (a few microseconds fewer of the
+    interpreter a step); several, and other tables: the embedding module's lookup (the same values)."""
+    emb = model.embed
+    if ids.numel() == 1 and type(emb) is nn.Embedding:
+        table = emb.weight  # (V, d)
+        x = torch.empty(1, table.shape[1], dtype=dtype)  # (1, d)
+        stride = table.stride(0) * table.element_size()
+        ctypes.memmove(
+            x.data_ptr(), table.data_ptr() + int(ids) * stride, table.shape[1] * table.element_size()
+        )
+        return x
+    native_row = getattr(emb, "native_row", None)  # an int8 table's row in one native call
+    one = (
+        native_row(int(ids))
+        if ids.numel() == 1 and native_row is not None and dtype == torch.float32
+        else None
+    )
+    return emb(ids.view(-1)).to(dtype).contiguous() if one is None else one.view(1, -1)  # (R, d)

@@ -250,8 +250,8 @@ static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, 
     return reduce16(row_rest(r, wsr, xq, xs, start, cols, G, shift, per_row, j, a0, a1));
 }
 
-/* Two weight rows (r[0], r[1], their scales wsr[0], wsr[1]) against one activation, each 64 bytes of x
- * loaded once for both; each row's sums in row_q8's order, so out[u] equals row_q8 of row u bit for bit.
+/* Two weight rows (r0, r1, their scales ws0, ws1) against one activation, each 64 bytes of x loaded once
+ * for both; each row's sums in row_q8's order, so out[0], out[1] equal row_q8 of r0, r1 bit for bit.
  * The decode GEMV pairs rows from the two halves of a matrix: two streams read side by side, which a core
  * pulls from memory faster than one. Kept in registers and specialized by its callers (per_row, shift
  * constant): with the accumulators indexed at run time or the scale's branches in the loop, it spilled to

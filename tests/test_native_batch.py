@@ -161,7 +161,7 @@ def test_a_native_fp32_prompt_matches_the_float64_model():
     torch.testing.assert_close(cache[1].v[:, :, :13].double(), rcache[1].v[:, :, :13], rtol=1e-5, atol=1e-5)
 
 
-def test_long_float_prompts_and_padded_ones_take_the_eager_layers():
+def test_long_prompts_and_padded_ones_take_the_eager_layers():
     lm = _lm()
     fp32 = quant.quantize(lm, weights="fp32", kv=None, kernel="native")
     long = torch.zeros(1, native_step.ROWS_FLOAT + 1, dtype=torch.long)
@@ -172,6 +172,12 @@ def test_long_float_prompts_and_padded_ones_take_the_eager_layers():
         assert native_step.why_not_call(fp32, long, None, fp32.make_cache(1, 32)).startswith(
             "17 tokens (native steps of float weights take up to 16;"
         )
+        int8 = quant.quantize(lm, weights="int8", kv="int8", kernel="native", group_size=32)
+        longer = torch.zeros(1, native_step.PROMPT_INT8 + 1, dtype=torch.long)
+        assert native_step.why_not_call(int8, longer, None, int8.make_cache(1, 600), "int8") == (
+            "513 tokens (native int8 prompts take up to 512; the eager attention is faster for more)"
+        )
+        assert native_step.why_not_call(int8, longer[:, 1:], None, int8.make_cache(1, 600), "int8") is None
         assert (
             native_step.why_not_call(fp32, five, None, fp32.make_cache(1, 4))
             == "the cache is full (4 positions)"

@@ -61,8 +61,10 @@ _PROJECTIONS = ("qkv_proj", "o_proj", "w1", "w3", "w2")  # the order of the nati
 #: at once (a longer prompt runs in chunks of as many tokens); with float weights (each block of rows met
 #: by every row in turn) as many as measured faster than the eager layers (llama-155m, one thread: a
 #: batch's step of 8 rows fp32 81 against 92 ms, bf16 33 against 65; 16 rows 115 against 121 and 59
-#: against 71), and a float prompt longer than that runs the eager layers
-ROWS_INT8, ROWS_FLOAT = 64, 16
+#: against 71), and a float prompt longer than that runs the eager layers; an int8 prompt runs natively
+#: up to ``PROMPT_INT8`` tokens (past that the native attention, one row at a time, costs more than the
+#: eager layers save: 1024 tokens 1.03x their time with one thread, 1.05x with two; 512 tokens 0.96x, 0.99x)
+ROWS_INT8, ROWS_FLOAT, PROMPT_INT8 = 64, 16, 512
 
 
 def _projections(layer: Any) -> list[Any]:
@@ -220,8 +222,8 @@ def why_not_call(
 ) -> str | None:
     """Why this call of ``model.hidden_states`` is not a native decode step, or None when it is. Native
     calls take one token of each of up to ``ROWS_INT8`` rows (int8 weights) or ``ROWS_FLOAT`` rows (float
-    weights) at one position, or a prompt of one row (int8: any length; float: up to ``ROWS_FLOAT``)
-    without padding.
+    weights) at one position, or a prompt of one row (int8: up to ``PROMPT_INT8`` tokens; float: up to
+    ``ROWS_FLOAT``) without padding.
     Cheap: made on every call (the model's structure is :func:`why_not_model`'s, asked once; its
     forward hooks are scanned again only after a hook was registered anywhere). ``cache_kind``: the kind
     of cache the steps need, "dense" or "int8" (the model's attention rounds keys and values to int8)."""
@@ -239,6 +241,11 @@ def why_not_call(
             return (
                 f"{N} tokens (native steps of float weights take up to {ROWS_FLOAT}; "
                 "torch's matrix products are faster for more)"
+            )
+        if N > PROMPT_INT8:
+            return (
+                f"{N} tokens (native int8 prompts take up to {PROMPT_INT8}; "
+                "the eager attention is faster for more)"
             )
     if model.__dict__.get("_native_hooks_stamp") != RemovableHandle.next_id:  # a hook was registered
         hooked = _hooks_reason_cached(model)

@@ -147,6 +147,8 @@ def test_a_native_prompt_has_the_bits_of_its_tokens_stepped_one_by_one(kw, monke
     assert torch.equal(got, want)
     for kv, kv1 in zip(cache, stepped):
         assert torch.equal(kv.k, kv1.k) and torch.equal(kv.v, kv1.v)
+        if kv.k_scale is not None:  # an int8 cache's scales too
+            assert torch.equal(kv.k_scale, kv1.k_scale) and torch.equal(kv.v_scale, kv1.v_scale)
 
 
 def test_a_native_fp32_prompt_matches_the_float64_model():

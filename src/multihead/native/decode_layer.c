@@ -1,4 +1,5 @@
-/* One decode step of one pre-LN LLaMA-style layer for one token of each of B rows, in place on x:
+/* One decode step of one pre-LN LLaMA-style layer for B rows (one token of each of B sequences, or B
+ * consecutive tokens of one sequence), in place on x:
  *
  *   h = RMSNorm(x) * g_attn                                   (fp32 statistics)
  *   q | k | v = W_qkv h                                       (Hq*D | Hkv*D | Hkv*D rows)
@@ -403,10 +404,11 @@ static void cache_write(void *dst, float *scale, const void *src, int64_t D, int
     }
 }
 
-/* the layer of the file's comment for B rows x (B, d), each with its own cache (batch stride: Hkv heads;
- * the caches are contiguous (B, Hkv, max_len, D), their scales (B, Hkv, max_len)), all at position pos;
- * ckind: the cache's kind (kind, or MH_I8 with scales ks, vs). Each row gets the bits a step of it alone
- * gives it. */
+/* the layer of the file's comment for B rows x (B, d): B sequences at position pos, each with its own
+ * cache (batch stride: Hkv heads; the caches are contiguous (B, Hkv, max_len, D), their scales (B, Hkv,
+ * max_len)), or (seq) B consecutive tokens of one sequence at positions pos .. pos + B - 1 in the cache of
+ * batch 0, row b with rotary row b and attending to the positions up to its own; ckind: the cache's kind
+ * (kind, or MH_I8 with scales ks, vs). Each row gets the bits a one-token step of it gives it. */
 static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, void *k_cache, void *v_cache,
                  float *ks, float *vs, int64_t k_head_stride, int64_t v_head_stride, int64_t s_head_stride,
                  int64_t pos, const float *cos, const float *sin, int interleaved, int64_t d, int64_t Hq,

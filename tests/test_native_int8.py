@@ -334,7 +334,7 @@ needs_blocked = pytest.mark.skipif(
 )  # fmt: skip
 def test_int8_gemv_on_blocked_rows_matches_float64(rows, cols, group):
     """The kernel on rows in the blocked layout (whole 512s and a tail; scales of every group size, per
-    row; past the stack's scratch; one row alone, and odd counts, whose last row is not paired) against
+    row; past the stack's scratch; one row, and odd counts, whose middle row is its own partner) against
     float64 on the same int8 numbers in column order."""
     from multihead.native.layout import to_blocked
 

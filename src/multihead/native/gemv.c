@@ -70,17 +70,19 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
     return (uint16_t)(u >> 16);
 }
 
-/* The row loop the widening kernels share: rows o and o + rows / 2 side by side (two streams read at
- * once, each 16 values of x widened once for both: a core pulls two streams from memory faster than
- * one), each with eight independent accumulators of 16 lanes (128 values of a row in flight per pass),
- * then the tails; an odd last row alone, in the same order. LOAD_W(p) / LOAD_X(p) widen 16 values at p
- * to fp32 lanes, ONE_W(v) / ONE_X(v) one value; STORE(o, s) writes output o from the row's fp32 sum s.
- * Reads rows, cols, ldw of the enclosing kernel. A row's sums are the same, paired or alone. */
+/* The row loop the widening kernels share: rows o and o + part side by side, part = ceil(rows / 2) (two
+ * streams read at once, each 16 values of x widened once for both: a core pulls two streams from memory
+ * faster than one; an odd row count's middle row is its own partner, summed twice and stored once), each
+ * with eight independent accumulators of 16 lanes (128 values of a row in flight per pass), then the
+ * tails. LOAD_W(p) / LOAD_X(p) widen 16 values at p to fp32 lanes, ONE_W(v) / ONE_X(v) one value;
+ * STORE(o, s) writes output o from the row's fp32 sum s. Reads rows, cols, ldw of the enclosing kernel. A
+ * row's sums do not depend on its partner. */
 #define MH_STREAM_ROWS(W, X, LOAD_W, LOAD_X, ONE_W, ONE_X, STORE)                                            \
     do {                                                                                                     \
-        const int64_t c128_ = cols & ~(int64_t)127, c16_ = cols & ~(int64_t)15, half_ = rows / 2;           \
-        MH_BALANCED_FOR(half_, rows * cols >= MH_PAR_MIN, o, {                                             \
-            const __typeof__(&(W)[0]) r = (W) + o * ldw, q = r + half_ * ldw;                                \
+        const int64_t c128_ = cols & ~(int64_t)127, c16_ = cols & ~(int64_t)15, part_ = (rows + 1) / 2;     \
+        MH_BALANCED_FOR(part_, rows * cols >= MH_PAR_MIN, o, {                                             \
+            const int64_t u = o + part_ < rows ? o + part_ : o;                                              \
+            const __typeof__(&(W)[0]) r = (W) + o * ldw, q = (W) + u * ldw;                                  \
             v16 a[8] = {{0}}, c[8] = {{0}};                                                                  \
             int64_t i = 0;                                                                                   \
             for (; i < c128_; i += 128)                                                                      \
@@ -99,19 +101,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
             for (int64_t j = i; j < cols; j++) s += ONE_W(r[j]) * ONE_X((X)[j]);                             \
             for (int64_t j = i; j < cols; j++) t += ONE_W(q[j]) * ONE_X((X)[j]);                             \
             STORE(o, s);                                                                                     \
-            STORE(o + half_, t);                                                                             \
+            STORE(u, t);                                                                                     \
         });                                                                                                  \
-        for (int64_t o = 2 * half_; o < rows; o++) {                                                         \
-            const __typeof__(&(W)[0]) r = (W) + o * ldw;                                                     \
-            v16 a[8] = {{0}};                                                                                \
-            int64_t i = 0;                                                                                   \
-            for (; i < c128_; i += 128)                                                                      \
-                for (int k = 0; k < 8; k++) a[k] += LOAD_W(r + i + 16 * k) * LOAD_X((X) + i + 16 * k);       \
-            for (; i < c16_; i += 16) a[0] += LOAD_W(r + i) * LOAD_X((X) + i);                               \
-            float s = hsum16(((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])));             \
-            for (; i < cols; i++) s += ONE_W(r[i]) * ONE_X((X)[i]);                                          \
-            STORE(o, s);                                                                                     \
-        }                                                                                                    \
     } while (0)
 
 #define MH_SAME(v) (v)

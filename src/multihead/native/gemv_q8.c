@@ -423,24 +423,26 @@ static inline float q8_out(float s, const float *wsr, const float *b, int64_t o,
 }
 
 #if MH_Q8_ISA == 3
-/* rows o and o + half of W8 side by side into y (rows2_q8 with the common cases' constants, so that its
- * loop carries no branch) */
-static inline __attribute__((always_inline)) void pair_q8(int64_t o, int64_t half, const int8_t *w, const float *ws,
-                                                          const int8_t *xv, const float *xs, const __m512i *start,
-                                                          const __m512i *bstart, const float *b, float *y,
-                                                          int64_t cols, int64_t ldw, int64_t ldws, int64_t G,
-                                                          int shift, int per_row) {
-    const int8_t *r0 = w + o * ldw, *r1 = w + (o + half) * ldw;
-    const float *ws0 = ws + o * ldws, *ws1 = ws + (o + half) * ldws;
+/* CALL(shift, per_row) with the common cases' constants, so that the compiler specializes the inlined
+ * kernel and its loop carries no branch (reads shift and per_row of the caller) */
+#define MH_Q8_SPECIALIZED(CALL) (per_row ? CALL(0, 1) : shift == 0 ? CALL(0, 0) : CALL(shift, 0))
+
+/* row o and its partner o + part of W8 side by side into y; the partner past the last row (an odd row
+ * count's middle row) is o itself, summed twice and stored once */
+static inline __attribute__((always_inline)) void pair_q8(int64_t o, int64_t part, int64_t rows, const int8_t *w,
+                                                          const float *ws, const int8_t *xv, const float *xs,
+                                                          const __m512i *start, const __m512i *bstart,
+                                                          const float *b, float *y, int64_t cols, int64_t ldw,
+                                                          int64_t ldws, int64_t G, int shift, int per_row) {
+    const int64_t u = o + part < rows ? o + part : o;
+    const int8_t *r0 = w + o * ldw, *r1 = w + u * ldw;
+    const float *ws0 = ws + o * ldws, *ws1 = ws + u * ldws;
     float s[2];
-    if (per_row)
-        rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, 0, 1, s);
-    else if (shift == 0)
-        rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, 0, 0, s);
-    else
-        rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, shift, 0, s);
+#define MH_Q8_PAIR(sh, pr) rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, sh, pr, s)
+    MH_Q8_SPECIALIZED(MH_Q8_PAIR);
+#undef MH_Q8_PAIR
     y[o] = q8_out(s[0], ws0, b, o, per_row);
-    y[o + half] = q8_out(s[1], ws1, b, o + half, per_row);
+    y[u] = q8_out(s[1], ws1, b, u, per_row);
 }
 #endif
 
@@ -457,27 +459,17 @@ int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const fl
     const int8_t *xv;
     const __m512i *start, *bstart;
     prepare_x(xq, cols, blocked, scratch, &xv, &start, &bstart);
-#define MH_Q8_ROW(r, wsr) row_q8(r, wsr, xv, xs, start, bstart, cols, G, shift, per_row)
+    const int64_t part = (rows + 1) / 2; /* rows o and o + part side by side */
+    MH_BALANCED_FOR(part, rows * cols >= MH_PAR_MIN, o, /* the work test: rows * cols, all of them */
+                    pair_q8(o, part, rows, w, ws, xv, xs, start, bstart, b, y, cols, ldw, ldws, G, shift, per_row));
 #else
     (void)scratch;
     if (blocked) return -2; /* the blocked layout is AVX512-VNNI's */
-#define MH_Q8_ROW(r, wsr) row_q8(r, wsr, xq, xs, cols, G, per_row)
-#endif
-#if MH_Q8_ISA == 3
-    const int64_t half = rows / 2; /* rows o and o + half side by side; an odd last row alone */
-    MH_BALANCED_FOR(half, rows * cols >= MH_PAR_MIN, o, /* the work test: rows * cols, all of them */
-                    pair_q8(o, half, w, ws, xv, xs, start, bstart, b, y, cols, ldw, ldws, G, shift, per_row));
-    for (int64_t o = 2 * half; o < rows; o++) {
-        const float *wsr = ws + o * ldws;
-        y[o] = q8_out(MH_Q8_ROW(w + o * ldw, wsr), wsr, b, o, per_row);
-    }
-#else
     MH_BALANCED_FOR(rows, rows * cols >= MH_PAR_MIN, o, {
         const float *wsr = ws + o * ldws;
-        y[o] = q8_out(MH_Q8_ROW(w + o * ldw, wsr), wsr, b, o, per_row);
+        y[o] = q8_out(row_q8(w + o * ldw, wsr, xq, xs, cols, G, per_row), wsr, b, o, per_row);
     });
 #endif
-#undef MH_Q8_ROW
     return 0;
 }
 
@@ -556,13 +548,9 @@ int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b,
                     float s[MH_Q8_XBLOCK];
                     int64_t t = t0;
 #if MH_Q8_ISA == 3
-                    for (; blocked && t + 4 <= t1; t += 4) /* the common cases with their constants */
-                        if (per_row)
-                            rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, 0, 1, s + t - t0);
-                        else if (shift == 0)
-                            rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, 0, 0, s + t - t0);
-                        else
-                            rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, shift, 0, s + t - t0);
+#define MH_Q8_QUAD(sh, pr) rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, sh, pr, s + t - t0)
+                    for (; blocked && t + 4 <= t1; t += 4) MH_Q8_SPECIALIZED(MH_Q8_QUAD);
+#undef MH_Q8_QUAD
                     for (; t < t1; t++)
                         s[t - t0] = row_q8(r, wsr, xv[t], xs[t], start[t], bstart[t], cols, G, shift, per_row);
 #else

@@ -212,7 +212,9 @@ def test_quantize_native_decodes_the_tokens_of_the_plain_model():
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [700, 701])  # pairs of rows side by side; an odd count's middle row its own partner
+@pytest.mark.parametrize(
+    "rows", [700, 701]
+)  # pairs of rows side by side; an odd count's middle row its own partner
 def test_products_split_over_threads_give_the_same_bits(rows):
     """Each row is summed by one thread whichever takes it (the threads take their own parts, then what
     is left of the others'): 1-4 threads give the same bits, every row written (against torch)."""

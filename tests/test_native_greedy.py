@@ -128,6 +128,40 @@ def test_ties_and_nans_are_picked_as_torch_argmax(spec, monkeypatch):
     assert torch.equal(nan[0, 11:], torch.full((10,), 7)) and torch.equal(nan, nan_steps)
 
 
+# logits (the head's bias, 300 values: 18 whole blocks of 16 and 12 past them) and the token they give:
+# the first maximum (ties in different blocks, in the values past the whole blocks, at a block's edge),
+# the first NaN wherever it lies, and all values equal
+ARGMAX = {
+    "tail": ({299: 2.0, 3: 1.0}, 299),
+    "tie-across-blocks": ({20: 1.5, 290: 1.5, 100: 1.5}, 20),
+    "block-edge": ({16: 1.0, 15: 0.5, 31: 1.0}, 16),
+    "nan-in-tail": ({3: 9.0, 295: float("nan")}, 295),
+    "nan-after-max": ({3: 9.0, 40: float("nan"), 41: float("nan")}, 40),
+    "all-equal": ({}, 0),
+    "first-is-max": ({0: 3.0, 150: 3.0}, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(ARGMAX))
+@pytest.mark.parametrize("spec", [WEIGHTS[0], WEIGHTS[1], WEIGHTS[2], WEIGHTS[4]])  # fp32, 16-bit, int8 heads
+def test_the_run_picks_torch_argmax_of_every_shape_of_logits(spec, case, monkeypatch):
+    lm = _lm()
+    with torch.no_grad():  # an untied head whose logits are its bias (300 values), the rest -1
+        lm.lm_head = GemvLinear(64, 300, bias=True)
+        lm.lm_head.weight.zero_()
+        lm.lm_head.bias.fill_(-1.0)
+    model = _quantized(lm, spec)
+    values, want = ARGMAX[case]
+    with torch.no_grad():
+        for i, value in values.items():
+            model.lm_head.bias[i] = value
+        assert int(torch.argmax(model.lm_head.bias.float())) == want  # the premise: torch's first maximum
+        run = model.generate(PROMPT, 4)
+        _step_by_step(model, monkeypatch)
+        steps = model.generate(PROMPT, 4)
+    assert torch.equal(run[0, 11:], torch.full((4,), want)) and torch.equal(run, steps)
+
+
 def test_calls_and_models_the_run_leaves_to_the_step_by_step_loop(monkeypatch):
     model = _quantized(_lm(), FP32)
     runs = []

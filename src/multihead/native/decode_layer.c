@@ -82,28 +82,55 @@ static void gemv(const void *w, const void *x, void *y, int64_t rows, int64_t co
         mh_gemv_f32((const float *)w, (const float *)x, NULL, (float *)y, rows, cols, cols);
 }
 
+/* STMT with the storage dtype kind a constant K (MH_F32, MH_BF16 or MH_F16), so that its loops over get /
+ * put vectorize instead of testing the kind at every value */
+#define MH_BY_KIND(kind, ...)                                                                              \
+    do {                                                                                                   \
+        if ((kind) == MH_F32) {                                                                            \
+            enum { K = MH_F32 };                                                                           \
+            __VA_ARGS__;                                                                                   \
+        } else if ((kind) == MH_BF16) {                                                                    \
+            enum { K = MH_BF16 };                                                                          \
+            __VA_ARGS__;                                                                                   \
+        } else {                                                                                           \
+            enum { K = MH_F16 };                                                                           \
+            __VA_ARGS__;                                                                                   \
+        }                                                                                                  \
+    } while (0)
+
+/* the sum of the squares of x's d values of kind K: 16 running sums, then their tree */
+static inline __attribute__((always_inline)) float sum_squares(const void *x, int64_t d, int K) {
+    v16 acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+        v16 v;
+        for (int t = 0; t < 16; t++) v[t] = get(x, i + t, K);
+        acc += v * v;
+    }
+    float ss = hsum16(acc);
+    for (; i < d; i++) ss += get(x, i, K) * get(x, i, K);
+    return ss;
+}
+
 /* out = RMSNorm(x) * g, as torch: fp32 F.rms_norm for fp32; for bf16 (x * rsqrt(mean(x^2) + eps)) rounded
  * to bf16, then times g rounded again */
 void mh_rms_norm(const void *x, const void *g, void *out, int64_t d, float eps, int kind) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < d; i++) {
-        const float v = get(x, i, kind);
-        ss += v * v;
-    }
-    const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int64_t i = 0; i < d; i++) put(out, i, rnd(get(x, i, kind) * inv, kind) * get(g, i, kind), kind);
+    MH_BY_KIND(kind, {
+        const float inv = 1.0f / sqrtf(sum_squares(x, d, K) / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) put(out, i, rnd(get(x, i, K) * inv, K) * get(g, i, K), K);
+    });
 }
 
 /* rotate one head of D values in place at the angles of cos / sin (D/2 each): pairs (i, i + D/2), or
  * (2i, 2i + 1) when interleaved; the result is rounded to the storage dtype */
 static void rope(void *t, int64_t D, const float *cos, const float *sin, int interleaved, int kind) {
     const int64_t half = D / 2;
-    for (int64_t i = 0; i < half; i++) {
+    MH_BY_KIND(kind, for (int64_t i = 0; i < half; i++) {
         const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-        const float x1 = get(t, a, kind), x2 = get(t, b, kind);
-        put(t, a, x1 * cos[i] - x2 * sin[i], kind);
-        put(t, b, x2 * cos[i] + x1 * sin[i], kind);
-    }
+        const float x1 = get(t, a, K), x2 = get(t, b, K);
+        put(t, a, x1 * cos[i] - x2 * sin[i], K);
+        put(t, b, x2 * cos[i] + x1 * sin[i], K);
+    });
 }
 
 /* e^x for 16 lanes: x = n ln2 + f ln2 with n = round(x / ln2), |f| <= 1/2, 2^f by its Taylor series to
@@ -395,7 +422,10 @@ static void cache_write(void *dst, float *scale, const void *src, int64_t D, int
         return;
     }
     float amax = 0.f;
-    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(get(src, i, kind)));
+    for (int64_t i = 0; i < D; i++) { /* a NaN passed over */
+        const float a = fabsf(get(src, i, kind));
+        amax = a > amax ? a : amax;
+    }
     const float s = amax / 127.0f, div = s > 0.f ? s : 1.f;
     *scale = s;
     for (int64_t i = 0; i < D; i++) {
@@ -461,14 +491,14 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
         const char *q = MH_ROW(qkv, b, nqkv);
         char *a = MH_ROW(att, b, Hq * D);
         float *qf = heads + bj * per_head, *of = qf + G * D, *scores = of + G * D;
-        for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, kind);
+        MH_BY_KIND(kind, for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, j * G * D + i, K));
         attend(qf, (char *)k_cache + (b * kb + j * k_head_stride) * cesz,
                (char *)v_cache + (b * vb + j * v_head_stride) * cesz, ks ? ks + b * sb + j * s_head_stride : NULL,
                vs ? vs + b * sb + j * s_head_stride : NULL, MH_POS(b) + 1, D, G, scale, ckind, of, scores);
-        for (int64_t i = 0; i < G * D; i++) put(a, j * G * D + i, of[i], kind);
+        MH_BY_KIND(kind, for (int64_t i = 0; i < G * D; i++) put(a, j * G * D + i, of[i], K));
     }
     if ((status = project(W, P_O, att, h, d, Hq * D, kind, 1, B)) != 0) goto out;
-    for (int64_t i = 0; i < B * d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
+    MH_BY_KIND(kind, for (int64_t i = 0; i < B * d; i++) put(x, i, get(x, i, K) + get(h, i, K), K));
 
     /* feed-forward block */
     for (int64_t b = 0; b < B; b++) mh_rms_norm(MH_ROW(x, b, d), g_ffn, MH_ROW(h, b, d), d, eps, kind);
@@ -476,12 +506,12 @@ static int layer(void *x, const void *g_attn, const void *g_ffn, weights *W, voi
     if ((status = project(W, P_W3, h, up, F, d, kind, 0, B)) != 0) goto out; /* the same input: quantized once */
     for (int64_t b = 0; b < B; b++) {
         char *gb = MH_ROW(gate, b, F), *ub = MH_ROW(up, b, F);
-        for (int64_t i = 0; i < F; i++) act[i] = get(gb, i, kind);
+        MH_BY_KIND(kind, for (int64_t i = 0; i < F; i++) act[i] = get(gb, i, K));
         silu(act, F);
-        for (int64_t i = 0; i < F; i++) put(gb, i, rnd(act[i], kind) * get(ub, i, kind), kind);
+        MH_BY_KIND(kind, for (int64_t i = 0; i < F; i++) put(gb, i, rnd(act[i], K) * get(ub, i, K), K));
     }
     if ((status = project(W, P_W2, gate, h, d, F, kind, 1, B)) != 0) goto out;
-    for (int64_t i = 0; i < B * d; i++) put(x, i, get(x, i, kind) + get(h, i, kind), kind);
+    MH_BY_KIND(kind, for (int64_t i = 0; i < B * d; i++) put(x, i, get(x, i, K) + get(h, i, K), K));
 #undef MH_ROW
 #undef MH_POS
 #undef MH_ROT

@@ -394,8 +394,10 @@ static void prepare_x(const int8_t *xq, int64_t cols, int blocked, void *scratch
     *xv = xq;
     if (blocked) { /* x in the weights' order (the columns past the whole 512 as they are) */
         int8_t *xb = (int8_t *)(start + nc);
-        memcpy(xb, xq, (size_t)(64 * nc));
-        for (int64_t c = 0; c < 512 * chunks; c += 4) memcpy(xb + blocked_at(c, 512 * chunks), xq + c, 4);
+        memcpy(xb + 512 * chunks, xq + 512 * chunks, (size_t)(64 * nc - 512 * chunks));
+        for (int64_t j = 0; j < chunks; j++) /* four bytes 32 l + 4 v of the chunk to 64 v + 4 l (blocked_at) */
+            for (int v = 0; v < 8; v++)
+                for (int l = 0; l < 16; l++) memcpy(xb + 512 * j + 64 * v + 4 * l, xq + 512 * j + 32 * l + 4 * v, 4);
         *xv = xb;
         bstart = (__m512i *)(xb + 64 * nc);
     }

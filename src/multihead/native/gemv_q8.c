@@ -574,6 +574,9 @@ int mh_q8_blocked(void) { return MH_Q8_ISA == 3; }
  * group (s: the row's ceil(d / G) scales; G >= d: one), in fp32 as torch's q.float() * scale; a row in
  * the blocked layout (blocked != 0) read back in column order. */
 void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int blocked, float *out) {
-    const int64_t full = blocked ? d / 512 * 512 : 0; /* columns in the blocked order */
-    for (int64_t c = 0; c < d; c++) out[c] = (float)q[blocked_at(c, full)] * s[G >= d ? 0 : c / G];
+    const int64_t full = blocked ? d / 512 * 512 : 0, g = G < d ? G : d; /* columns in the blocked order */
+    for (int64_t c0 = 0; c0 < d; c0 += g) { /* a group at a time: one scale, no division per value */
+        const float sc = s[c0 / g];
+        for (int64_t c = c0; c < c0 + g && c < d; c++) out[c] = (float)q[blocked_at(c, full)] * sc;
+    }
 }

@@ -169,25 +169,50 @@ void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16
 #endif
 }
 
+#if MH_DPBF16
+/* a row's sum from its eight accumulators v and the values i .. cols - 1 past the vector loops */
+static inline __attribute__((always_inline)) float dpbf16_total(__m512 v[8], const uint16_t *r, const uint16_t *x,
+                                                                int64_t i, int64_t cols) {
+    for (int k = 0; k < 4; k++) v[k] = _mm512_add_ps(v[k], v[k + 4]);
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[1]), _mm512_add_ps(v[2], v[3])));
+    for (; i < cols; i++) s += bf16_to_f32(r[i]) * bf16_to_f32(x[i]);
+    return s;
+}
+
+/* The AVX512-BF16 sums of one bf16 row r with x0 into sum[0], and with x1 into sum[1] when both (a
+ * constant at each call; each 32 weights loaded once for both): eight accumulators of VDPBF16PS over 256
+ * values (512 bytes of the row a pass), the 32-value and single-value tails; sum[0] has the same bits
+ * either way. */
+static inline __attribute__((always_inline)) void dpbf16_sums(const uint16_t *r, const uint16_t *x0,
+                                                               const uint16_t *x1, int both, int64_t cols,
+                                                               float *sum) {
+    const int64_t c256 = cols & ~(int64_t)255, c32 = cols & ~(int64_t)31;
+    __m512 a[8], c[8];
+    for (int k = 0; k < 8; k++) a[k] = c[k] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i < c256; i += 256)
+        for (int k = 0; k < 8; k++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(r + i + 32 * k);
+            a[k] = _mm512_dpbf16_ps(a[k], wv, (__m512bh)_mm512_loadu_si512(x0 + i + 32 * k));
+            if (both) c[k] = _mm512_dpbf16_ps(c[k], wv, (__m512bh)_mm512_loadu_si512(x1 + i + 32 * k));
+        }
+    for (; i < c32; i += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(r + i);
+        a[0] = _mm512_dpbf16_ps(a[0], wv, (__m512bh)_mm512_loadu_si512(x0 + i));
+        if (both) c[0] = _mm512_dpbf16_ps(c[0], wv, (__m512bh)_mm512_loadu_si512(x1 + i));
+    }
+    sum[0] = dpbf16_total(a, r, x0, i, cols);
+    if (both) sum[1] = dpbf16_total(c, r, x1, i, cols);
+}
+#endif
+
 void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
                   int64_t cols, int64_t ldw) {
 #if MH_DPBF16
-    const int64_t c256 = cols & ~(int64_t)255, c32 = cols & ~(int64_t)31;
-    MH_BALANCED_FOR(rows, rows * cols >= MH_PAR_MIN, o, { /* 8 accumulators: 512 bytes of a row per pass */
-        const uint16_t *r = w + o * ldw;
-        __m512 a[8];
-        for (int k = 0; k < 8; k++) a[k] = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i < c256; i += 256)
-            for (int k = 0; k < 8; k++)
-                a[k] = _mm512_dpbf16_ps(a[k], (__m512bh)_mm512_loadu_si512(r + i + 32 * k),
-                                        (__m512bh)_mm512_loadu_si512(x + i + 32 * k));
-        for (; i < c32; i += 32)
-            a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_loadu_si512(r + i), (__m512bh)_mm512_loadu_si512(x + i));
-        for (int k = 0; k < 4; k++) a[k] = _mm512_add_ps(a[k], a[k + 4]);
-        float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-        for (; i < cols; i++) s += bf16_to_f32(r[i]) * bf16_to_f32(x[i]);
-        y[o] = f32_to_bf16(b ? s + bf16_to_f32(b[o]) : s);
+    MH_BALANCED_FOR(rows, rows * cols >= MH_PAR_MIN, o, {
+        float sum[2];
+        dpbf16_sums(w + o * ldw, x, NULL, 0, cols, sum);
+        y[o] = f32_to_bf16(b ? sum[0] + bf16_to_f32(b[o]) : sum[0]);
     });
 #else
 #define MH_STORE_BF16(o, s) (y[o] = f32_to_bf16(b ? (s) + bf16_to_f32(b[o]) : (s)))
@@ -244,31 +269,12 @@ static int two_rows(int kind, const void *w, const void *x, const void *b, void 
     const uint16_t *x0 = x, *x1 = x0 + cols, *bh = b, *wh = w;
     uint16_t *y0 = y, *y1 = y0 + ystride;
     if (kind == MH_BF16) {
-#if MH_DPBF16 /* the one-row kernel's VDPBF16PS loop, twice */
-        const int64_t c256 = cols & ~(int64_t)255, c32 = cols & ~(int64_t)31;
+#if MH_DPBF16 /* the one-row kernel's loop with both rows */
         for (int64_t o = 0; o < rows; o++) {
-            const uint16_t *r = wh + o * ldw;
-            __m512 a[8], c[8];
-            for (int k = 0; k < 8; k++) a[k] = c[k] = _mm512_setzero_ps();
-            int64_t i = 0;
-            for (; i < c256; i += 256)
-                for (int k = 0; k < 8; k++) {
-                    const __m512bh wv = (__m512bh)_mm512_loadu_si512(r + i + 32 * k);
-                    a[k] = _mm512_dpbf16_ps(a[k], wv, (__m512bh)_mm512_loadu_si512(x0 + i + 32 * k));
-                    c[k] = _mm512_dpbf16_ps(c[k], wv, (__m512bh)_mm512_loadu_si512(x1 + i + 32 * k));
-                }
-            for (; i < c32; i += 32) {
-                const __m512bh wv = (__m512bh)_mm512_loadu_si512(r + i);
-                a[0] = _mm512_dpbf16_ps(a[0], wv, (__m512bh)_mm512_loadu_si512(x0 + i));
-                c[0] = _mm512_dpbf16_ps(c[0], wv, (__m512bh)_mm512_loadu_si512(x1 + i));
-            }
-            for (int k = 0; k < 4; k++) a[k] = _mm512_add_ps(a[k], a[k + 4]), c[k] = _mm512_add_ps(c[k], c[k + 4]);
-            float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-            float t = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(c[0], c[1]), _mm512_add_ps(c[2], c[3])));
-            for (int64_t j = i; j < cols; j++) s += bf16_to_f32(r[j]) * bf16_to_f32(x0[j]);
-            for (int64_t j = i; j < cols; j++) t += bf16_to_f32(r[j]) * bf16_to_f32(x1[j]);
-            y0[o] = f32_to_bf16(bh ? s + bf16_to_f32(bh[o]) : s);
-            y1[o] = f32_to_bf16(bh ? t + bf16_to_f32(bh[o]) : t);
+            float sum[2] = {0.f, 0.f};
+            dpbf16_sums(wh + o * ldw, x0, x1, 1, cols, sum);
+            y0[o] = f32_to_bf16(bh ? sum[0] + bf16_to_f32(bh[o]) : sum[0]);
+            y1[o] = f32_to_bf16(bh ? sum[1] + bf16_to_f32(bh[o]) : sum[1]);
         }
 #else
 #define MH_Y0(o, s) (y0[o] = f32_to_bf16(bh ? (s) + bf16_to_f32(bh[o]) : (s)))

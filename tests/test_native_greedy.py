@@ -14,6 +14,7 @@ import multihead as mh
 from multihead import native
 from multihead.models import generation, native_step, quant
 from multihead.models.gemv_linear import GemvLinear
+from tests.native_builds import built_for
 from tests.native_counts import count_native_steps
 
 REASON = native.unavailable()
@@ -160,6 +161,27 @@ def test_the_run_picks_torch_argmax_of_every_shape_of_logits(spec, case, monkeyp
         _step_by_step(model, monkeypatch)
         steps = model.generate(PROMPT, 4)
     assert torch.equal(run[0, 11:], torch.full((4,), want)) and torch.equal(run, steps)
+
+
+def test_an_avx2_build_s_run_picks_torch_argmax_too(tmp_path, monkeypatch):
+    """The argmax without AVX-512 (one value at a time) on the same shapes of logits, fp32 and bf16 heads."""
+    with built_for("x86-64-v3", "avx2", monkeypatch, tmp_path):
+        assert native.unavailable() is None
+        for spec in (FP32, ("bf16", None, None)):
+            lm = _lm()
+            with torch.no_grad():
+                lm.lm_head = GemvLinear(64, 300, bias=True)
+                lm.lm_head.weight.zero_()
+                lm.lm_head.bias.fill_(-1.0)
+            model = _quantized(lm, spec)
+            assert native_step.why_not_greedy(model) is None  # the native run, its argmax without AVX-512
+            for values, want in ARGMAX.values():
+                with torch.no_grad():
+                    model.lm_head.bias.fill_(-1.0)
+                    for i, value in values.items():
+                        model.lm_head.bias[i] = value
+                    run = model.generate(PROMPT, 2)
+                assert run[0, 11:].tolist() == [want, want], (spec, values)
 
 
 def test_calls_and_models_the_run_leaves_to_the_step_by_step_loop(monkeypatch):

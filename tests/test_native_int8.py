@@ -15,6 +15,7 @@ from multihead import native
 from multihead.models import native_step, quant
 from multihead.models.int8_gemv_linear import dequantize_groups, quantize_groups
 from multihead.native import int8 as native_int8
+from tests.native_builds import built_for
 
 REASON = native.unavailable()
 needs_native = pytest.mark.skipif(REASON is not None, reason=f"native kernels unavailable: {REASON}")
@@ -246,30 +247,13 @@ def test_gemv_q8_rejects_bad_inputs_with_the_fix():
         quant.Int8GemvLinear(torch.nn.Linear(8, 8), group_size=16)
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(flag in line.split() for line in f if line.startswith("flags"))
-    except OSError:
-        return False
-
-
 @needs_native
 @pytest.mark.parametrize(
     ("march", "flag", "isa"),
     [("x86-64", "sse2", "portable C"), ("x86-64-v3", "avx2", "AVX2")],
 )
 def test_the_portable_and_avx2_int8_paths_pass_the_self_check(march, flag, isa, tmp_path, monkeypatch):
-    import platform
-
-    if platform.machine() != "x86_64" or not _cpu_has(flag):
-        pytest.skip(f"-march={march} needs an x86-64 CPU with {flag}")
-    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(
-        native, "FLAGS", tuple(f"-march={march}" if f == "-march=native" else f for f in native.FLAGS)
-    )
-    native._load.cache_clear()
-    try:
+    with built_for(march, flag, monkeypatch, tmp_path):
         assert native.unavailable() is None  # the build for that target passed the int8 self-check too
         assert native_int8.isa() == isa
         w8, scale = quantize_groups(torch.randn(9, 200), 64)
@@ -279,8 +263,6 @@ def test_the_portable_and_avx2_int8_paths_pass_the_self_check(march, flag, isa, 
         assert not native_int8.reads_blocked() and not quant.Int8GemvLinear(torch.nn.Linear(600, 3)).blocked
         with pytest.raises(ValueError, match="blocked=True needs the AVX512-VNNI kernel"):
             native_int8.gemv_q8(w8, scale, x, None, 64, blocked=True)
-    finally:
-        native._load.cache_clear()
 
 
 @needs_native

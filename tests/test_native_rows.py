@@ -11,6 +11,7 @@ import multihead as mh
 from multihead import native
 from multihead.models import quant
 from multihead.models.gemv_linear import ROWS_NATIVE, GemvLinear
+from tests.native_builds import built_for
 
 REASON = native.unavailable()
 needs_native = pytest.mark.skipif(REASON is not None, reason=f"native kernels unavailable: {REASON}")
@@ -33,6 +34,22 @@ def test_rows_at_once_equal_the_one_row_product_bit_for_bit(dtype, rows, cols, n
     assert y.shape == (n, rows) and y.dtype == dtype
     one = torch.stack([native.gemv(w, x[i], b) for i in range(n)])  # (N, O)
     assert torch.equal(y, one)
+
+
+@needs_native
+def test_an_avx2_build_s_rows_at_once_equal_its_one_row_products(tmp_path, monkeypatch):
+    """The build for AVX2 + F16C (no AVX-512: the generic vector kernels; bf16 without VDPBF16PS, fp16
+    widened once and run row by row): each row's bits those of its one-row product, as above."""
+    with built_for("x86-64-v3", "avx2", monkeypatch, tmp_path):
+        assert native.unavailable() is None and not native.has_dpbf16()
+        lib = native.library()
+        g = torch.Generator().manual_seed(3)
+        for dtype in native.dtypes():
+            w = torch.randn(70, 203, generator=g).to(dtype)  # (O, I): 128 + 64 + 11 values a row
+            x = torch.randn(5, 203, generator=g).to(dtype)  # (N, I): two pairs and one row
+            b = torch.randn(70, generator=g).to(dtype)  # (O,)
+            one = torch.stack([native.gemv(w, x[i], b) for i in range(5)])  # (N, O)
+            assert torch.equal(native.run_rows(lib, w, x, b), one), dtype
 
 
 @needs_native

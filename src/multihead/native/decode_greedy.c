@@ -63,8 +63,16 @@ static int64_t argmax(const void *v, int64_t n, int kind) {
         i = 1; /* value by value from the start (the loop below) */
     } else { /* the values past the whole blocks: the loop below */
         const float mx = _mm512_reduce_max_ps(m);
-        if (mx > top)
-            for (best = 1; mh_get(v, best, kind) != mx; best++) continue;
+        if (mx > top) { /* its first place, 16 values at a time (it lies in the whole blocks) */
+            const __m512 want = _mm512_set1_ps(mx);
+            for (int64_t j = 0;; j += 16) {
+                const __mmask16 eq = _mm512_cmp_ps_mask(load_ps(v, j, kind), want, _CMP_EQ_OQ);
+                if (eq) {
+                    best = j + __builtin_ctz(eq);
+                    break;
+                }
+            }
+        }
         top = mh_get(v, best, kind);
         i = i > 1 ? i : 1;
     }

@@ -27,6 +27,12 @@ says how to build one offline. Steps:
    another minute's memory), "of one limit" the median rate over the best of the runs' probes. And our
    greedy tokens in each precision against our fp32 model's: where they part and the fp32 logit margin
    there.
+6. Where the rest of our step goes: in every run, right after our rate, our model's products alone
+   (``multihead.bench.decode.kernels_alone``: every linear layer and the head once, back to back, in one
+   native call, as a step makes them from C; the fastest of 3). "GEMVs" is their rate over that run's
+   limit, "of GEMVs" our rate over theirs (medians over the runs): a row below its limit whose "of GEMVs"
+   is near 100% is held by its products; one whose "GEMVs" is near 100% and "of GEMVs" is not, by the
+   rest of the step (attention over the cache, norms, rotary, residuals, the threads meeting).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ from multihead.bench import decode, timing, tokens
 from multihead.models import quant
 from multihead.native import hugepages
 
+#: GGUF type -> our activations' dtype (int8 weights take fp32 activations, rounded per 32-block inside)
+ACTIVATIONS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "q8_0": torch.float32}
 #: GGUF type -> (our quantize arguments, the row's name on our side)
 PRECISIONS = {
     "f32": ({"weights": "fp32", "kv": None, "kernel": "native"}, "fp32 native"),
@@ -174,14 +182,22 @@ def streamed_in_huge_pages(model: torch.nn.Module) -> str:
     return "-" if share is None else f"{share:.0%}"
 
 
-def paired_limit_text(rates: list[float], limits: list[float]) -> str:
+def paired_limit_text(rates: list[float], limits: list[float], refusal: str = timing.ABOVE) -> str:
     """The median over runs of each run's rate over the limit probed in that run, as text ("73%"; "-"
-    when no run was measurable; the refusal of :func:`multihead.bench.timing.limit_text` when the
-    median is above 100%)."""
-    fractions = [r / lim for r, lim in zip(rates, limits, strict=True) if math.isfinite(r) and lim > 0]
+    when no run was measurable; ``refusal`` (by default that of :func:`multihead.bench.timing.limit_text`)
+    when the median is above 100%)."""
+    pairs = zip(rates, limits, strict=True)
+    fractions = [r / lim for r, lim in pairs if math.isfinite(r) and math.isfinite(lim) and lim > 0]
     if not fractions:
         return "-"
-    return timing.limit_text(statistics.median(fractions), 1.0)
+    return timing.limit_text(statistics.median(fractions), 1.0, refusal)
+
+
+def gemvs_rate(model: torch.nn.Module, activations: torch.dtype) -> float:
+    """Tokens/s of ``model``'s products alone (:func:`multihead.bench.decode.kernels_alone`, the fastest
+    of 3 samples); NaN when too short to measure."""
+    best = decode.kernels_alone(model, activations, reps=3).best
+    return 1.0 / best if best else float("nan")
 
 
 def _median_rate(rates: list[float]) -> float | None:
@@ -227,11 +243,12 @@ def run(args: argparse.Namespace) -> dict:
         nbytes = decode.step_bytes(ours, "embed")
         for threads in args.threads:
             torch.set_num_threads(threads)
-            theirs, mine, limits = [], [], []
+            theirs, mine, limits, gemvs = [], [], [], []
             with torch.inference_mode():
                 for _ in range(args.runs):  # interleaved: a load change hits both sides
                     theirs.append(llamacpp_rate(bin_dir, gguf, threads, args.new_tokens, args.context))
                     mine.append(our_rate(ours, context, args.new_tokens))
+                    gemvs.append(gemvs_rate(ours, ACTIVATIONS[outtype]))
                     limits.append(decode.read_bandwidth(nbytes, reps=3) / nbytes)  # tokens/s at best
             ours_tok_s = _median_rate(mine)  # None: too short to measure
             doc["rows"].append(
@@ -245,6 +262,8 @@ def run(args: argparse.Namespace) -> dict:
                     "multihead_step_bytes": nbytes,
                     "multihead_of_limit": paired_limit_text(mine, limits),
                     "multihead_of_one_limit": timing.limit_text(ours_tok_s, max(limits)),
+                    "multihead_gemvs_of_limit": paired_limit_text(gemvs, limits),
+                    "multihead_of_gemvs": paired_limit_text(mine, gemvs, decode.ABOVE_FLOOR),
                     "multihead_huge_pages": streamed_in_huge_pages(ours),
                     "tokens_first_difference": _first_difference(want, got),
                     "ours_vs_fp32": tokens.parting_text(vs_fp32),
@@ -279,7 +298,8 @@ def main() -> None:
     )
     print(
         f"{'GGUF':6s} {'ours':16s} {'threads':>7s} {'llama.cpp':>10s} {'multihead':>10s} {'ratio':>6s}"
-        f" {'of limit':>8s} {'of one':>8s} {'huge pg':>7s}  tokens (llama.cpp vs ours)"
+        f" {'of limit':>8s} {'of one':>8s} {'GEMVs':>6s} {'of GEMVs':>8s} {'huge pg':>7s}"
+        "  tokens (llama.cpp vs ours)"
     )
     for r in doc["rows"]:
         diff = r["tokens_first_difference"]
@@ -288,6 +308,7 @@ def main() -> None:
             f"{r['gguf']:6s} {r['ours']:16s} {r['threads']:7d} {r['llamacpp_tok_s']:10.1f} "
             f"{_cell(r['multihead_tok_s'], '10.1f')} {_cell(r['ratio'], '5.2f', 'x')} "
             f"{r['multihead_of_limit']:>8s} {r['multihead_of_one_limit']:>8s} "
+            f"{r['multihead_gemvs_of_limit']:>6s} {r['multihead_of_gemvs']:>8s} "
             f"{r['multihead_huge_pages']:>7s}  {same}"
         )
     print("ours against our fp32 model, greedy:")

@@ -175,6 +175,29 @@ def test_llamacpp_of_limit_pairs_each_run_with_its_own_probe():
     assert llamacpp_decode.paired_limit_text([math.nan, 45.0], [100.0, 50.0]) == "90%"
     assert llamacpp_decode.paired_limit_text([math.nan], [100.0]) == "-"
     assert "above limit" in llamacpp_decode.paired_limit_text([120.0], [100.0])
+    # "of GEMVs": a step against its products alone, each run with its own; a NaN on either side drops out
+    text = llamacpp_decode.paired_limit_text([90.0, 30.0, 95.0], [100.0, math.nan, 100.0], "noise")
+    assert text == "92%" and llamacpp_decode.paired_limit_text([101.0], [100.0], "noise") == "noise"
+
+
+def test_llamacpp_gemvs_rate_times_the_products_of_a_native_model():
+    """The products alone of a native int8 model: one native call of every linear layer and the head,
+    a finite rate above the whole step's (the step does more)."""
+    import llamacpp_decode
+
+    import multihead as mh
+    from multihead import native
+    from multihead.models import quant
+
+    if native.unavailable() is not None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable()}")
+    torch.manual_seed(0)
+    model = quant.quantize(mh.pretrained.random_lm("llama-tiny"), **llamacpp_decode.PRECISIONS["q8_0"][0])
+    rate = llamacpp_decode.gemvs_rate(model, llamacpp_decode.ACTIVATIONS["q8_0"])
+    assert math.isfinite(rate) and rate > 0
+    with torch.inference_mode():
+        step = llamacpp_decode.our_rate(model, torch.randint(4, 100, (1, 16)), 9)
+    assert not math.isfinite(step) or step < 2 * rate  # a step is never much faster than its products
 
 
 def test_attention_speed_markdown_keeps_noise_and_too_short_apart():

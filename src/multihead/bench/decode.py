@@ -64,6 +64,7 @@ from .floors import kernels_alone, read_bandwidth, step_bytes
 from .tokens import parting, parting_text
 
 __all__ = [
+    "ABOVE_FLOOR",
     "DEFAULT_PRESET",
     "ROWS",
     "kernels_alone",

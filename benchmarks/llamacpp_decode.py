@@ -33,6 +33,11 @@ says how to build one offline. Steps:
    limit, "of GEMVs" our rate over theirs (medians over the runs): a row below its limit whose "of GEMVs"
    is near 100% is held by its products; one whose "GEMVs" is near 100% and "of GEMVs" is not, by the
    rest of the step (attention over the cache, norms, rotary, residuals, the threads meeting).
+7. With two or more threads, the round trip of a cache line between our first two threads
+   (``multihead.native.round_trip_ns``) right before our rate in every run, shown as its range ("meet"):
+   on a virtual machine the host may move its virtual CPUs between minutes, onto one core complex (tens
+   of ns; the memory read rate of both threads then about one complex's) or two (hundreds of ns, a
+   faster read rate, every meeting of the threads dearer). Each run's figures are in the JSON's "runs".
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from pathlib import Path
 import torch
 
 import multihead as mh
+from multihead import native
 from multihead.bench import decode, timing, tokens
 from multihead.models import quant
 from multihead.native import hugepages
@@ -66,6 +72,9 @@ PRECISIONS = {
     "f16": ({"weights": "fp16", "kv": None, "kernel": "native"}, "fp16 native"),
     "q8_0": ({"weights": "int8", "kv": "int8", "kernel": "native", "group_size": 32}, "int8 native g32"),
 }
+#: each run's figures in the JSON's "runs": llama.cpp's and our tokens/s, our limit in tokens/s (the probe
+#: after our rate), our products alone as tokens/s, our threads' round trip (ns; None with one thread)
+RUN_KEYS = ("llamacpp_tok_s", "multihead_tok_s", "limit_tok_s", "gemvs_tok_s", "meet_ns")
 FIRST_CHAR = 0x4E00  # token i >= 4 is the character FIRST_CHAR + i - 4 (CJK, then on into Hangul)
 SPECIAL = ["<unk>", "<s>", "</s>", "\u2581"]  # ids 0-3; 3 is the space marker SentencePiece prepends
 
@@ -193,6 +202,12 @@ def paired_limit_text(rates: list[float], limits: list[float], refusal: str = ti
     return timing.limit_text(statistics.median(fractions), 1.0, refusal)
 
 
+def meet_text(meets: list[float | None]) -> str:
+    """The range of the runs' thread round trips as text ("52-410"; "-" with one thread)."""
+    ok = [m for m in meets if m is not None]
+    return "-" if not ok else f"{min(ok):.0f}-{max(ok):.0f}" if len(ok) > 1 else f"{ok[0]:.0f}"
+
+
 def gemvs_rate(model: torch.nn.Module, activations: torch.dtype) -> float:
     """Tokens/s of ``model``'s products alone (:func:`multihead.bench.decode.kernels_alone`, the fastest
     of 3 samples); NaN when too short to measure."""
@@ -243,10 +258,12 @@ def run(args: argparse.Namespace) -> dict:
         nbytes = decode.step_bytes(ours, "embed")
         for threads in args.threads:
             torch.set_num_threads(threads)
-            theirs, mine, limits, gemvs = [], [], [], []
+            theirs, mine, limits, gemvs, meets = [], [], [], [], []
+            lib = native.library()
             with torch.inference_mode():
                 for _ in range(args.runs):  # interleaved: a load change hits both sides
                     theirs.append(llamacpp_rate(bin_dir, gguf, threads, args.new_tokens, args.context))
+                    meets.append(None if lib is None else native.round_trip_ns(lib))
                     mine.append(our_rate(ours, context, args.new_tokens))
                     gemvs.append(gemvs_rate(ours, ACTIVATIONS[outtype]))
                     limits.append(decode.read_bandwidth(nbytes, reps=3) / nbytes)  # tokens/s at best
@@ -267,6 +284,11 @@ def run(args: argparse.Namespace) -> dict:
                     "multihead_huge_pages": streamed_in_huge_pages(ours),
                     "tokens_first_difference": _first_difference(want, got),
                     "ours_vs_fp32": tokens.parting_text(vs_fp32),
+                    "multihead_meet_ns": meet_text(meets),
+                    "runs": [
+                        dict(zip(RUN_KEYS, run, strict=True))
+                        for run in zip(theirs, mine, limits, gemvs, meets, strict=True)
+                    ],
                 }
             )
             print(json.dumps(doc["rows"][-1]), file=sys.stderr)
@@ -298,7 +320,7 @@ def main() -> None:
     )
     print(
         f"{'GGUF':6s} {'ours':16s} {'threads':>7s} {'llama.cpp':>10s} {'multihead':>10s} {'ratio':>6s}"
-        f" {'of limit':>8s} {'of one':>8s} {'GEMVs':>6s} {'of GEMVs':>8s} {'huge pg':>7s}"
+        f" {'of limit':>8s} {'of one':>8s} {'GEMVs':>6s} {'of GEMVs':>8s} {'meet ns':>8s} {'huge pg':>7s}"
         "  tokens (llama.cpp vs ours)"
     )
     for r in doc["rows"]:
@@ -308,7 +330,7 @@ def main() -> None:
             f"{r['gguf']:6s} {r['ours']:16s} {r['threads']:7d} {r['llamacpp_tok_s']:10.1f} "
             f"{_cell(r['multihead_tok_s'], '10.1f')} {_cell(r['ratio'], '5.2f', 'x')} "
             f"{r['multihead_of_limit']:>8s} {r['multihead_of_one_limit']:>8s} "
-            f"{r['multihead_gemvs_of_limit']:>6s} {r['multihead_of_gemvs']:>8s} "
+            f"{r['multihead_gemvs_of_limit']:>6s} {r['multihead_of_gemvs']:>8s} {r['multihead_meet_ns']:>8s} "
             f"{r['multihead_huge_pages']:>7s}  {same}"
         )
     print("ours against our fp32 model, greedy:")

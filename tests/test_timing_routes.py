@@ -180,6 +180,14 @@ def test_llamacpp_of_limit_pairs_each_run_with_its_own_probe():
     assert text == "92%" and llamacpp_decode.paired_limit_text([101.0], [100.0], "noise") == "noise"
 
 
+def test_llamacpp_meet_text_is_the_runs_range():
+    import llamacpp_decode
+
+    assert llamacpp_decode.meet_text([None, None]) == "-"
+    assert llamacpp_decode.meet_text([52.4]) == "52"
+    assert llamacpp_decode.meet_text([410.2, 52.4, None, 130.0]) == "52-410"
+
+
 def test_llamacpp_gemvs_rate_times_the_products_of_a_native_model():
     """The products alone of a native int8 model: one native call of every linear layer and the head,
     a finite rate above the whole step's (the step does more)."""

@@ -63,6 +63,7 @@ __all__ = [
     "notes",
     "open_library",
     "products",
+    "round_trip_ns",
     "run",
     "run_rows",
     "threads",
@@ -212,6 +213,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.mh_products.argtypes = [_PTR, _I64]  # the (n,) Product array, n
     lib.mh_products.restype = ctypes.c_int  # 0, -1: no memory, -2: blocked int8 rows the build refuses
     lib.mh_product_bytes.restype = _I64
+    lib.mh_thread_round_trip.argtypes = [_I64]  # round trips per batch
+    lib.mh_thread_round_trip.restype = ctypes.c_double  # ns, -1: fewer than two threads
     lib.mh_rms_norm.argtypes = [
         _PTR,
         _PTR,
@@ -563,6 +566,21 @@ def _run_products(lib: ctypes.CDLL, array: ctypes.Array, n: int, keep: tuple) ->
     if status != 0:
         why = "no scratch memory" if status == -1 else "blocked int8 rows in a build that reads them in order"
         raise ValueError(f"the native products failed: {why}")
+
+
+def round_trip_ns(lib: ctypes.CDLL, n: int = 20000) -> float | None:
+    """Nanoseconds of one round trip of a cache line between the first two native threads (the median
+    of 7 batches of ``n``): what each meeting of a product's threads costs at least, and where a virtual
+    machine's host put its virtual CPUs (one core complex: tens of ns; two: hundreds). None with fewer
+    than two threads (:func:`torch.get_num_threads`).
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int (round trips per batch), got {n!r}")
+    ns = float(lib.mh_thread_round_trip(n))
+    return None if ns < 0 else ns
 
 
 def library() -> ctypes.CDLL | None:

@@ -10,6 +10,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "native.h"
 
@@ -52,4 +53,58 @@ int mh_products(const mh_product *p, int64_t n) {
     }
     free(buf);
     return status;
+}
+
+/* Nanoseconds of one round trip between OpenMP threads 0 and 1 (the median of 7 batches of n, n >= 1): a
+ * cache line written by one and read by the other, and back, the least each meeting of the threads of a
+ * product costs. On a virtual machine it moves with where the host places the two virtual CPUs (~50 ns on
+ * one core complex, several hundred across two). -1 when the team has fewer than two threads (or without
+ * OpenMP). */
+double mh_thread_round_trip(int64_t n) {
+#ifdef _OPENMP
+    enum { BATCHES = 7 };
+    if (omp_get_max_threads() < 2) return -1.0; /* torch.set_num_threads(1): one thread, nobody to meet */
+    double ns[BATCHES];
+    int team = 0;
+    _Alignas(64) _Atomic int64_t flag = 0;
+#pragma omp parallel num_threads(2)
+    {
+#pragma omp single
+        team = omp_get_num_threads(); /* a barrier after it: both threads know the team's size */
+        const int me = omp_get_thread_num();
+        if (team == 2)
+            for (int b = 0; b < BATCHES; b++) {
+                const int64_t base = 2 * n * b;
+#pragma omp barrier
+                struct timespec t0, t1;
+                if (me == 0) clock_gettime(CLOCK_MONOTONIC, &t0);
+                for (int64_t i = 0; i < n; i++) {
+                    const int64_t ping = base + 2 * i + 1, pong = ping + 1;
+                    if (me == 0) {
+                        atomic_store_explicit(&flag, ping, memory_order_release);
+                        while (atomic_load_explicit(&flag, memory_order_acquire) != pong) {
+                        }
+                    } else {
+                        while (atomic_load_explicit(&flag, memory_order_acquire) != ping) {
+                        }
+                        atomic_store_explicit(&flag, pong, memory_order_release);
+                    }
+                }
+                if (me == 0) {
+                    clock_gettime(CLOCK_MONOTONIC, &t1);
+                    ns[b] = ((double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec)) / (double)n;
+                }
+            }
+    }
+    if (team != 2) return -1.0;
+    for (int i = 1; i < BATCHES; i++) /* sort the 7, take the middle one */
+        for (int j = i; j > 0 && ns[j - 1] > ns[j]; j--) {
+            const double t = ns[j];
+            ns[j] = ns[j - 1], ns[j - 1] = t;
+        }
+    return ns[BATCHES / 2];
+#else
+    (void)n;
+    return -1.0;
+#endif
 }

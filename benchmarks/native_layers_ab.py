@@ -60,10 +60,10 @@ def build_other(src: Path, out: Path) -> Path:
     Raises:
         ValueError: the tree has no native sources, or they do not compile (the compiler's message).
     """
-    sources = [src / "multihead" / "native" / f.name for f in native.SOURCES]
-    missing = [str(f) for f in sources if not f.is_file()]
-    if missing:
-        raise ValueError(f"{src} is not a multihead source tree: missing {missing}")
+    here = src / "multihead" / "native"
+    sources = sorted(here.glob("*.c"))  # the other tree's own files (this one's list may name newer ones)
+    if not (here / "native.h").is_file() or not sources:
+        raise ValueError(f"{src} is not a multihead source tree: no {here}/native.h and C files")
     compiler, why = native.build.find_compiler()
     if compiler is None:
         raise ValueError(f"no C compiler: {why}")

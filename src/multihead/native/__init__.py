@@ -75,6 +75,7 @@ HERE = Path(__file__).parent
 SOURCES = (
     HERE / "gemv.c",
     HERE / "decode_layer.c",
+    HERE / "attend.c",
     HERE / "gemv_q8.c",
     HERE / "decode_greedy.c",
     HERE / "products.c",

@@ -121,6 +121,44 @@ static inline float hsum16(v16 v) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+typedef int32_t mh_i32x16 __attribute__((vector_size(64)));
+
+/* e^x for 16 lanes: x = n ln2 + f ln2 with n = round(x / ln2), |f| <= 1/2, 2^f by its Taylor series to
+ * degree 6 (relative error about 1.2e-7, one fp32 ulp), 2^n by the exponent field; x clamped to
+ * [-87, 88], where e^x is a normal float (e^-87 ~ 1.6e-38 stands in for anything smaller) */
+static inline v16 mh_vselect(mh_i32x16 mask, v16 a, v16 b) { /* a where mask, else b */
+    mh_i32x16 ai, bi;
+    __builtin_memcpy(&ai, &a, sizeof ai);
+    __builtin_memcpy(&bi, &b, sizeof bi);
+    const mh_i32x16 r = (ai & mask) | (bi & ~mask);
+    v16 out;
+    __builtin_memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+static inline v16 mh_vexp(v16 x) {
+    const v16 zero = {0}, lo = zero - 87.0f, hi = zero + 88.0f;
+    x = mh_vselect(x < lo, lo, x);
+    x = mh_vselect(x > hi, hi, x);
+    const v16 t = x * 1.44269504088896341f + 0.5f; /* x / ln2, shifted so that floor rounds */
+    mh_i32x16 n = __builtin_convertvector(t, mh_i32x16);  /* truncates toward zero */
+    v16 nf = __builtin_convertvector(n, v16);
+    const mh_i32x16 down = nf > t;                       /* -1 where truncation went up (t < 0) */
+    n += down;
+    nf = __builtin_convertvector(n, v16);
+    const v16 f = (t - 0.5f - nf) * 0.69314718055994531f; /* f ln2, in [-ln2 / 2, ln2 / 2] */
+    v16 p = f * (1.0f / 720) + 1.0f / 120;
+    p = p * f + 1.0f / 24;
+    p = p * f + 1.0f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    const mh_i32x16 e = (n + 127) << 23;
+    v16 scale;
+    __builtin_memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
 /* one value of storage dtype kind at p[i], as fp32 */
 static inline float mh_get(const void *p, int64_t i, int kind) {
     if (kind == MH_BF16) {
@@ -134,6 +172,12 @@ static inline float mh_get(const void *p, int64_t i, int kind) {
 #endif
     return ((const float *)p)[i];
 }
+
+/* the attention of the G query heads q (G, D) fp32 sharing one kv head over its cached keys and values
+ * 0..L-1 (K, V (L, D) of cache kind ckind; per-position scales ks, vs for MH_I8, else NULL) into out (G, D)
+ * fp32; scratch scores (G, L) (attend.c) */
+void mh_attend(const float *q, const void *K, const void *V, const float *ks, const float *vs, int64_t L,
+               int64_t D, int64_t G, float scale, int ckind, float *out, float *scores);
 
 /* int8 products (gemv_q8.c): activations quantized in blocks of MH_Q8_BLOCK values */
 #define MH_Q8_BLOCK 32

@@ -66,6 +66,13 @@ static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at) {
     }
 }
 
+/* A one-row decode step runs all its layers on one team (decode_layer.c): each of its threads then points
+ * mh_team_spans at the team's shared spans, and a balanced loop inside that region splits across the team
+ * (whatever its size: the team is there already) with no region of its own and no barrier at its end
+ * (the step places one after each loop; with it, every span is empty when the next loop starts, so a
+ * thread that finds another's span not yet set up for this loop finds nothing to take). NULL elsewhere. */
+extern _Thread_local mh_span *mh_team_spans;
+
 /* for (I = 0; I < N; I++) the statement after I, on the team when PAR (N < 2^32; it may not leave the
  * loop) */
 #define MH_BALANCED_FOR(N, PAR, I, ...)                                                                   \
@@ -74,6 +81,19 @@ static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at) {
         const int par_ = (PAR);                                                                            \
         int T_ = omp_get_max_threads();                                                                    \
         T_ = T_ > MH_MAX_SPANS ? MH_MAX_SPANS : (T_ < 1 ? 1 : T_);                                         \
+        if (mh_team_spans && omp_in_parallel() && omp_get_num_threads() > 1) { /* a step's team */         \
+            const int tn_ = omp_get_num_threads(), me_ = omp_get_thread_num();                             \
+            atomic_store_explicit(&mh_team_spans[me_].fb,                                                  \
+                                  (uint64_t)(n_ * me_ / tn_) | ((uint64_t)(n_ * (me_ + 1) / tn_) << 32),    \
+                                  memory_order_relaxed);                                                   \
+            for (int v_ = 0; v_ < tn_; v_++) {                                                             \
+                mh_span *s_ = &mh_team_spans[(me_ + v_) % tn_];                                            \
+                int64_t at_, k_;                                                                           \
+                while ((k_ = mh_span_take(s_, v_ > 0, &at_)) > 0)                                          \
+                    for (int64_t I = at_; I < at_ + k_; I++) __VA_ARGS__;                                  \
+            }                                                                                              \
+            break;                                                                                         \
+        }                                                                                                  \
         if (!par_ || T_ == 1 || omp_in_parallel()) { /* one thread: no team (entering one costs ~1 us) */  \
             for (int64_t I = 0; I < n_; I++) __VA_ARGS__;                                                  \
             break;                                                                                         \

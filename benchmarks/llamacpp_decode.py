@@ -21,10 +21,12 @@ says how to build one offline. Steps:
    CONTEXT-token prompt, ``(NEW - 1) / (t(NEW) - t(1))`` (the prefill excluded; each time the fastest
    of 3). Medians.
 5. Ours against our bandwidth limit (the bytes a step reads, ``multihead.bench.decode.step_bytes``, over
-   ``read_bandwidth`` of as many bytes at the same thread count), probed in every run right after our
-   rate: "of limit" is the median over the runs of our rate over that run's limit (a machine whose read
-   rate moves between minutes moves both alike; one probe after all the runs compared each run with
-   another minute's memory), "of one limit" the median rate over the best of the runs' probes. And our
+   ``read_bandwidth`` of as many bytes at the same thread count), probed in every run right before and
+   right after our rate, the faster of the two counting: "of limit" is the median over the runs of our
+   rate over that run's limit (a machine whose read rate moves between minutes moves both alike; one
+   probe after all the runs compared each run with another minute's memory; and where the rate moved
+   during our measurement, the faster probe keeps our share from reading above what the memory allowed),
+   "of one limit" the median rate over the best of the runs' probes. And our
    greedy tokens in each precision against our fp32 model's: where they part and the fp32 logit margin
    there.
 6. Where the rest of our step goes: in every run, right after our rate, our model's products alone
@@ -34,7 +36,8 @@ says how to build one offline. Steps:
    is near 100% is held by its products; one whose "GEMVs" is near 100% and "of GEMVs" is not, by the
    rest of the step (attention over the cache, norms, rotary, residuals, the threads meeting).
 7. With two or more threads, the round trip of a cache line between our first two threads
-   (``multihead.native.round_trip_ns``) right before our rate in every run, shown as its range ("meet"):
+   (``multihead.native.round_trip_ns``) right before and right after our rate in every run, shown as the
+   range of all of them ("meet"):
    on a virtual machine the host may move its virtual CPUs between minutes, onto one core complex (tens
    of ns; the memory read rate of both threads then about one complex's) or two (hundreds of ns, a
    faster read rate, every meeting of the threads dearer). Each run's figures are in the JSON's "runs".
@@ -72,9 +75,10 @@ PRECISIONS = {
     "f16": ({"weights": "fp16", "kv": None, "kernel": "native"}, "fp16 native"),
     "q8_0": ({"weights": "int8", "kv": "int8", "kernel": "native", "group_size": 32}, "int8 native g32"),
 }
-#: each run's figures in the JSON's "runs": llama.cpp's and our tokens/s, our limit in tokens/s (the probe
-#: after our rate), our products alone as tokens/s, our threads' round trip (ns; None with one thread)
-RUN_KEYS = ("llamacpp_tok_s", "multihead_tok_s", "limit_tok_s", "gemvs_tok_s", "meet_ns")
+#: each run's figures in the JSON's "runs": llama.cpp's and our tokens/s, our limit in tokens/s (the faster
+#: probe, before or after our rate), our products alone as tokens/s, our threads' round trips before and
+#: after our rate (ns; None with one thread)
+RUN_KEYS = ("llamacpp_tok_s", "multihead_tok_s", "limit_tok_s", "gemvs_tok_s", "meet_ns_before_after")
 FIRST_CHAR = 0x4E00  # token i >= 4 is the character FIRST_CHAR + i - 4 (CJK, then on into Hangul)
 SPECIAL = ["<unk>", "<s>", "</s>", "\u2581"]  # ids 0-3; 3 is the space marker SentencePiece prepends
 
@@ -263,10 +267,12 @@ def run(args: argparse.Namespace) -> dict:
             with torch.inference_mode():
                 for _ in range(args.runs):  # interleaved: a load change hits both sides
                     theirs.append(llamacpp_rate(bin_dir, gguf, threads, args.new_tokens, args.context))
-                    meets.append(None if lib is None else native.round_trip_ns(lib))
+                    before = decode.read_bandwidth(nbytes, reps=3) / nbytes  # tokens/s at best
+                    meet = None if lib is None else native.round_trip_ns(lib)
                     mine.append(our_rate(ours, context, args.new_tokens))
+                    meets.append((meet, None if lib is None else native.round_trip_ns(lib)))
                     gemvs.append(gemvs_rate(ours, ACTIVATIONS[outtype]))
-                    limits.append(decode.read_bandwidth(nbytes, reps=3) / nbytes)  # tokens/s at best
+                    limits.append(max(before, decode.read_bandwidth(nbytes, reps=3) / nbytes))
             ours_tok_s = _median_rate(mine)  # None: too short to measure
             doc["rows"].append(
                 {
@@ -284,7 +290,7 @@ def run(args: argparse.Namespace) -> dict:
                     "multihead_huge_pages": streamed_in_huge_pages(ours),
                     "tokens_first_difference": _first_difference(want, got),
                     "ours_vs_fp32": tokens.parting_text(vs_fp32),
-                    "multihead_meet_ns": meet_text(meets),
+                    "multihead_meet_ns": meet_text([m for pair in meets for m in pair]),
                     "runs": [
                         dict(zip(RUN_KEYS, run, strict=True))
                         for run in zip(theirs, mine, limits, gemvs, meets, strict=True)

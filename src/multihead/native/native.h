@@ -73,6 +73,16 @@ static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at) {
  * thread that finds another's span not yet set up for this loop finds nothing to take). NULL elsewhere. */
 extern _Thread_local mh_span *mh_team_spans;
 
+/* thread ME of a team of T taking every item left in SPANS (T of them): its own span from the front,
+ * then the others' from their backs, running the statement after I on each */
+#define MH_TAKE_ALL(SPANS, T, ME, I, ...)                                                                  \
+    for (int v_ = 0; v_ < (T); v_++) {                                                                     \
+        mh_span *s_ = &(SPANS)[((ME) + v_) % (T)];                                                         \
+        int64_t at_, k_;                                                                                   \
+        while ((k_ = mh_span_take(s_, v_ > 0, &at_)) > 0)                                                  \
+            for (int64_t I = at_; I < at_ + k_; I++) __VA_ARGS__;                                          \
+    }
+
 /* for (I = 0; I < N; I++) the statement after I, on the team when PAR (N < 2^32; it may not leave the
  * loop) */
 #define MH_BALANCED_FOR(N, PAR, I, ...)                                                                   \
@@ -86,12 +96,7 @@ extern _Thread_local mh_span *mh_team_spans;
             atomic_store_explicit(&mh_team_spans[me_].fb,                                                  \
                                   (uint64_t)(n_ * me_ / tn_) | ((uint64_t)(n_ * (me_ + 1) / tn_) << 32),    \
                                   memory_order_relaxed);                                                   \
-            for (int v_ = 0; v_ < tn_; v_++) {                                                             \
-                mh_span *s_ = &mh_team_spans[(me_ + v_) % tn_];                                            \
-                int64_t at_, k_;                                                                           \
-                while ((k_ = mh_span_take(s_, v_ > 0, &at_)) > 0)                                          \
-                    for (int64_t I = at_; I < at_ + k_; I++) __VA_ARGS__;                                  \
-            }                                                                                              \
+            MH_TAKE_ALL(mh_team_spans, tn_, me_, I, __VA_ARGS__);                                          \
             break;                                                                                         \
         }                                                                                                  \
         if (!par_ || T_ == 1 || omp_in_parallel()) { /* one thread: no team (entering one costs ~1 us) */  \
@@ -103,12 +108,7 @@ extern _Thread_local mh_span *mh_team_spans;
             atomic_init(&spans_[t_].fb, (uint64_t)(n_ * t_ / T_) | ((uint64_t)(n_ * (t_ + 1) / T_) << 32)); \
         _Pragma("omp parallel") {                                                                          \
             const int me_ = omp_get_thread_num();                                                          \
-            for (int v_ = 0; v_ < T_; v_++) { /* its own part from the front, then the others' backs */    \
-                mh_span *s_ = &spans_[(me_ + v_) % T_];                                                    \
-                int64_t at_, k_;                                                                           \
-                while ((k_ = mh_span_take(s_, v_ > 0, &at_)) > 0)                                          \
-                    for (int64_t I = at_; I < at_ + k_; I++) __VA_ARGS__;                                  \
-            }                                                                                              \
+            MH_TAKE_ALL(spans_, T_, me_, I, __VA_ARGS__);                                                  \
         }                                                                                                  \
     } while (0)
 #else

@@ -214,8 +214,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.mh_products.argtypes = [_PTR, _I64]  # the (n,) Product array, n
     lib.mh_products.restype = ctypes.c_int  # 0, -1: no memory, -2: blocked int8 rows the build refuses
     lib.mh_product_bytes.restype = _I64
-    lib.mh_thread_round_trip.argtypes = [_I64]  # round trips per batch
-    lib.mh_thread_round_trip.restype = ctypes.c_double  # ns, -1: fewer than two threads
+    trip = getattr(lib, "mh_thread_round_trip", None)  # older sources (an A/B benchmark's other tree) lack it
+    if trip is not None:
+        trip.argtypes = [_I64]  # round trips per batch
+        trip.restype = ctypes.c_double  # ns, -1: fewer than two threads
     lib.mh_rms_norm.argtypes = [
         _PTR,
         _PTR,
@@ -573,14 +575,17 @@ def round_trip_ns(lib: ctypes.CDLL, n: int = 20000) -> float | None:
     """Nanoseconds of one round trip of a cache line between the first two native threads (the median
     of 7 batches of ``n``): what each meeting of a product's threads costs at least, and where a virtual
     machine's host put its virtual CPUs (one core complex: tens of ns; two: hundreds). None with fewer
-    than two threads (:func:`torch.get_num_threads`).
+    than two threads (:func:`torch.get_num_threads`), or from a library built before the function.
 
     Raises:
         ValueError: ``n`` < 1.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int (round trips per batch), got {n!r}")
-    ns = float(lib.mh_thread_round_trip(n))
+    trip = getattr(lib, "mh_thread_round_trip", None)
+    if trip is None:  # a library built from sources older than the function
+        return None
+    ns = float(trip(n))
     return None if ns < 0 else ns
 
 

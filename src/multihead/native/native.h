@@ -50,14 +50,14 @@ typedef struct {
     _Alignas(64) _Atomic uint64_t fb; /* front (low 32 bits), back (high 32) */
 } mh_span;
 
-/* up to MH_SPAN_CHUNK items of span s, from its back (steal) or front; their count (0: none left), the
- * first at *at */
-static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at) {
+/* up to chunk items of span s, from its back (steal) or front; their count (0: none left), the first at
+ * *at */
+static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at, uint32_t chunk) {
     uint64_t v = atomic_load_explicit(&s->fb, memory_order_relaxed);
     for (;;) {
         const uint32_t f = (uint32_t)v, b = (uint32_t)(v >> 32);
         if (f >= b) return 0;
-        const uint32_t k = b - f < MH_SPAN_CHUNK ? b - f : MH_SPAN_CHUNK;
+        const uint32_t k = b - f < chunk ? b - f : chunk;
         const uint64_t nv = back ? ((uint64_t)(b - k) << 32) | f : ((uint64_t)b << 32) | (f + k);
         if (atomic_compare_exchange_weak_explicit(&s->fb, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
             *at = back ? b - k : f;
@@ -73,13 +73,13 @@ static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at) {
  * thread that finds another's span not yet set up for this loop finds nothing to take). NULL elsewhere. */
 extern _Thread_local mh_span *mh_team_spans;
 
-/* thread ME of a team of T taking every item left in SPANS (T of them): its own span from the front,
- * then the others' from their backs, running the statement after I on each */
-#define MH_TAKE_ALL(SPANS, T, ME, I, ...)                                                                  \
+/* thread ME of a team of T taking every item left in SPANS (T of them), CHUNK at a time: its own span
+ * from the front, then the others' from their backs, running the statement after I on each */
+#define MH_TAKE_ALL(SPANS, T, ME, CHUNK, I, ...)                                                           \
     for (int v_ = 0; v_ < (T); v_++) {                                                                     \
         mh_span *s_ = &(SPANS)[((ME) + v_) % (T)];                                                         \
         int64_t at_, k_;                                                                                   \
-        while ((k_ = mh_span_take(s_, v_ > 0, &at_)) > 0)                                                  \
+        while ((k_ = mh_span_take(s_, v_ > 0, &at_, (CHUNK))) > 0)                                         \
             for (int64_t I = at_; I < at_ + k_; I++) __VA_ARGS__;                                          \
     }
 
@@ -91,16 +91,17 @@ extern _Thread_local mh_span *mh_team_spans;
         const int par_ = (PAR);                                                                            \
         int T_ = omp_get_max_threads();                                                                    \
         T_ = T_ > MH_MAX_SPANS ? MH_MAX_SPANS : (T_ < 1 ? 1 : T_);                                         \
-        if (mh_team_spans && omp_in_parallel() && omp_get_num_threads() > 1) { /* a step's team */         \
-            const int tn_ = omp_get_num_threads(), me_ = omp_get_thread_num();                             \
-            atomic_store_explicit(&mh_team_spans[me_].fb,                                                  \
+        const int team_ = mh_team_spans && omp_in_parallel() && omp_get_num_threads() > 1; /* a step's */  \
+        if (team_ || !par_ || T_ == 1 || omp_in_parallel()) { /* no region of its own */                   \
+            /* on a step's team this thread's share, else one thread (a region costs ~1 us to enter) with \
+             * one span of every item, taken at once: one copy of the loop for both (a copy of its own    \
+             * for the team made the one-thread step 2-3% slower) */                                      \
+            mh_span one_, *sp_ = team_ ? mh_team_spans : &one_;                                            \
+            const int tn_ = team_ ? omp_get_num_threads() : 1, me_ = team_ ? omp_get_thread_num() : 0;     \
+            atomic_store_explicit(&sp_[me_].fb,                                                            \
                                   (uint64_t)(n_ * me_ / tn_) | ((uint64_t)(n_ * (me_ + 1) / tn_) << 32),    \
                                   memory_order_relaxed);                                                   \
-            MH_TAKE_ALL(mh_team_spans, tn_, me_, I, __VA_ARGS__);                                          \
-            break;                                                                                         \
-        }                                                                                                  \
-        if (!par_ || T_ == 1 || omp_in_parallel()) { /* one thread: no team (entering one costs ~1 us) */  \
-            for (int64_t I = 0; I < n_; I++) __VA_ARGS__;                                                  \
+            MH_TAKE_ALL(sp_, tn_, me_, team_ ? MH_SPAN_CHUNK : UINT32_MAX, I, __VA_ARGS__);                \
             break;                                                                                         \
         }                                                                                                  \
         mh_span spans_[MH_MAX_SPANS];                                                                      \
@@ -108,7 +109,7 @@ extern _Thread_local mh_span *mh_team_spans;
             atomic_init(&spans_[t_].fb, (uint64_t)(n_ * t_ / T_) | ((uint64_t)(n_ * (t_ + 1) / T_) << 32)); \
         _Pragma("omp parallel") {                                                                          \
             const int me_ = omp_get_thread_num();                                                          \
-            MH_TAKE_ALL(spans_, T_, me_, I, __VA_ARGS__);                                                  \
+            MH_TAKE_ALL(spans_, T_, me_, MH_SPAN_CHUNK, I, __VA_ARGS__);                                   \
         }                                                                                                  \
     } while (0)
 #else

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import types
 
 import pytest
 import torch
@@ -284,6 +285,8 @@ def test_the_threads_round_trip_is_timed_with_two_threads_and_none_with_one():
         for bad in (0, -3, 1.5, True):
             with pytest.raises(ValueError, match="n must be a positive int"):
                 native.round_trip_ns(lib, bad)  # type: ignore[arg-type]
+        older = types.SimpleNamespace()  # a library built before the function (an A/B's other tree)
+        assert native.round_trip_ns(older, 100) is None  # type: ignore[arg-type]
     finally:
         torch.set_num_threads(before)
 

@@ -71,13 +71,16 @@ static inline void put(void *p, int64_t i, float f, int kind) {
         ((float *)p)[i] = f;
 }
 
-static void gemv(const void *w, const void *x, void *y, int64_t rows, int64_t cols, int kind) {
+/* y = W x of kind; team: on a step's team (the kernels' _team entries) */
+static void gemv(const void *w, const void *x, void *y, int64_t rows, int64_t cols, int kind, int team) {
     if (kind == MH_BF16)
-        mh_gemv_bf16((const uint16_t *)w, (const uint16_t *)x, NULL, (uint16_t *)y, rows, cols, cols);
+        (team ? mh_gemv_bf16_team : mh_gemv_bf16)((const uint16_t *)w, (const uint16_t *)x, NULL, (uint16_t *)y,
+                                                  rows, cols, cols);
     else if (kind == MH_F16)
-        mh_gemv_f16((const uint16_t *)w, (const uint16_t *)x, NULL, (uint16_t *)y, rows, cols, cols);
+        (team ? mh_gemv_f16_team : mh_gemv_f16)((const uint16_t *)w, (const uint16_t *)x, NULL, (uint16_t *)y, rows,
+                                                cols, cols);
     else
-        mh_gemv_f32((const float *)w, (const float *)x, NULL, (float *)y, rows, cols, cols);
+        (team ? mh_gemv_f32_team : mh_gemv_f32)((const float *)w, (const float *)x, NULL, (float *)y, rows, cols, cols);
 }
 
 /* STMT with the storage dtype kind a constant K (MH_F32, MH_BF16 or MH_F16), so that its loops over get /
@@ -153,6 +156,7 @@ typedef struct {
     int8_t *xq; /* int8 weights: the quantized input of the last product (mh_quantize_q8) */
     float *xs;
     void *scratch; /* int8 weights: mh_gemv_q8_into's, 64-aligned */
+    int team; /* the products run on a step's team (team_step) */
 } weights;
 
 /* Y = X W_p^T for B rows of X (B, cols) into Y (B, rows), each row as the one-row product gives it. One
@@ -167,12 +171,13 @@ static int project(const weights *W, int p, const void *x, void *y, int64_t rows
         return mh_gemm_q8((const int8_t *)W->w[p], W->s[p], (const float *)x, NULL, (float *)y, B, rows, cols, cols,
                           W->group, W->blocked);
     if (W->s[p] == NULL) {
-        gemv(W->w[p], x, y, rows, cols, kind);
+        gemv(W->w[p], x, y, rows, cols, kind, W->team);
         return 0;
     }
     if (fresh) mh_quantize_q8(x, kind, cols, W->xq, W->xs);
-    mh_gemv_q8_into((const int8_t *)W->w[p], W->s[p], W->xq, W->xs, NULL, (float *)y, rows, cols, cols, W->group,
-                    W->blocked, W->scratch); /* cannot fail: the layout was checked on entry */
+    (W->team ? mh_gemv_q8_team : mh_gemv_q8_into)((const int8_t *)W->w[p], W->s[p], W->xq, W->xs, NULL, (float *)y,
+                                                  rows, cols, cols, W->group, W->blocked,
+                                                  W->scratch); /* cannot fail: the layout was checked on entry */
     return 0;
 }
 
@@ -377,7 +382,7 @@ static int team_step(void *x, const mh_layer_args *a, int64_t n, int64_t pos, co
             o.att = o.qkv + (l->Hq + 2 * l->Hkv) * l->D * 4, o.o = o.att + l->Hq * l->D * 4;
             o.gate = o.o + l->d * 4, o.up = o.gate + l->F * 4, o.w2 = o.up + l->F * 4;
             weights W = {{l->w[0], l->w[1], l->w[2], l->w[3], l->w[4]}, {l->s[0], l->s[1], l->s[2], l->s[3], l->s[4]},
-                         l->group, l->blocked, NULL, act + wide, NULL};
+                         l->group, l->blocked, NULL, act + wide, NULL, 1};
             W.xq = (int8_t *)(W.xs + nq / MH_Q8_BLOCK);
             W.scratch = (void *)(((uintptr_t)(W.xq + nq) + 63) & ~(uintptr_t)63); /* MH_Q8_SCRATCH(nq) at 64 */
             team_layer(l, &W, xt, h, heads, act, &o, pos, cos[i], sin[i]);
@@ -436,7 +441,7 @@ int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, con
     for (int64_t i = 0; i < n; i++) {
         const mh_layer_args *l = &a[i];
         weights W = {{l->w[0], l->w[1], l->w[2], l->w[3], l->w[4]}, {l->s[0], l->s[1], l->s[2], l->s[3], l->s[4]},
-                     l->group, l->blocked, NULL, NULL, NULL};
+                     l->group, l->blocked, NULL, NULL, NULL, 0};
         const int ckind = l->k_scale && l->v_scale ? MH_I8 : l->kind;
         const int status = layer(x, l->g_attn, l->g_ffn, &W, l->k_cache, l->v_cache, l->k_scale, l->v_scale,
                                  l->k_head_stride, l->v_head_stride, l->s_head_stride, pos, cos[i], sin[i],

@@ -77,10 +77,10 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
  * tails. LOAD_W(p) / LOAD_X(p) widen 16 values at p to fp32 lanes, ONE_W(v) / ONE_X(v) one value;
  * STORE(o, s) writes output o from the row's fp32 sum s. Reads rows, cols, ldw of the enclosing kernel. A
  * row's sums do not depend on its partner. */
-#define MH_STREAM_ROWS(W, X, LOAD_W, LOAD_X, ONE_W, ONE_X, STORE)                                            \
+#define MH_STREAM_ROWS(W, X, LOAD_W, LOAD_X, ONE_W, ONE_X, STORE, TEAM)                                      \
     do {                                                                                                     \
         const int64_t c128_ = cols & ~(int64_t)127, c16_ = cols & ~(int64_t)15, part_ = (rows + 1) / 2;     \
-        MH_BALANCED_FOR(part_, rows * cols >= MH_PAR_MIN, o, {                                             \
+        MH_BALANCED_FOR(part_, rows * cols >= MH_PAR_MIN, TEAM, o, {                                       \
             const int64_t u = o + part_ < rows ? o + part_ : o;                                              \
             const __typeof__(&(W)[0]) r = (W) + o * ldw, q = (W) + u * ldw;                                  \
             v16 a[8] = {{0}}, c[8] = {{0}};                                                                  \
@@ -117,11 +117,23 @@ int mh_native_threads(void) { /* threads a large product uses now */
 #endif
 }
 
-void mh_gemv_f32(const float *w, const float *x, const float *b, float *y, int64_t rows, int64_t cols,
-                 int64_t ldw) {
+/* the kernels below as one body each with team (MH_BALANCED_FOR's TEAM) a constant: mh_gemv_X (0) and
+ * mh_gemv_X_team (1, on a step's team) */
+#define MH_TWO_ENTRIES(NAME, T, XT)                                                                        \
+    void NAME(const T *w, const XT *x, const XT *b, XT *y, int64_t rows, int64_t cols, int64_t ldw) {      \
+        NAME##_body(w, x, b, y, rows, cols, ldw, 0);                                                       \
+    }                                                                                                      \
+    void NAME##_team(const T *w, const XT *x, const XT *b, XT *y, int64_t rows, int64_t cols, int64_t ldw) { \
+        NAME##_body(w, x, b, y, rows, cols, ldw, 1);                                                       \
+    }
+
+static inline __attribute__((always_inline)) void mh_gemv_f32_body(const float *w, const float *x, const float *b,
+                                                                   float *y, int64_t rows, int64_t cols,
+                                                                   int64_t ldw, const int team) {
 #define MH_STORE_F32(o, s) (y[o] = b ? (s) + b[o] : (s))
-    MH_STREAM_ROWS(w, x, load_f32, load_f32, MH_SAME, MH_SAME, MH_STORE_F32);
+    MH_STREAM_ROWS(w, x, load_f32, load_f32, MH_SAME, MH_SAME, MH_STORE_F32, team);
 }
+MH_TWO_ENTRIES(mh_gemv_f32, float, float)
 
 int mh_gemv_has_f16(void) { return MH_HAS_F16; }
 
@@ -143,14 +155,15 @@ static inline v16 load_f16(const uint16_t *p) { /* 16 fp16 -> 16 fp32 */
 }
 #endif
 
-void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
-                 int64_t cols, int64_t ldw) {
+static inline __attribute__((always_inline)) void mh_gemv_f16_body(const uint16_t *w, const uint16_t *x,
+                                                                   const uint16_t *b, uint16_t *y, int64_t rows,
+                                                                   int64_t cols, int64_t ldw, const int team) {
 #define MH_STORE_F16(o, s) (y[o] = mh_f2h(b ? (s) + mh_h2f(b[o]) : (s)))
 #if MH_HAS_F16 && defined(__AVX512F__)
     /* x read as fp16 and widened with each row's values (one VCVTPH2PS more per 16 weights): half the
      * cache traffic of a widened fp32 copy of x, and 1.0-1.2x the GB/s of reading that copy on a Zen 5
      * (benchmarks/native_gemv.py, 1024-32000 rows of 1024-2816 fp16 weights, one thread) */
-    MH_STREAM_ROWS(w, x, load_f16, load_f16, mh_h2f, mh_h2f, MH_STORE_F16);
+    MH_STREAM_ROWS(w, x, load_f16, load_f16, mh_h2f, mh_h2f, MH_STORE_F16, team);
 #elif MH_HAS_F16
     float stack[4096], *xf = cols <= 4096 ? stack : malloc((size_t)cols * sizeof(float));
     if (!xf) { /* no memory for the widened x: widen it again for every row */
@@ -162,12 +175,13 @@ void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16
         return;
     }
     for (int64_t i = 0; i < cols; i++) xf[i] = mh_h2f(x[i]); /* x widened once, not once per row */
-    MH_STREAM_ROWS(w, xf, load_f16, load_f32, mh_h2f, MH_SAME, MH_STORE_F16);
+    MH_STREAM_ROWS(w, xf, load_f16, load_f32, mh_h2f, MH_SAME, MH_STORE_F16, team);
     if (xf != stack) free(xf);
 #else
-    (void)w, (void)x, (void)b, (void)y, (void)rows, (void)cols, (void)ldw;
+    (void)w, (void)x, (void)b, (void)y, (void)rows, (void)cols, (void)ldw, (void)team;
 #endif
 }
+MH_TWO_ENTRIES(mh_gemv_f16, uint16_t, uint16_t)
 
 #if MH_DPBF16
 /* a row's sum from its eight accumulators v and the values i .. cols - 1 past the vector loops */
@@ -206,19 +220,21 @@ static inline __attribute__((always_inline)) void dpbf16_sums(const uint16_t *r,
 }
 #endif
 
-void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
-                  int64_t cols, int64_t ldw) {
+static inline __attribute__((always_inline)) void mh_gemv_bf16_body(const uint16_t *w, const uint16_t *x,
+                                                                    const uint16_t *b, uint16_t *y, int64_t rows,
+                                                                    int64_t cols, int64_t ldw, const int team) {
 #if MH_DPBF16
-    MH_BALANCED_FOR(rows, rows * cols >= MH_PAR_MIN, o, {
+    MH_BALANCED_FOR(rows, rows * cols >= MH_PAR_MIN, team, o, {
         float sum[2];
         dpbf16_sums(w + o * ldw, x, NULL, 0, cols, sum);
         y[o] = f32_to_bf16(b ? sum[0] + bf16_to_f32(b[o]) : sum[0]);
     });
 #else
 #define MH_STORE_BF16(o, s) (y[o] = f32_to_bf16(b ? (s) + bf16_to_f32(b[o]) : (s)))
-    MH_STREAM_ROWS(w, x, load_bf16, load_bf16, bf16_to_f32, bf16_to_f32, MH_STORE_BF16);
+    MH_STREAM_ROWS(w, x, load_bf16, load_bf16, bf16_to_f32, bf16_to_f32, MH_STORE_BF16, team);
 #endif
 }
+MH_TWO_ENTRIES(mh_gemv_bf16, uint16_t, uint16_t)
 
 /* The same sums for two activation rows X0, X1 at once, one weight row at a time: each 16 weights loaded
  * once for both, each row's sums in the one-row loop's order (eight accumulators over 128 values, then

@@ -452,8 +452,10 @@ static inline __attribute__((always_inline)) void pair_q8(int64_t o, int64_t par
  * G >= cols), xq / xs from mh_quantize_q8 of x, b (rows fp32) or NULL. G: a multiple of 32, or >= cols.
  * blocked: the weights in the blocked layout (AVX512-VNNI builds; elsewhere -2). scratch: MH_Q8_SCRATCH(cols)
  * bytes aligned to 64 (each lane's start, x in the blocked order; unused without AVX-512). Returns 0 or -2. */
-int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
-                    int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked, void *scratch) {
+static inline __attribute__((always_inline)) int q8_into(const int8_t *w, const float *ws, const int8_t *xq,
+                                                        const float *xs, const float *b, float *y, int64_t rows,
+                                                        int64_t cols, int64_t ldw, int64_t G, int blocked,
+                                                        void *scratch, const int team) {
     const int per_row = G >= cols;
     const int64_t ldws = per_row ? 1 : (cols + G - 1) / G;
 #if MH_Q8_ISA == 3
@@ -462,17 +464,26 @@ int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const fl
     const __m512i *start, *bstart;
     prepare_x(xq, cols, blocked, scratch, &xv, &start, &bstart);
     const int64_t part = (rows + 1) / 2; /* rows o and o + part side by side */
-    MH_BALANCED_FOR(part, rows * cols >= MH_PAR_MIN, o, /* the work test: rows * cols, all of them */
+    MH_BALANCED_FOR(part, rows * cols >= MH_PAR_MIN, team, o, /* the work test: rows * cols, all of them */
                     pair_q8(o, part, rows, w, ws, xv, xs, start, bstart, b, y, cols, ldw, ldws, G, shift, per_row));
 #else
     (void)scratch;
     if (blocked) return -2; /* the blocked layout is AVX512-VNNI's */
-    MH_BALANCED_FOR(rows, rows * cols >= MH_PAR_MIN, o, {
+    MH_BALANCED_FOR(rows, rows * cols >= MH_PAR_MIN, team, o, {
         const float *wsr = ws + o * ldws;
         y[o] = q8_out(row_q8(w + o * ldw, wsr, xq, xs, cols, G, per_row), wsr, b, o, per_row);
     });
 #endif
     return 0;
+}
+int mh_gemv_q8_into(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
+                    int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked, void *scratch) {
+    return q8_into(w, ws, xq, xs, b, y, rows, cols, ldw, G, blocked, scratch, 0);
+}
+
+int mh_gemv_q8_team(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
+                    int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked, void *scratch) {
+    return q8_into(w, ws, xq, xs, b, y, rows, cols, ldw, G, blocked, scratch, 1);
 }
 
 /* mh_gemv_q8_into with its scratch (MH_Q8_SCRATCH(cols) bytes) on the stack up to 32768 bytes, else

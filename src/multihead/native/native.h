@@ -66,10 +66,10 @@ static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at, uint32_t c
     }
 }
 
-/* A one-row decode step runs all its layers on one team (decode_layer.c): each of its threads then points
- * mh_team_spans at the team's shared spans, and a balanced loop inside that region splits across the team
- * (whatever its size: the team is there already) with no region of its own and no barrier at its end
- * (the step places one after each loop; with it, every span is empty when the next loop starts, so a
+/* A one-row decode step runs all its layers on one team (decode_layer.c): each of its threads points
+ * mh_team_spans at the team's shared spans and calls the GEMVs' _team entries, whose balanced loop
+ * (MH_BALANCED_FOR with TEAM 1) takes this thread's share with no region of its own and no barrier at its
+ * end (the step places one after each loop; with it, every span is empty when the next loop starts, so a
  * thread that finds another's span not yet set up for this loop finds nothing to take). NULL elsewhere. */
 extern _Thread_local mh_span *mh_team_spans;
 
@@ -84,24 +84,25 @@ extern _Thread_local mh_span *mh_team_spans;
     }
 
 /* for (I = 0; I < N; I++) the statement after I, on the team when PAR (N < 2^32; it may not leave the
- * loop) */
-#define MH_BALANCED_FOR(N, PAR, I, ...)                                                                   \
+ * loop). TEAM, a constant: 1 inside a step's team (mh_team_spans set: this thread's share of the team's
+ * spans, no region of its own, no barrier), 0 elsewhere (its code then compiles as if the team's were not
+ * there: a copy of the statement for the team in every kernel made the one-thread step 1-3% slower). */
+#define MH_BALANCED_FOR(N, PAR, TEAM, I, ...)                                                             \
     do {                                                                                                   \
         const int64_t n_ = (N);                                                                            \
         const int par_ = (PAR);                                                                            \
+        if (TEAM) {                                                                                        \
+            const int tn_ = omp_get_num_threads(), tme_ = omp_get_thread_num();                            \
+            atomic_store_explicit(&mh_team_spans[tme_].fb,                                                 \
+                                  (uint64_t)(n_ * tme_ / tn_) | ((uint64_t)(n_ * (tme_ + 1) / tn_) << 32),  \
+                                  memory_order_relaxed);                                                   \
+            MH_TAKE_ALL(mh_team_spans, tn_, tme_, MH_SPAN_CHUNK, I, __VA_ARGS__);                          \
+            break;                                                                                         \
+        }                                                                                                  \
         int T_ = omp_get_max_threads();                                                                    \
         T_ = T_ > MH_MAX_SPANS ? MH_MAX_SPANS : (T_ < 1 ? 1 : T_);                                         \
-        const int team_ = mh_team_spans && omp_in_parallel() && omp_get_num_threads() > 1; /* a step's */  \
-        if (team_ || !par_ || T_ == 1 || omp_in_parallel()) { /* no region of its own */                   \
-            /* on a step's team this thread's share, else one thread (a region costs ~1 us to enter) with \
-             * one span of every item, taken at once: one copy of the loop for both (a copy of its own    \
-             * for the team made the one-thread step 2-3% slower) */                                      \
-            mh_span one_, *sp_ = team_ ? mh_team_spans : &one_;                                            \
-            const int tn_ = team_ ? omp_get_num_threads() : 1, me_ = team_ ? omp_get_thread_num() : 0;     \
-            atomic_store_explicit(&sp_[me_].fb,                                                            \
-                                  (uint64_t)(n_ * me_ / tn_) | ((uint64_t)(n_ * (me_ + 1) / tn_) << 32),    \
-                                  memory_order_relaxed);                                                   \
-            MH_TAKE_ALL(sp_, tn_, me_, team_ ? MH_SPAN_CHUNK : UINT32_MAX, I, __VA_ARGS__);                \
+        if (!par_ || T_ == 1 || omp_in_parallel()) { /* one thread: no team (entering one costs ~1 us) */  \
+            for (int64_t I = 0; I < n_; I++) __VA_ARGS__;                                                  \
             break;                                                                                         \
         }                                                                                                  \
         mh_span spans_[MH_MAX_SPANS];                                                                      \
@@ -113,8 +114,9 @@ extern _Thread_local mh_span *mh_team_spans;
         }                                                                                                  \
     } while (0)
 #else
-#define MH_BALANCED_FOR(N, PAR, I, ...)                                                                    \
+#define MH_BALANCED_FOR(N, PAR, TEAM, I, ...)                                                              \
     do {                                                                                                   \
+        (void)(TEAM);                                                                                      \
         for (int64_t I = 0; I < (N); I++) __VA_ARGS__;                                                     \
     } while (0)
 #endif
@@ -224,6 +226,16 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
 /* fp16 W, x, bias, y as their 16-bit patterns; a no-op without MH_HAS_F16 */
 void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
                  int64_t cols, int64_t ldw);
+/* the GEMVs (mh_gemv_f32, _bf16, _f16, mh_gemv_q8_into) on a step's team: called by every thread of it
+ * (mh_team_spans set), each taking its share of the rows; no barrier at the end (decode_layer.c) */
+void mh_gemv_f32_team(const float *w, const float *x, const float *b, float *y, int64_t rows, int64_t cols,
+                      int64_t ldw);
+void mh_gemv_bf16_team(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
+                       int64_t cols, int64_t ldw);
+void mh_gemv_f16_team(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
+                      int64_t cols, int64_t ldw);
+int mh_gemv_q8_team(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b,
+                    float *y, int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked, void *scratch);
 /* Y (n, rows) = X W^T + b for n rows X (n, cols) of kind, each row as its one-row kernel gives it; 0 or -2 */
 int mh_gemv_rows(int kind, const void *w, const void *x, const void *b, void *y, int64_t n, int64_t rows,
                  int64_t cols, int64_t ldw);

@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import build, cache, first_load, layout
+from .probes import round_trip_ns
 
 __all__ = [
     "DTYPES",
@@ -569,24 +570,6 @@ def _run_products(lib: ctypes.CDLL, array: ctypes.Array, n: int, keep: tuple) ->
     if status != 0:
         why = "no scratch memory" if status == -1 else "blocked int8 rows in a build that reads them in order"
         raise ValueError(f"the native products failed: {why}")
-
-
-def round_trip_ns(lib: ctypes.CDLL, n: int = 20000) -> float | None:
-    """Nanoseconds of one round trip of a cache line between the first two native threads (the median
-    of 7 batches of ``n``): what each meeting of a product's threads costs at least, and where a virtual
-    machine's host put its virtual CPUs (one core complex: tens of ns; two: hundreds). None with fewer
-    than two threads (:func:`torch.get_num_threads`), or from a library built before the function.
-
-    Raises:
-        ValueError: ``n`` < 1.
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int (round trips per batch), got {n!r}")
-    trip = getattr(lib, "mh_thread_round_trip", None)
-    if trip is None:  # a library built from sources older than the function
-        return None
-    ns = float(trip(n))
-    return None if ns < 0 else ns
 
 
 def library() -> ctypes.CDLL | None:

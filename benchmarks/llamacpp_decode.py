@@ -17,9 +17,9 @@ says how to build one offline. Steps:
    steps: fp32, bf16, fp16; q8_0 against our int8 with groups of 32 and int8 activations), and where
    they part.
 4. Rates, ``--runs`` times, interleaved: ``llama-bench -t T -n NEW -d CONTEXT -p 0`` (NEW tokens
-   generated after a CONTEXT-token context: decode only) against ours generating NEW tokens after a
-   CONTEXT-token prompt, ``(NEW - 1) / (t(NEW) - t(1))`` (the prefill excluded; each time the fastest
-   of 3). Medians.
+   generated after a CONTEXT-token context: decode only) against ours the same way: a CONTEXT-token
+   prompt fills our KV cache once, then NEW greedy tokens are timed from it (each sample rewinds the
+   cache; our native greedy runs, as ``generate``; the fastest of 3; :func:`our_rate`). Medians.
 5. Ours against our bandwidth limit (the bytes a step reads, ``multihead.bench.decode.step_bytes``, over
    ``read_bandwidth`` of as many bytes at the same thread count), probed in every run right before and
    right after our rate, the faster of the two counting: "of limit" is the median over the runs of our
@@ -175,15 +175,45 @@ def our_rate(
     *,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Our decode tokens/s after ``prompt`` (1, context): ``(new - 1) / (t(new) - t(1))``, each time the
-    fastest of at least ``reps`` interleaved samples (:func:`multihead.bench.timing.measure_all`: load
-    only ever adds time); NaN when either is too short to measure or the difference is not positive."""
+    """Our decode tokens/s after ``prompt`` (1, context), timed as ``llama-bench -d`` times its tokens: the
+    prompt fills the KV cache once (not timed); each sample rewinds the cache to the prompt's end and
+    decodes ``new`` greedy tokens, each a whole step (the output head's pick, then every layer on it), in
+    the model's native greedy runs (``greedy_steps``: what ``generate`` runs); ``new`` over the fastest
+    of at least ``reps`` samples (:func:`multihead.bench.timing.measure`: load only ever adds time).
+    A model without native greedy runs: ``(new - 1) / (t(new) - t(1))`` of ``generate`` (the prefill's
+    own noise then lands in the difference). NaN when too short to measure."""
+    direct = _filled_cache_run(model, prompt, new)
+    if direct is not None:
+        best = timing.measure(direct, min_samples=reps, clock=clock).best
+        return float("nan") if best is None else new / best
     calls = {str(n): functools.partial(model.generate, prompt, n) for n in (1, new)}
     t = timing.measure_all(calls, min_samples=reps, clock=clock)  # type: ignore[arg-type]
     one, many = t["1"].best, t[str(new)].best
     if one is None or many is None or many - one <= 0:
         return float("nan")
     return (new - 1) / (many - one)
+
+
+def _filled_cache_run(model: torch.nn.Module, prompt: torch.Tensor, new: int) -> Callable[[], None] | None:
+    """A call decoding ``new`` greedy tokens natively after ``prompt``'s filled cache (rewound first), or
+    None where the model has no native greedy run for them (no ``greedy_steps``, or it declines)."""
+    if not callable(getattr(model, "greedy_steps", None)):
+        return None
+    context = prompt.shape[1]
+    cache = model.make_cache(1, context + new + 1, getattr(model, "cache_kind", "dense"))  # type: ignore[operator]
+    h = model.hidden_states(prompt, cache=cache)[:, -1:]  # type: ignore[operator]  # (1, 1, d)
+    out = prompt.new_zeros(1, context + new + 1)  # (1, context + new + 1)
+
+    def run() -> None:
+        for kv in cache:
+            kv.reset()
+            kv.advance(context)
+        ran = model.greedy_steps(h, out, context, new, False, None, cache)  # type: ignore[operator]
+        if ran is None or ran[0] != new:
+            raise RuntimeError(f"the native greedy run stopped after {ran and ran[0]} of {new} tokens")
+
+    taken = model.greedy_steps(h, out, context, 1, False, None, cache)  # type: ignore[operator]  # natively?
+    return None if taken is None else run
 
 
 def streamed_in_huge_pages(model: torch.nn.Module) -> str:

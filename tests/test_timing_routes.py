@@ -163,6 +163,68 @@ def test_llamacpp_our_rate_or_nan(per_call, tick, ok):
         assert llamacpp_decode._cell(None, "5.2f", "x") == "too short to measure"
 
 
+class FakeCache:
+    def __init__(self):
+        self.position = 0
+
+    def reset(self):
+        self.position = 0
+
+    def advance(self, n):
+        self.position += n
+
+
+class FakeGreedyLM:
+    """A model with native greedy runs: the prefill is free, each greedy token costs ``per_call``; records
+    where each run started."""
+
+    def __init__(self, clock: FakeClock, decline: bool = False):
+        self.clock, self.decline, self.starts = clock, decline, []
+
+    def make_cache(self, batch, max_len, kind):
+        return [FakeCache(), FakeCache()]
+
+    def hidden_states(self, ids, cache):
+        for kv in cache:
+            kv.advance(ids.shape[1])
+        return torch.zeros(1, ids.shape[1], 8)
+
+    def greedy_steps(self, h, out, t, steps, last, eos, cache):
+        if self.decline:
+            return None
+        assert all(kv.position == t for kv in cache)  # rewound to the prompt's end
+        self.starts.append(t)
+        for _ in range(steps):
+            self.clock.fn()
+        for kv in cache:
+            kv.advance(steps)
+        return steps, h
+
+    def generate(self, prompt, n):  # the route a declining model takes
+        for _ in range(n):
+            self.clock.fn()
+
+
+@ZERO_TINY_HUGE
+def test_llamacpp_our_rate_times_decoding_from_a_filled_cache(per_call, tick, ok):
+    """As llama-bench -d: the prompt fills the cache once, every sample decodes 9 tokens from its end."""
+    import llamacpp_decode
+
+    c = _clock(per_call, tick)
+    model = FakeGreedyLM(c)
+    rate = llamacpp_decode.our_rate(model, torch.zeros(1, 4), 9, clock=c)  # type: ignore[arg-type]
+    assert model.starts and set(model.starts) == {4}
+    if ok:  # 9 tokens of per_call each
+        assert rate == pytest.approx(1 / per_call, rel=1e-3)
+    else:
+        assert math.isnan(rate)
+    c = _clock(per_call, tick)
+    declining = FakeGreedyLM(c, decline=True)  # no native run: (9 - 1) / (t(9) - t(1)) of generate
+    rate = llamacpp_decode.our_rate(declining, torch.zeros(1, 4), 9, clock=c)  # type: ignore[arg-type]
+    assert not declining.starts
+    assert rate == pytest.approx(1 / per_call, rel=1e-3) if ok else math.isnan(rate)
+
+
 def test_llamacpp_of_limit_pairs_each_run_with_its_own_probe():
     """A machine whose memory halves between runs: each run against its own minute's probe reads 80%;
     the rates' median over the best probe would read 60%. Unmeasurable runs drop out; none left: "-";
@@ -203,8 +265,10 @@ def test_llamacpp_gemvs_rate_times_the_products_of_a_native_model():
     model = quant.quantize(mh.pretrained.random_lm("llama-tiny"), **llamacpp_decode.PRECISIONS["q8_0"][0])
     rate = llamacpp_decode.gemvs_rate(model, llamacpp_decode.ACTIVATIONS["q8_0"])
     assert math.isfinite(rate) and rate > 0
+    prompt = torch.randint(4, 100, (1, 16))  # (1, 16)
     with torch.inference_mode():
-        step = llamacpp_decode.our_rate(model, torch.randint(4, 100, (1, 16)), 9)
+        assert llamacpp_decode._filled_cache_run(model, prompt, 9) is not None  # timed as llama-bench -d
+        step = llamacpp_decode.our_rate(model, prompt, 9)
     assert not math.isfinite(step) or step < 2 * rate  # a step is never much faster than its products
 
 

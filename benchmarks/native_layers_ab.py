@@ -87,6 +87,8 @@ def in_column_order(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError("the model has no blocked int8 rows (int8 weights on an AVX512-VNNI kernel have)")
     for m in out.modules():
         if isinstance(m, (quant.Int8GemvLinear, quant.Int8Embedding)) and m.blocked:
+            if getattr(m, "packed", False):
+                m.set_packed(False)  # the scales apart first: the rows alone change order
             m.weight_int8, m.blocked = m.int8_weight, False
     # in one huge-page arena, as quantize(kernel="native") keeps the original's tensors: a deep copy's
     # fresh tensors lie on 4 KiB pages and read slower for that alone

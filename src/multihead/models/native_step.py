@@ -84,9 +84,11 @@ def _linear_weight(m: nn.Module, name: str, group: Any) -> tuple[Tensor | None, 
     if isinstance(m, Int8GemvLinear):
         if m.group_size != group[0]:
             return None, f"{name} has group size {m.group_size}, another layer {group[0]}"
-        if m.blocked != group[1]:
-            return None, f"{name} has {'blocked' if m.blocked else 'in-order'} int8 rows, another layer not"
-        return m.weight_int8, None
+        w, _, how = m.kernel_tensors()
+        if how != group[1]:
+            names = ("in-order", "blocked", "packed")
+            return None, f"{name} has {names[how]} int8 rows, another projection {names[group[1]]}"
+        return w, None
     return m.weight, None
 
 
@@ -182,7 +184,7 @@ def why_not_model(model: Any, kv_approx: type | None = None, *, hooks: bool = Tr
     if getattr(model, "sliding_window", None) is not None:
         return "the model attends through a sliding window"
     first = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None)
-    group = (first.group_size, first.blocked) if isinstance(first, Int8GemvLinear) else None
+    group = (first.group_size, first.kernel_tensors()[2]) if isinstance(first, Int8GemvLinear) else None
     emb = getattr(model, "embed", None)
     if getattr(model, "pos_embed", None) is not None:
         return "the model adds position embeddings"
@@ -330,14 +332,20 @@ class _Plan:
             norms = (layer.attn_norm.weight, layer.ffn_norm.weight)
             projections = _projections(layer)
             int8 = [isinstance(m, Int8GemvLinear) for m in projections]
-            ws = [m.weight_int8 if q else m.weight for m, q in zip(projections, int8)]
-            scales = [m.scale for m, q in zip(projections, int8) if q]
+            kernel = [m.kernel_tensors() if q else (m.weight, None, 0) for m, q in zip(projections, int8)]
+            ws, scales = [k[0] for k in kernel], [k[1] for k in kernel if k[1] is not None]
             self.weights += [*norms, *ws, *scales]
             a.g_attn, a.g_ffn = (t.data_ptr() for t in norms)
             a.w[:] = [t.data_ptr() for t in ws]
-            a.s[:] = [m.scale.data_ptr() if q else None for m, q in zip(projections, int8)]
+            a.s[:] = [None if k[1] is None else k[1].data_ptr() for k in kernel]  # packed: the rows again
             a.group = getattr(projections[0], "group_size", None) or 1 << 62  # per row: G >= any width
-            a.blocked = int(any(m.blocked for m, q in zip(projections, int8) if q))
+            layouts = {k[2] for k, q in zip(kernel, int8) if q}
+            if len(layouts) > 1:  # why_not_model saw one layout; set_packed on some linears since
+                raise ValueError(
+                    f"layer {len(self.rotaries) - 1}'s int8 linears have rows in {len(layouts)} layouts; "
+                    "call set_packed with the same value on all of a model's Int8GemvLinear modules"
+                )
+            a.blocked = layouts.pop() if layouts else 0
             a.k_cache, a.v_cache = kv.k.data_ptr(), kv.v.data_ptr()
             a.k_head_stride, a.v_head_stride = kv.k.stride(1), kv.v.stride(1)
             if kv.k_scale is not None and kv.v_scale is not None:  # an int8 cache
@@ -429,10 +437,11 @@ def _head_reason(head: Any, dtype: torch.dtype) -> str | None:
     if head.why_not_native is not None:
         return f"the output head's kernel: {head.why_not_native}"
     int8 = type(head) is Int8GemvLinear  # fp32 activations (why_not_model), fp32 logits
-    w, want, out = (head.weight_int8, torch.int8, torch.float32) if int8 else (head.weight, dtype, dtype)
+    w, scale, _ = head.kernel_tensors() if int8 else (head.weight, None, 0)
+    want, out = (torch.int8, torch.float32) if int8 else (dtype, dtype)
     if w.dtype != want or not w.is_contiguous() or w.device.type != "cpu":
         return f"the output head's weight is {w.dtype}, strides {w.stride()} (needs contiguous {want})"
-    if int8 and (head.scale.dtype != torch.float32 or not head.scale.is_contiguous()):
+    if scale is not None and scale is not w and (scale.dtype != torch.float32 or not scale.is_contiguous()):
         return "the int8 output head's scales are not contiguous fp32"
     if int8 and head.blocked and not native_int8.reads_blocked():
         return "the int8 output head's rows are blocked and this build's kernel reads them in order"
@@ -494,11 +503,11 @@ def greedy_steps(
     g.table_scale = None if scales is None else scales.data_ptr()
     g.table_scale_row = 0 if scales is None else scales.stride(0)
     int8 = type(head) is Int8GemvLinear
-    w = head.weight_int8 if int8 else head.weight  # (V, d)
+    w, scale, how = head.kernel_tensors() if int8 else (head.weight, None, 0)  # (V, d) or packed (V, R)
     g.head, g.vocab = w.data_ptr(), w.shape[0]
-    g.head_scale = head.scale.data_ptr() if int8 else None
+    g.head_scale = None if scale is None else scale.data_ptr()
     g.head_group = (head.group_size or d) if int8 else 0
-    g.head_blocked = int(int8 and head.blocked)
+    g.head_blocked = how
     g.head_bias = None if head.bias is None else head.bias.data_ptr()
     tables = _rotary_rows(plan, pos, max(run, 1))  # 2 x (run, D/2) per distinct table
     strides = {c.stride(0) for c, _ in tables.values()}

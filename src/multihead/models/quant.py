@@ -128,7 +128,18 @@ __all__ = [
 ]
 
 KERNELS = ("auto", "fbgemm", "int8pack", "dequant", "native")  # of weights="int8"; Int8Linear: the first 4
-_UNASKED = object()  # a _QuantizedLM whose structure was not yet checked for native steps
+
+
+class _Unasked:
+    """The mark of a _QuantizedLM whose structure was not yet checked for native steps: one instance,
+    which copies and pickles as itself (a plain ``object()`` copied by ``copy.deepcopy`` or a pickle is
+    another object, and a copy made before its first step never ran natively)."""
+
+    def __reduce__(self) -> str:
+        return "_UNASKED"  # this module's instance, by name
+
+
+_UNASKED = _Unasked()
 #: kernels of the fp32 / bf16 weights: "auto" (native where it builds, else onednn), "native"
 #: (:class:`GemvLinear`, F.linear where the kernel is missing), "onednn" (:class:`PackedLinear`)
 FLOAT_KERNELS = ("auto", "native", "onednn")
@@ -251,7 +262,8 @@ class Int8Embedding(BlockedRows):
 
     Built from an ``nn.Embedding``, or from an :class:`Int8Linear` / :class:`Int8GemvLinear` whose
     weight it is tied to (a tied output head: the head's per-output-channel scales are the embedding's
-    per-row scales; its group scales, ``group_size`` wide, the scales of groups of each row).
+    per-row scales; its group scales, ``group_size`` wide, the scales of groups of each row; a head whose
+    rows hold their scales is changed to keep them apart, so that both read one table).
     """
 
     weight_int8: Tensor
@@ -263,6 +275,8 @@ class Int8Embedding(BlockedRows):
         super().__init__()
         self.group_size: int | None = None
         if isinstance(source, (Int8Linear, Int8GemvLinear)):
+            if isinstance(source, Int8GemvLinear):
+                source.set_packed(False)  # one table for both: the head's rows and scales apart
             w8, scale = source.weight_int8, source.scale  # shared storage, not a copy
             self.group_size = getattr(source, "group_size", None)
             self.blocked = getattr(source, "blocked", False)  # the head's layout: rows read back in order
@@ -434,7 +448,8 @@ def _pack(model: nn.Module, dtype: torch.dtype, kernel: str) -> None:
 
 def _quantize_weights(model: nn.Module, kernel: str, group_size: int | None) -> None:
     """Swap every Linear / Embedding of ``model`` (in place) for its int8 form (an Int8GemvLinear for
-    ``kernel="native"``); tied pairs share storage."""
+    ``kernel="native"``, its rows packed with their scales where every one of them packs well); tied pairs
+    share storage (a tied head's scales apart)."""
     linears: dict[int, Int8Linear | Int8GemvLinear] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -446,6 +461,10 @@ def _quantize_weights(model: nn.Module, kernel: str, group_size: int | None) -> 
                         Int8GemvLinear(child, group_size) if native_kernel else Int8Linear(child, kernel)
                     )
                 setattr(parent, name, linears[key])
+    native = [m for m in linears.values() if isinstance(m, Int8GemvLinear)]
+    if native and all(m.packs_well for m in native):  # one layout for all: a native layer reads one
+        for m in native:
+            m.set_packed(True)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Embedding):

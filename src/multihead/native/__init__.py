@@ -80,6 +80,7 @@ SOURCES = (
     HERE / "gemv_q8.c",
     HERE / "decode_greedy.c",
     HERE / "products.c",
+    HERE / "q8_rows.c",
 )  # and their header, native.h
 HEADER = HERE / "native.h"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
@@ -247,6 +248,7 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
     # q, s, d, G, blocked, out
     lib.mh_dequantize_row_q8.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR]
     lib.mh_dequantize_row_q8.restype = None
+    lib.mh_q8_row_bytes.argtypes, lib.mh_q8_row_bytes.restype = [_I64, ctypes.c_int], _I64  # cols, layout
 
 
 def _self_check(lib: ctypes.CDLL) -> str | None:
@@ -317,6 +319,12 @@ def _self_check_q8(lib: ctypes.CDLL, g: torch.Generator) -> str | None:
             lib.mh_gemm_q8(wl.data_ptr(), ws.data_ptr(), many.data_ptr(), None, ys.data_ptr(), 6, *args[4:])
             if not torch.equal(ys[0], y):
                 return f"the built int8 kernel's rows at once disagree with its one row ({how})"
+            if blocked and group == 32:  # the same rows packed with their scales: the same bits
+                rows_p, yp = layout.to_packed(wl, ws), torch.empty(rows)  # (O, R), (O,)
+                packed = (*args[:3], yp.data_ptr(), rows, cols, rows_p.stride(0), group, 2)
+                lib.mh_gemv_q8(rows_p.data_ptr(), rows_p.data_ptr(), *packed)
+                if not torch.equal(yp, y):
+                    return f"the built int8 kernel disagrees with itself on packed rows ({how})"
     return None
 
 

@@ -110,8 +110,8 @@ int mh_decode_greedy(const mh_layer_args *a, int64_t n, int64_t pos, const mh_gr
     for (int64_t s = 0; s < steps; s++) {
         if (int8_head) { /* fp32 activations, as Int8GemvLinear */
             mh_quantize_q8(h, MH_F32, d, xq, xs);
-            status = mh_gemv_q8(g->head, g->head_scale, xq, xs, g->head_bias, (float *)logits, V, d, d,
-                                g->head_group, g->head_blocked);
+            status = mh_gemv_q8(g->head, g->head_scale, xq, xs, g->head_bias, (float *)logits, V, d,
+                                mh_q8_row_bytes(d, g->head_blocked), g->head_group, g->head_blocked);
             if (status != 0) break;
         } else if (kind == MH_F32) {
             mh_gemv_f32(g->head, h, g->head_bias, (float *)logits, V, d, d);

@@ -152,7 +152,7 @@ typedef struct {
     const void *w[5]; /* qkv, o, w1, w3, w2 */
     const float *s[5]; /* int8 weights: their group scales; NULL for weights of the storage dtype */
     int64_t group;
-    int blocked; /* int8 weights in the blocked layout (gemv_q8.c) */
+    int blocked; /* int8 weights' layout (native.h's MH_Q8_*: in column order, blocked, packed with scales) */
     int8_t *xq; /* int8 weights: the quantized input of the last product (mh_quantize_q8) */
     float *xs;
     void *scratch; /* int8 weights: mh_gemv_q8_into's, 64-aligned */
@@ -167,8 +167,9 @@ static int project(const weights *W, int p, const void *x, void *y, int64_t rows
                    int64_t B) {
     if (B > 1 && W->s[p] == NULL)
         return mh_gemv_rows(kind, W->w[p], x, NULL, y, B, rows, cols, cols) == 0 ? 0 : -1; /* kind: checked */
+    const int64_t ldw = mh_q8_row_bytes(cols, W->blocked); /* int8 rows: packed ones hold their scales */
     if (B > 1)
-        return mh_gemm_q8((const int8_t *)W->w[p], W->s[p], (const float *)x, NULL, (float *)y, B, rows, cols, cols,
+        return mh_gemm_q8((const int8_t *)W->w[p], W->s[p], (const float *)x, NULL, (float *)y, B, rows, cols, ldw,
                           W->group, W->blocked);
     if (W->s[p] == NULL) {
         gemv(W->w[p], x, y, rows, cols, kind, W->team);
@@ -176,7 +177,7 @@ static int project(const weights *W, int p, const void *x, void *y, int64_t rows
     }
     if (fresh) mh_quantize_q8(x, kind, cols, W->xq, W->xs);
     (W->team ? mh_gemv_q8_team : mh_gemv_q8_into)((const int8_t *)W->w[p], W->s[p], W->xq, W->xs, NULL, (float *)y,
-                                                  rows, cols, cols, W->group, W->blocked,
+                                                  rows, cols, ldw, W->group, W->blocked,
                                                   W->scratch); /* cannot fail: the layout was checked on entry */
     return 0;
 }
@@ -409,7 +410,8 @@ int64_t mh_layer_args_bytes(void) { return (int64_t)sizeof(mh_layer_args); }
  * positions pos .. pos + B - 1 (seq != 0: a prompt's chunk; B rotary rows, the cache of batch 0, each
  * row attending to the positions up to its own).
  * - weights: of the storage dtype kind (a[i].s all NULL), or int8 (a[i].s[p] the fp32 scales of weight p
- *   per group of a[i].group inputs, as mh_gemv_q8, in the blocked layout when a[i].blocked), which need
+ *   per group of a[i].group inputs, as mh_gemv_q8, in layout a[i].blocked: packed rows hold their
+ *   scales, and a[i].s[p] is then any non-NULL pointer), which need
  *   fp32 activations (kind MH_F32);
  * - cache: of the storage dtype (k_scale, v_scale NULL), or int8 with an fp32 scale per position
  *   (k_scale, v_scale (B, Hkv, max_len) at head stride s_head_stride); the caches (B, Hkv, max_len, D),
@@ -421,17 +423,20 @@ int64_t mh_layer_args_bytes(void) { return (int64_t)sizeof(mh_layer_args); }
  * 0.20-0.27 ms (with the int8 embedding row dequantized natively too), the interpreter being slow once the
  * weights streaming through the caches have evicted its working set.
  * *done receives the layers that ran (each wrote its cache at pos). Returns 0,
- * or the failing layer's -1 (no scratch memory) or -2 (int8 weights with another kind, blocked ones in a
- * build that does not read them, or several fp16 rows without fp16 kernels; checked for every layer before
- * any runs). */
+ * or the failing layer's -1 (no scratch memory) or -2 (int8 weights with another kind, blocked or packed
+ * ones in a build that does not read them, packed ones not in groups of 32 or 32 columns wide or less, or
+ * several fp16 rows without fp16 kernels; checked for every layer before any runs). */
 int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
                     const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done,
                     int64_t B, int32_t seq) {
     *done = 0;
     for (int64_t i = 0; i < n; i++) {
         if (B > 1 && a[i].kind == MH_F16 && !MH_HAS_F16) return -2;
+        const int packed = a[i].blocked == MH_Q8_PACKED, narrow = a[i].d <= 32 || a[i].Hq * a[i].D <= 32 || a[i].F <= 32;
         for (int p = 0; p < 5; p++)
-            if (a[i].s[p] && (a[i].kind != MH_F32 || (a[i].blocked && !mh_q8_blocked()))) return -2;
+            if (a[i].s[p] && (a[i].kind != MH_F32 || (a[i].blocked && !mh_q8_blocked()) ||
+                              (packed && (a[i].group != 32 || narrow))))
+                return -2;
     }
 #ifdef _OPENMP /* one row whose products are large enough to split: one team for the whole step */
     if (B == 1 && !seq && n > 0 && omp_get_max_threads() > 1 && !omp_in_parallel() &&

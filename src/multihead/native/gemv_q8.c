@@ -52,66 +52,10 @@
 
 int mh_q8_isa(void) { return MH_Q8_ISA; }
 
-/* Where the blocked layout stores column c of a row whose first `full` columns (its whole 512s) are
- * blocked: column 32 l + 4 v + t of a chunk at 64 v + 4 l + t; the columns past them where they are. */
-static inline int64_t blocked_at(int64_t c, int64_t full) {
-    if (c >= full) return c;
-    const int64_t r = c % 512;
-    return c - r + 64 * ((r % 32) / 4) + 4 * (r / 32) + r % 4;
-}
-
 #define MH_Q8_STACK_BYTES 32768 /* mh_gemv_q8's scratch on the stack up to this many bytes */
 #define MH_Q8_TILE 64           /* mh_gemm_q8: activation rows rounded and held at once, */
 #define MH_Q8_WBLOCK 64         /* met by this many weight rows at a time (kept in the caches), */
 #define MH_Q8_XBLOCK 8          /* each against this many activation rows in a pass */
-
-/* x (n values of the storage dtype kind) -> xq (ceil64(n) int8, zeros past n) and xs (ceil64(n) / 32
- * fp32 block scales, zeros past the last block). */
-void mh_quantize_q8(const void *x, int kind, int64_t n, int8_t *xq, float *xs) {
-    const int64_t padded = (n + 63) & ~(int64_t)63;
-    int64_t b = 0;
-#if defined(__AVX512F__)
-    /* whole fp32 blocks 16 lanes at a time, the same operations as the loop below: the largest |x| (a NaN
-     * is passed over, as there: MAXPS returns its second operand when one is NaN), a true division, the
-     * rounding half to even, the clamp, and the truncation to int8 of what cvttss2si gives */
-    const __m512 lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
-    for (; kind == MH_F32 && (b + 1) * MH_Q8_BLOCK <= n; b++) {
-        const float *p = (const float *)x + b * MH_Q8_BLOCK;
-        const __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
-        const __m512 a = _mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps()));
-        const float amax = _mm512_reduce_max_ps(a); /* no NaN left in a */
-        const float s = amax / 127.0f, div = s > 0.f ? s : 1.0f;
-        xs[b] = s;
-        const __m512 d = _mm512_set1_ps(div);
-#define MH_HALF_EVEN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-        const __m512 r0 = _mm512_roundscale_ps(_mm512_div_ps(v0, d), MH_HALF_EVEN);
-        const __m512 r1 = _mm512_roundscale_ps(_mm512_div_ps(v1, d), MH_HALF_EVEN);
-#undef MH_HALF_EVEN
-        const __m512 h0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r0, lim, _CMP_GT_OQ), r0, lim); /* NaN stays */
-        const __m512 h1 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r1, lim, _CMP_GT_OQ), r1, lim);
-        const __m512 c0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(h0, nlim, _CMP_LT_OQ), h0, nlim);
-        const __m512 c1 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(h1, nlim, _CMP_LT_OQ), h1, nlim);
-        int8_t *q = xq + b * MH_Q8_BLOCK;
-        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(c0)));
-        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(c1)));
-    }
-#endif
-    for (; b * MH_Q8_BLOCK < padded; b++) {
-        const int64_t lo = b * MH_Q8_BLOCK, hi = lo + MH_Q8_BLOCK < n ? lo + MH_Q8_BLOCK : n;
-        float amax = 0.f;
-        for (int64_t i = lo; i < hi; i++) {
-            const float a = fabsf(mh_get(x, i, kind));
-            amax = a > amax ? a : amax;
-        }
-        const float s = amax / 127.0f, div = s > 0.f ? s : 1.0f; /* all zeros: scale 0, values 0 */
-        xs[b] = s;
-        for (int64_t i = lo; i < lo + MH_Q8_BLOCK; i++) {
-            float q = i < hi ? nearbyintf(mh_get(x, i, kind) / div) : 0.f; /* half to even, as torch */
-            q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
-            xq[i] = (int8_t)q;
-        }
-    }
-}
 
 #if MH_Q8_ISA < 3
 /* blocks b0..nb-1 of one row in plain C: the tails of the vector loops and the portable kernel */
@@ -185,8 +129,8 @@ static inline float reduce16(__m512 v) {
  * steps in column order, then the last 1-8 steps, the last one maybe partial (a masked load: nothing past
  * the row is touched); returns the row's 16 lane sums (reduce16 gives the row's sum). */
 static inline __m512 row_rest(const int8_t *r, const float *wsr, const int8_t *xq, const float *xs,
-                             const __m512i *start, int64_t cols, int64_t G, int shift, int per_row, int64_t j,
-                             __m512 a0, __m512 a1) {
+                             const __m512i *start, int64_t cols, int64_t G, int shift, int per_row, int packed,
+                             int64_t j, __m512 a0, __m512 a1) {
     const int64_t nc = (cols + 63) / 64, full = cols / 64, nblocks = (cols + 31) / 32;
     const __mmask64 tail = cols % 64 ? (((__mmask64)1 << (cols % 64)) - 1) : ~(__mmask64)0;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -208,11 +152,15 @@ static inline __m512 row_rest(const int8_t *r, const float *wsr, const int8_t *x
     if (8 * j < nc) { /* the last 1-8 steps, the last one maybe partial */
         const int64_t left = nblocks - 16 * j;
         const __mmask16 bm = (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1);
+        const int8_t *rt = r + (packed ? MH_Q8_CHUNK_BYTES : 512) * j; /* column 512 j on */
         __m512 sc = _mm512_maskz_loadu_ps(bm, xs + 16 * j);
-        if (!per_row) sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, bm));
+        if (packed) /* the tail's scales after its columns, padded to 64 bytes */
+            sc = _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(bm, rt + ((cols - 512 * j + 63) & ~(int64_t)63)));
+        else if (!per_row)
+            sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, bm));
         for (int64_t c = 8 * j; c < nc; c++) {
             const __mmask64 lm = c < full ? ~(__mmask64)0 : tail;
-            const __m512i wu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(lm, r + 64 * c), flip);
+            const __m512i wu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(lm, rt + 64 * (c - 8 * j)), flip);
             const __m512i d = _mm512_dpbusd_epi32(start[c], wu, _mm512_loadu_si512(xq + 64 * c)); /* x 0-padded */
             a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pair_index((int)(c - 8 * j)), sc), a0);
         }
@@ -227,16 +175,17 @@ static inline __m512 row_rest(const int8_t *r, const float *wsr, const int8_t *x
  * blocks multiplied once and each step permuting its two blocks' scales out of them; four accumulators. */
 static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, const float *xs,
                            const __m512i *start, const __m512i *bstart, int64_t cols, int64_t G, int shift,
-                           int per_row) {
-    const int64_t full = cols / 64;
+                           int per_row, int packed) {
+    const int64_t full = cols / 64, cs = packed ? MH_Q8_CHUNK_BYTES : 512; /* a chunk's bytes */
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 a0 = _mm512_setzero_ps(), a1 = a0;
     int64_t j = 0;
     if (bstart) /* blocked: lane l of the 8 vectors of 512 columns holds block 16 j + l */
         for (; 8 * j + 8 <= full; j++) {
+            const int8_t *rj = r + cs * j, *xj = xq + 512 * j;
             __m512 sc = _mm512_loadu_ps(xs + 16 * j);
-            if (!per_row) sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, 0xFFFF));
-            const int8_t *rj = r + 512 * j, *xj = xq + 512 * j;
+            if (packed) sc = _mm512_mul_ps(sc, _mm512_loadu_ps(rj + 512));
+            else if (!per_row) sc = _mm512_mul_ps(sc, group_scales(wsr, j, G, shift, 0xFFFF));
             __m512i s0 = bstart[j], s1 = _mm512_setzero_si512(); /* two chains of VPDPBUSD */
 #define MH_Q8_BSTEP(k, acc) \
     acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(rj + 64 * k), flip), _mm512_loadu_si512(xj + 64 * k));
@@ -247,7 +196,7 @@ static inline float row_q8(const int8_t *r, const float *wsr, const int8_t *xq, 
             if (j & 1) a1 = _mm512_fmadd_ps(sums, sc, a1);
             else a0 = _mm512_fmadd_ps(sums, sc, a0);
         }
-    return reduce16(row_rest(r, wsr, xq, xs, start, cols, G, shift, per_row, j, a0, a1));
+    return reduce16(row_rest(r, wsr, xq, xs, start, cols, G, shift, per_row, packed, j, a0, a1));
 }
 
 /* Two weight rows (r0, r1, their scales ws0, ws1) against one activation, each 64 bytes of x loaded once
@@ -260,14 +209,14 @@ static inline __attribute__((always_inline)) void rows2_q8(const int8_t *r0, con
                                                             const float *ws1, const int8_t *xq, const float *xs,
                                                             const __m512i *start, const __m512i *bstart,
                                                             int64_t cols, int64_t G, int shift, int per_row,
-                                                            float *out) {
-    const int64_t full = cols / 64;
+                                                            int packed, float *out) {
+    const int64_t full = cols / 64, cs = packed ? MH_Q8_CHUNK_BYTES : 512; /* a chunk's bytes */
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0; /* row 0's, row 1's: even, odd chunks */
     int64_t j = 0;
     for (; bstart && 8 * j + 8 <= full; j++) {
         const __m512 xsj = _mm512_loadu_ps(xs + 16 * j);
-        const int8_t *xj = xq + 512 * j, *p0 = r0 + 512 * j, *p1 = r1 + 512 * j;
+        const int8_t *xj = xq + 512 * j, *p0 = r0 + cs * j, *p1 = r1 + cs * j;
         __m512i s0 = bstart[j], s1 = _mm512_setzero_si512(), t0 = s0, t1 = s1;
 #define MH_Q8_PSTEP(k, s, t)                                                                            \
     {                                                                                                   \
@@ -278,15 +227,19 @@ static inline __attribute__((always_inline)) void rows2_q8(const int8_t *r0, con
         MH_Q8_PSTEP(0, s0, t0) MH_Q8_PSTEP(1, s1, t1) MH_Q8_PSTEP(2, s0, t0) MH_Q8_PSTEP(3, s1, t1)
         MH_Q8_PSTEP(4, s0, t0) MH_Q8_PSTEP(5, s1, t1) MH_Q8_PSTEP(6, s0, t0) MH_Q8_PSTEP(7, s1, t1)
 #undef MH_Q8_PSTEP
-        const __m512 sc0 = per_row ? xsj : _mm512_mul_ps(xsj, group_scales(ws0, j, G, shift, 0xFFFF));
-        const __m512 sc1 = per_row ? xsj : _mm512_mul_ps(xsj, group_scales(ws1, j, G, shift, 0xFFFF));
+        const __m512 sc0 = packed    ? _mm512_mul_ps(xsj, _mm512_loadu_ps(p0 + 512))
+                           : per_row ? xsj
+                                     : _mm512_mul_ps(xsj, group_scales(ws0, j, G, shift, 0xFFFF));
+        const __m512 sc1 = packed    ? _mm512_mul_ps(xsj, _mm512_loadu_ps(p1 + 512))
+                           : per_row ? xsj
+                                     : _mm512_mul_ps(xsj, group_scales(ws1, j, G, shift, 0xFFFF));
         const __m512 sum0 = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)); /* 16 blocks' exact sums */
         const __m512 sum1 = _mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1));
         if (j & 1) a1 = _mm512_fmadd_ps(sum0, sc0, a1), b1 = _mm512_fmadd_ps(sum1, sc1, b1);
         else a0 = _mm512_fmadd_ps(sum0, sc0, a0), b0 = _mm512_fmadd_ps(sum1, sc1, b0);
     }
-    out[0] = reduce16(row_rest(r0, ws0, xq, xs, start, cols, G, shift, per_row, j, a0, a1));
-    out[1] = reduce16(row_rest(r1, ws1, xq, xs, start, cols, G, shift, per_row, j, b0, b1));
+    out[0] = reduce16(row_rest(r0, ws0, xq, xs, start, cols, G, shift, per_row, packed, j, a0, a1));
+    out[1] = reduce16(row_rest(r1, ws1, xq, xs, start, cols, G, shift, per_row, packed, j, b0, b1));
 }
 
 /* One blocked weight row against four activation rows t (xq[t], xs[t], their starts start[t], bstart[t]):
@@ -297,16 +250,18 @@ static inline __attribute__((always_inline)) void rows4_q8(const int8_t *r, cons
                                                            const int8_t *const *xq, const float *const *xs,
                                                            const __m512i *const *start,
                                                            const __m512i *const *bstart, int64_t cols, int64_t G,
-                                                           int shift, int per_row, float *out) {
-    const int64_t full = cols / 64;
+                                                           int shift, int per_row, int packed, float *out) {
+    const int64_t full = cols / 64, cs = packed ? MH_Q8_CHUNK_BYTES : 512; /* a chunk's bytes */
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const int8_t *x0 = xq[0], *x1 = xq[1], *x2 = xq[2], *x3 = xq[3];
     __m512 a0 = _mm512_setzero_ps(), b0 = a0, c0 = a0, d0 = a0; /* rows 0-3: even chunks */
     __m512 a1 = a0, b1 = a0, c1 = a0, d1 = a0;                   /* odd chunks */
     int64_t j = 0;
     for (; 8 * j + 8 <= full; j++) {
-        const __m512 gs = per_row ? _mm512_setzero_ps() : group_scales(wsr, j, G, shift, 0xFFFF);
-        const int8_t *rj = r + 512 * j;
+        const int8_t *rj = r + cs * j;
+        const __m512 gs = packed    ? _mm512_loadu_ps(rj + 512)
+                          : per_row ? _mm512_setzero_ps()
+                                    : group_scales(wsr, j, G, shift, 0xFFFF);
         const int64_t o = 512 * j;
         __m512i sa0 = bstart[0][j], sb0 = bstart[1][j], sc0 = bstart[2][j], sd0 = bstart[3][j];
         __m512i sa1 = _mm512_setzero_si512(), sb1 = sa1, sc1 = sa1, sd1 = sa1;
@@ -336,10 +291,10 @@ static inline __attribute__((always_inline)) void rows4_q8(const int8_t *r, cons
 #undef MH_Q8_R4SCALE
     }
     __m512 v[4];
-    v[0] = row_rest(r, wsr, x0, xs[0], start[0], cols, G, shift, per_row, j, a0, a1);
-    v[1] = row_rest(r, wsr, x1, xs[1], start[1], cols, G, shift, per_row, j, b0, b1);
-    v[2] = row_rest(r, wsr, x2, xs[2], start[2], cols, G, shift, per_row, j, c0, c1);
-    v[3] = row_rest(r, wsr, x3, xs[3], start[3], cols, G, shift, per_row, j, d0, d1);
+    v[0] = row_rest(r, wsr, x0, xs[0], start[0], cols, G, shift, per_row, packed, j, a0, a1);
+    v[1] = row_rest(r, wsr, x1, xs[1], start[1], cols, G, shift, per_row, packed, j, b0, b1);
+    v[2] = row_rest(r, wsr, x2, xs[2], start[2], cols, G, shift, per_row, packed, j, c0, c1);
+    v[3] = row_rest(r, wsr, x3, xs[3], start[3], cols, G, shift, per_row, packed, j, d0, d1);
     reduce4(v[0], v[1], v[2], v[3], out);
 }
 #elif MH_Q8_ISA >= 1
@@ -425,9 +380,10 @@ static inline float q8_out(float s, const float *wsr, const float *b, int64_t o,
 }
 
 #if MH_Q8_ISA == 3
-/* CALL(shift, per_row) with the common cases' constants, so that the compiler specializes the inlined
- * kernel and its loop carries no branch (reads shift and per_row of the caller) */
-#define MH_Q8_SPECIALIZED(CALL) (per_row ? CALL(0, 1) : shift == 0 ? CALL(0, 0) : CALL(shift, 0))
+/* CALL(shift, per_row, packed) with the common cases' constants, so that the compiler specializes the
+ * inlined kernel and its loop carries no branch (reads shift, per_row and packed of the caller) */
+#define MH_Q8_SPECIALIZED(CALL)                                                                           \
+    (packed ? CALL(0, 0, 1) : per_row ? CALL(0, 1, 0) : shift == 0 ? CALL(0, 0, 0) : CALL(shift, 0, 0))
 
 /* row o and its partner o + part of W8 side by side into y; the partner past the last row (an odd row
  * count's middle row) is o itself, summed twice and stored once */
@@ -435,12 +391,13 @@ static inline __attribute__((always_inline)) void pair_q8(int64_t o, int64_t par
                                                           const float *ws, const int8_t *xv, const float *xs,
                                                           const __m512i *start, const __m512i *bstart,
                                                           const float *b, float *y, int64_t cols, int64_t ldw,
-                                                          int64_t ldws, int64_t G, int shift, int per_row) {
+                                                          int64_t ldws, int64_t G, int shift, int per_row,
+                                                          int packed) {
     const int64_t u = o + part < rows ? o + part : o;
     const int8_t *r0 = w + o * ldw, *r1 = w + u * ldw;
     const float *ws0 = ws + o * ldws, *ws1 = ws + u * ldws;
     float s[2];
-#define MH_Q8_PAIR(sh, pr) rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, sh, pr, s)
+#define MH_Q8_PAIR(sh, pr, pk) rows2_q8(r0, r1, ws0, ws1, xv, xs, start, bstart, cols, G, sh, pr, pk, s)
     MH_Q8_SPECIALIZED(MH_Q8_PAIR);
 #undef MH_Q8_PAIR
     y[o] = q8_out(s[0], ws0, b, o, per_row);
@@ -448,16 +405,19 @@ static inline __attribute__((always_inline)) void pair_q8(int64_t o, int64_t par
 }
 #endif
 
-/* y (rows fp32) = W8 x + b: ws (rows, ldws) fp32 group scales (ldws = ceil(cols / G), 1 per row when
- * G >= cols), xq / xs from mh_quantize_q8 of x, b (rows fp32) or NULL. G: a multiple of 32, or >= cols.
- * blocked: the weights in the blocked layout (AVX512-VNNI builds; elsewhere -2). scratch: MH_Q8_SCRATCH(cols)
- * bytes aligned to 64 (each lane's start, x in the blocked order; unused without AVX-512). Returns 0 or -2. */
+/* y (rows fp32) = W8 x + b: W8's rows at stride ldw, ws (rows, ldws) fp32 group scales (ldws = ceil(cols /
+ * G), 1 per row when G >= cols), xq / xs from mh_quantize_q8 of x, b (rows fp32) or NULL. G: a multiple of
+ * 32, or >= cols. blocked: the rows' layout (native.h's MH_Q8_*; q8_rows.c): in column order, blocked
+ * (AVX512-VNNI builds; elsewhere -2) or packed with their scales (also G == 32 and cols > 32, else -2; ws
+ * unused, ldw at least mh_q8_row_bytes). scratch: MH_Q8_SCRATCH(cols) bytes aligned to 64 (each lane's
+ * start, x in the blocked order; unused without AVX-512). Returns 0 or -2. */
 static inline __attribute__((always_inline)) int q8_into(const int8_t *w, const float *ws, const int8_t *xq,
                                                         const float *xs, const float *b, float *y, int64_t rows,
                                                         int64_t cols, int64_t ldw, int64_t G, int blocked,
                                                         void *scratch, const int team) {
-    const int per_row = G >= cols;
+    const int per_row = G >= cols, packed = blocked == MH_Q8_PACKED;
     const int64_t ldws = per_row ? 1 : (cols + G - 1) / G;
+    if (packed && (G != 32 || cols <= 32)) return -2;
 #if MH_Q8_ISA == 3
     const int shift = scale_shift(G);
     const int8_t *xv;
@@ -465,7 +425,8 @@ static inline __attribute__((always_inline)) int q8_into(const int8_t *w, const 
     prepare_x(xq, cols, blocked, scratch, &xv, &start, &bstart);
     const int64_t part = (rows + 1) / 2; /* rows o and o + part side by side */
     MH_BALANCED_FOR(part, rows * cols >= MH_PAR_MIN, team, o, /* the work test: rows * cols, all of them */
-                    pair_q8(o, part, rows, w, ws, xv, xs, start, bstart, b, y, cols, ldw, ldws, G, shift, per_row));
+                    pair_q8(o, part, rows, w, ws, xv, xs, start, bstart, b, y, cols, ldw, ldws, G, shift, per_row,
+                            packed));
 #else
     (void)scratch;
     if (blocked) return -2; /* the blocked layout is AVX512-VNNI's */
@@ -523,8 +484,9 @@ int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b,
 #if MH_Q8_ISA != 3
     if (blocked) return -2;
 #endif
+    const int per_row = G >= cols, packed = blocked == MH_Q8_PACKED;
+    if (packed && (G != 32 || cols <= 32)) return -2;
     if (n <= 0) return 0;
-    const int per_row = G >= cols;
     const int64_t ldws = per_row ? 1 : (cols + G - 1) / G, pad = (cols + 63) & ~(int64_t)63;
     const int64_t tile = n < MH_Q8_TILE ? n : MH_Q8_TILE, per = gemm_row_bytes(cols);
     char *buf = aligned_alloc(64, (size_t)(tile * per));
@@ -561,11 +523,11 @@ int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b,
                     float s[MH_Q8_XBLOCK];
                     int64_t t = t0;
 #if MH_Q8_ISA == 3
-#define MH_Q8_QUAD(sh, pr) rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, sh, pr, s + t - t0)
+#define MH_Q8_QUAD(sh, pr, pk) rows4_q8(r, wsr, xv + t, xs + t, start + t, bstart + t, cols, G, sh, pr, pk, s + t - t0)
                     for (; blocked && t + 4 <= t1; t += 4) MH_Q8_SPECIALIZED(MH_Q8_QUAD);
 #undef MH_Q8_QUAD
                     for (; t < t1; t++)
-                        s[t - t0] = row_q8(r, wsr, xv[t], xs[t], start[t], bstart[t], cols, G, shift, per_row);
+                        s[t - t0] = row_q8(r, wsr, xv[t], xs[t], start[t], bstart[t], cols, G, shift, per_row, packed);
 #else
                     for (; t < t1; t++) s[t - t0] = row_q8(r, wsr, xq[t], xs[t], cols, G, per_row);
 #endif
@@ -580,14 +542,3 @@ int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b,
 
 /* whether this build reads the blocked layout (AVX512-VNNI) */
 int mh_q8_blocked(void) { return MH_Q8_ISA == 3; }
-
-/* One row of an int8 table back to fp32 (an int8 embedding's lookup): out[c] = q[c] * the scale of c's
- * group (s: the row's ceil(d / G) scales; G >= d: one), in fp32 as torch's q.float() * scale; a row in
- * the blocked layout (blocked != 0) read back in column order. */
-void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int blocked, float *out) {
-    const int64_t full = blocked ? d / 512 * 512 : 0, g = G < d ? G : d; /* columns in the blocked order */
-    for (int64_t c0 = 0; c0 < d; c0 += g) { /* a group at a time: one scale, no division per value */
-        const float sc = s[c0 / g];
-        for (int64_t c = c0; c < c0 + g && c < d; c++) out[c] = (float)q[blocked_at(c, full)] * sc;
-    }
-}

@@ -24,11 +24,13 @@ from . import Bound, Product, library, unavailable
 from .layout import CHUNK, from_blocked, to_blocked
 
 __all__ = [
-    "BLOCK", "CHUNK", "ISA", "bound_q8", "from_blocked", "gemm_q8", "gemv_q8", "isa", "quantize_activations",
-    "reads_blocked", "run_gemm_q8", "run_q8", "to_blocked",
+    "BLOCK", "BLOCKED", "CHUNK", "COLUMNS", "ISA", "PACKED", "bound_q8", "from_blocked", "gemm_q8", "gemv_q8",
+    "isa", "quantize_activations", "reads_blocked", "run_gemm_q8", "run_q8", "to_blocked",
 ]  # fmt: skip
 
 BLOCK = 32  # activation values per int8 scale (native.h's MH_Q8_BLOCK)
+COLUMNS, BLOCKED, PACKED = 0, 1, 2  # the weight rows' layouts (native.h's MH_Q8_*; multihead.native.layout)
+_LAYOUTS = ("column-order", "blocked", "packed")
 ISA = ("portable C", "AVX2", "AVX-VNNI", "AVX512-VNNI")  # by gemv_q8.c's MH_Q8_ISA
 
 
@@ -179,16 +181,16 @@ def bound_q8(
     x: Tensor,
     bias: Tensor | None,
     group_size: int | None,
-    blocked: bool = False,
+    blocked: int = False,
 ) -> Bound:
     """:func:`run_q8`'s product (the activation's rounding to int8, then the int8 product) as a
     :class:`~multihead.native.Product` with its output made once, for :func:`multihead.native.products`.
     Same requirements as :func:`run_q8`."""
-    rows, cols = weight.shape
+    rows, cols, ldw = weight.shape[0], x.shape[-1], weight.stride(0)
     y = torch.empty(rows)  # (O,)
     b = None if bias is None else bias.data_ptr()
     p = Product(weight.data_ptr(), scale.data_ptr(), b, x.data_ptr(), y.data_ptr())
-    p.rows, p.cols, p.ldw, p.kind = rows, cols, cols, 3  # native.h's MH_I8
+    p.rows, p.cols, p.ldw, p.kind = rows, cols, ldw, 3  # native.h's MH_I8
     p.group, p.blocked = cols if group_size is None else group_size, int(blocked)
     return Bound(p, (weight, scale, x, bias), y)
 
@@ -200,11 +202,13 @@ def run_q8(
     x: Tensor,
     bias: Tensor | None,
     group_size: int | None,
-    blocked: bool = False,
+    blocked: int = False,
 ) -> Tensor:
-    """:func:`gemv_q8` without the checks, for callers that made them once: weight int8 (O, I) (blocked
-    or not) and scale fp32 contiguous, x fp32 (I,) and bias fp32 (O,) contiguous -> fp32 (O,)."""
-    rows, cols = weight.shape
+    """:func:`gemv_q8` without the checks, for callers that made them once: weight int8 (O, I) and scale
+    fp32 contiguous, x fp32 (I,) and bias fp32 (O,) contiguous -> fp32 (O,). ``blocked``: the rows' layout,
+    :data:`COLUMNS` (False), :data:`BLOCKED` (True) or :data:`PACKED` (weight then the packed rows (O, R)
+    of :func:`multihead.native.layout.to_packed`, holding their scales, groups of 32; scale unused)."""
+    rows, cols, ldw = weight.shape[0], x.shape[-1], weight.stride(0)
     xq, xs = _quantize(lib, x)
     y = torch.empty(rows)  # (O,)
     group = cols if group_size is None else group_size
@@ -218,12 +222,14 @@ def run_q8(
         y.data_ptr(),
         rows,
         cols,
-        cols,
+        ldw,
         group,
         int(blocked),
     )
     if status == -2:
-        raise ValueError(f"the blocked layout needs the AVX512-VNNI kernel, this one is {isa()}")
+        raise ValueError(
+            f"the {_LAYOUTS[int(blocked)]} layout needs the AVX512-VNNI kernel, this one is {isa()}"
+        )
     if status != 0:
         need = 3 * (-(-cols // 64) * 64) + 64
         raise MemoryError(f"the int8 GEMV could not allocate {need} bytes of scratch")
@@ -237,19 +243,22 @@ def run_gemm_q8(
     x: Tensor,
     bias: Tensor | None,
     group_size: int | None,
-    blocked: bool = False,
+    blocked: int = False,
 ) -> Tensor:
-    """:func:`gemm_q8` without the checks, for callers that made them once: weight int8 (O, I) (blocked
-    or not) and scale fp32 contiguous, x fp32 (N, I) and bias fp32 (O,) contiguous -> fp32 (N, O)."""
-    rows, cols = weight.shape
+    """:func:`gemm_q8` without the checks, for callers that made them once: weight int8 (O, I) and scale
+    fp32 contiguous, x fp32 (N, I) and bias fp32 (O,) contiguous -> fp32 (N, O); ``blocked`` as
+    :func:`run_q8`."""
+    rows, cols, ldw = weight.shape[0], x.shape[-1], weight.stride(0)
     n = x.shape[0]
     y = torch.empty(n, rows)  # (N, O)
     group = cols if group_size is None else group_size
     b = None if bias is None else bias.data_ptr()
     pointers = (weight.data_ptr(), scale.data_ptr(), x.data_ptr(), b, y.data_ptr())
-    status = lib.mh_gemm_q8(*pointers, n, rows, cols, cols, group, int(blocked))
+    status = lib.mh_gemm_q8(*pointers, n, rows, cols, ldw, group, int(blocked))
     if status == -2:
-        raise ValueError(f"the blocked layout needs the AVX512-VNNI kernel, this one is {isa()}")
+        raise ValueError(
+            f"the {_LAYOUTS[int(blocked)]} layout needs the AVX512-VNNI kernel, this one is {isa()}"
+        )
     if status != 0:
         raise MemoryError(f"the int8 product could not allocate scratch for {min(n, 64)} rows of {cols}")
     return y

@@ -202,17 +202,23 @@ static inline float mh_get(const void *p, int64_t i, int kind) {
 void mh_attend(const float *q, const void *K, const void *V, const float *ks, const float *vs, int64_t L,
                int64_t D, int64_t G, float scale, int ckind, float *out, float *scores);
 
-/* int8 products (gemv_q8.c): activations quantized in blocks of MH_Q8_BLOCK values */
+/* int8 products (gemv_q8.c): activations quantized in blocks of MH_Q8_BLOCK values (q8_rows.c); weight
+ * rows in one of three layouts (q8_rows.c: in column order, blocked, packed with their scales), each
+ * function's "blocked" argument the layout */
 #define MH_Q8_BLOCK 32
+enum { MH_Q8_COLUMNS = 0, MH_Q8_BLOCKED = 1, MH_Q8_PACKED = 2 };
+#define MH_Q8_CHUNK_BYTES 576 /* a packed row's 512 weights and their 16 scales */
 void mh_quantize_q8(const void *x, int kind, int64_t n, int8_t *xq, float *xs);
-/* 0, -1 without scratch memory, -2: the blocked layout (blocked != 0) in a build without AVX512-VNNI */
+int64_t mh_q8_row_bytes(int64_t cols, int layout);
+/* 0, -1 without scratch memory, -2: the blocked or packed layout in a build without AVX512-VNNI, or packed
+ * rows whose groups are not 32 wide or that are 32 columns or fewer */
 int mh_gemv_q8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b, float *y,
                int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked);
 int mh_q8_blocked(void); /* whether this build reads the blocked layout */
 /* Y (n, rows) = X W8^T + b for n fp32 rows X (n, cols); 0, -1 without scratch memory, -2 as mh_gemv_q8 */
 int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b, float *y, int64_t n, int64_t rows,
                int64_t cols, int64_t ldw, int64_t G, int blocked);
-void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int blocked, float *out);
+void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int layout, float *out);
 /* mh_gemv_q8's scratch: each lane's start, x in the blocked order, the blocks' starts */
 #define MH_Q8_SCRATCH(cols) (3 * (((cols) + 63) & ~(int64_t)63) + 64)
 /* the same with the caller's scratch: MH_Q8_SCRATCH(cols) bytes aligned to 64; fails only as -2 above */

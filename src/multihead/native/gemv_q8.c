@@ -14,12 +14,12 @@
  * (two streams read side by side, each 64 bytes of x loaded once for both: on a Zen 5 core the model's
  * products read 1.10x the GB/s of one row at a time, 90% of a plain read of as many bytes against 82%).
  *
- * Layouts: a row as it is ("plain"), or "blocked" (blocked != 0, AVX512-VNNI builds only): every whole
- * 512 columns of a row (16 blocks of 32) stored with their blocks interleaved four bytes at a time, byte
- * 64 v + 4 l + t holding column 32 l + 4 v + t (v 0-7, l 0-15, t 0-3); the columns past the last whole
- * 512 as they are. Then lane l of each of the 8 vectors belongs to block l, VPDPBUSD keeps a block's whole
- * sum in one int32 lane, and its scale is applied once per 512 columns instead of once per 64 (measured on
- * a Zen 5 core: 1.05-1.2x the read rate of the plain layout on 1024-2816 wide rows, groups of 32).
+ * Layouts (q8_rows.c; the "blocked" argument): a row in column order, "blocked" (AVX512-VNNI builds only:
+ * the blocks of every whole 512 columns interleaved four bytes at a time, so that lane l of each of the 8
+ * vectors belongs to block l, VPDPBUSD keeps a block's whole sum in one int32 lane, and its scale is
+ * applied once per 512 columns instead of once per 64; measured on a Zen 5 core: 1.05-1.2x the read rate
+ * of column order on 1024-2816 wide rows, groups of 32), or "packed" (blocked, groups of 32, each 512
+ * columns followed by their 16 scales: one stream a row; ~1% less time a token on that core).
  *
  * Dot products, chosen by the compiler's target (-march=native):
  * - AVX512-VNNI (VPDPBUSD: u8 x s8 -> int32, 64 bytes at once): the weights offset to u8 (w + 128, one

@@ -149,7 +149,8 @@ class Int8GemvLinear(BlockedRows):
         the weights and scales apart (their padding to 64 bytes: 1024 or 2816 inputs 0% and 1%; 64 inputs
         78%)."""
         I = self.in_features
-        return self._why_not_packed() is None and layout.packed_row_bytes(I) <= 1.02 * (I + 4 * -(-I // 32))
+        apart = I + 4 * -(-I // layout.GROUP)  # the weights' and their scales' own bytes
+        return self._why_not_packed() is None and layout.packed_row_bytes(I) <= 1.02 * apart
 
     def _why_not_packed(self) -> str | None:
         if not self.blocked or self.group_size != layout.GROUP or self.in_features <= layout.GROUP:

@@ -86,7 +86,7 @@ def _linear_weight(m: nn.Module, name: str, group: Any) -> tuple[Tensor | None, 
             return None, f"{name} has group size {m.group_size}, another layer {group[0]}"
         w, _, how = m.kernel_tensors()
         if how != group[1]:
-            names = ("in-order", "blocked", "packed")
+            names = native_int8.LAYOUTS
             return None, f"{name} has {names[how]} int8 rows, another projection {names[group[1]]}"
         return w, None
     return m.weight, None

@@ -24,13 +24,13 @@ from . import Bound, Product, library, unavailable
 from .layout import CHUNK, from_blocked, to_blocked
 
 __all__ = [
-    "BLOCK", "BLOCKED", "CHUNK", "COLUMNS", "ISA", "PACKED", "bound_q8", "from_blocked", "gemm_q8", "gemv_q8",
-    "isa", "quantize_activations", "reads_blocked", "run_gemm_q8", "run_q8", "to_blocked",
+    "BLOCK", "BLOCKED", "CHUNK", "COLUMNS", "ISA", "LAYOUTS", "PACKED", "bound_q8", "from_blocked", "gemm_q8",
+    "gemv_q8", "isa", "quantize_activations", "reads_blocked", "run_gemm_q8", "run_q8", "to_blocked",
 ]  # fmt: skip
 
 BLOCK = 32  # activation values per int8 scale (native.h's MH_Q8_BLOCK)
 COLUMNS, BLOCKED, PACKED = 0, 1, 2  # the weight rows' layouts (native.h's MH_Q8_*; multihead.native.layout)
-_LAYOUTS = ("column-order", "blocked", "packed")
+LAYOUTS = ("column-order", "blocked", "packed")  # their names, by those values
 ISA = ("portable C", "AVX2", "AVX-VNNI", "AVX512-VNNI")  # by gemv_q8.c's MH_Q8_ISA
 
 
@@ -228,7 +228,7 @@ def run_q8(
     )
     if status == -2:
         raise ValueError(
-            f"the {_LAYOUTS[int(blocked)]} layout needs the AVX512-VNNI kernel, this one is {isa()}"
+            f"the {LAYOUTS[int(blocked)]} layout needs the AVX512-VNNI kernel, this one is {isa()}"
         )
     if status != 0:
         need = 3 * (-(-cols // 64) * 64) + 64
@@ -257,7 +257,7 @@ def run_gemm_q8(
     status = lib.mh_gemm_q8(*pointers, n, rows, cols, ldw, group, int(blocked))
     if status == -2:
         raise ValueError(
-            f"the {_LAYOUTS[int(blocked)]} layout needs the AVX512-VNNI kernel, this one is {isa()}"
+            f"the {LAYOUTS[int(blocked)]} layout needs the AVX512-VNNI kernel, this one is {isa()}"
         )
     if status != 0:
         raise MemoryError(f"the int8 product could not allocate scratch for {min(n, 64)} rows of {cols}")

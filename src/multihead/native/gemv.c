@@ -8,6 +8,11 @@
  * one (measured on a Zen 5 core, the 41 products of a 155M LLaMA-shaped model, one thread: fp16
  * 1.03-1.05x the GB/s of one row at a time, fp32 1.01-1.07x). The AVX512-BF16 kernel reads one row at
  * a time: paired, it read 0.90-0.95x as fast there.
+ * Every kernel loads 256 bits at a time (8 fp32 lanes, or 16 bf16 values to VDPBF16PS): on that Zen 5
+ * core a stream of 256-bit loads comes from memory faster than one of 512-bit loads (llama-155m's decode
+ * steps, one thread: fp32 0.89-0.94x the time a token with 256-bit loads, bf16 0.90-0.91x, fp16 the
+ * same), and 512-bit VDPBF16PS read 0.86-0.91x as fast when x and the rows are both 32-byte aligned
+ * (torch's tensors are) as when x is not; the 256-bit loop reads the same either way.
  *
  * mh_gemv_f32:  fp32 W, fp32 x, fp32 bias b (or NULL), fp32 y = W x + b.
  * mh_gemv_bf16: the same in bf16 (accumulated in fp32 with the bias, rounded to nearest even once).
@@ -31,26 +36,26 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-#if defined(__x86_64__) && defined(__AVX512BF16__)
+#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define MH_DPBF16 1
 #else
 #define MH_DPBF16 0
 #endif
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-static inline v16 load_f32(const float *p) {
-    v16 v;
+static inline mh_v8 load_f32(const float *p) {
+    mh_v8 v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline v16 load_bf16(const uint16_t *p) { /* 16 bf16 -> 16 fp32: the bf16 bits are the high half */
-    u16x16 h;
+static inline mh_v8 load_bf16(const uint16_t *p) { /* 8 bf16 -> 8 fp32: the bf16 bits are the high half */
+    u16x8 h;
     memcpy(&h, p, sizeof h);
-    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 v;
+    u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    mh_v8 v;
     memcpy(&v, &w, sizeof v);
     return v;
 }
@@ -71,33 +76,33 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
 }
 
 /* The row loop the widening kernels share: rows o and o + part side by side, part = ceil(rows / 2) (two
- * streams read at once, each 16 values of x widened once for both: a core pulls two streams from memory
+ * streams read at once, each 8 values of x widened once for both: a core pulls two streams from memory
  * faster than one; an odd row count's middle row is its own partner, summed twice and stored once), each
- * with eight independent accumulators of 16 lanes (128 values of a row in flight per pass), then the
- * tails. LOAD_W(p) / LOAD_X(p) widen 16 values at p to fp32 lanes, ONE_W(v) / ONE_X(v) one value;
+ * with eight independent accumulators of 8 lanes (64 values of a row a pass), then the 8-value and
+ * single-value tails. LOAD_W(p) / LOAD_X(p) widen 8 values at p to fp32 lanes, ONE_W(v) / ONE_X(v) one value;
  * STORE(o, s) writes output o from the row's fp32 sum s. Reads rows, cols, ldw of the enclosing kernel. A
  * row's sums do not depend on its partner. */
 #define MH_STREAM_ROWS(W, X, LOAD_W, LOAD_X, ONE_W, ONE_X, STORE, TEAM)                                      \
     do {                                                                                                     \
-        const int64_t c128_ = cols & ~(int64_t)127, c16_ = cols & ~(int64_t)15, part_ = (rows + 1) / 2;     \
+        const int64_t c64_ = cols & ~(int64_t)63, c8_ = cols & ~(int64_t)7, part_ = (rows + 1) / 2;         \
         MH_BALANCED_FOR(part_, rows * cols >= MH_PAR_MIN, TEAM, o, {                                       \
             const int64_t u = o + part_ < rows ? o + part_ : o;                                              \
             const __typeof__(&(W)[0]) r = (W) + o * ldw, q = (W) + u * ldw;                                  \
-            v16 a[8] = {{0}}, c[8] = {{0}};                                                                  \
+            mh_v8 a[8] = {{0}}, c[8] = {{0}};                                                                \
             int64_t i = 0;                                                                                   \
-            for (; i < c128_; i += 128)                                                                      \
+            for (; i < c64_; i += 64)                                                                        \
                 for (int k = 0; k < 8; k++) {                                                                \
-                    const v16 xv = LOAD_X((X) + i + 16 * k);                                                 \
-                    a[k] += LOAD_W(r + i + 16 * k) * xv;                                                     \
-                    c[k] += LOAD_W(q + i + 16 * k) * xv;                                                     \
+                    const mh_v8 xv = LOAD_X((X) + i + 8 * k);                                                \
+                    a[k] += LOAD_W(r + i + 8 * k) * xv;                                                      \
+                    c[k] += LOAD_W(q + i + 8 * k) * xv;                                                      \
                 }                                                                                            \
-            for (; i < c16_; i += 16) {                                                                      \
-                const v16 xv = LOAD_X((X) + i);                                                              \
+            for (; i < c8_; i += 8) {                                                                        \
+                const mh_v8 xv = LOAD_X((X) + i);                                                            \
                 a[0] += LOAD_W(r + i) * xv;                                                                  \
                 c[0] += LOAD_W(q + i) * xv;                                                                  \
             }                                                                                                \
-            float s = hsum16(((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])));             \
-            float t = hsum16(((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7])));             \
+            float s = hsum8(((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])));              \
+            float t = hsum8(((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7])));              \
             for (int64_t j = i; j < cols; j++) s += ONE_W(r[j]) * ONE_X((X)[j]);                             \
             for (int64_t j = i; j < cols; j++) t += ONE_W(q[j]) * ONE_X((X)[j]);                             \
             STORE(o, s);                                                                                     \
@@ -138,18 +143,13 @@ MH_TWO_ENTRIES(mh_gemv_f32, float, float)
 int mh_gemv_has_f16(void) { return MH_HAS_F16; }
 
 #if MH_HAS_F16
-static inline v16 load_f16(const uint16_t *p) { /* 16 fp16 -> 16 fp32 */
-    v16 v;
-#if defined(__AVX512F__)
-    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+static inline mh_v8 load_f16(const uint16_t *p) { /* 8 fp16 -> 8 fp32 */
+    mh_v8 v;
+#if defined(__F16C__)
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     memcpy(&v, &f, sizeof v);
-#elif defined(__F16C__)
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
-    memcpy(&v, &lo, sizeof lo);
-    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
 #else
-    for (int k = 0; k < 16; k++) v[k] = mh_h2f(p[k]);
+    for (int k = 0; k < 8; k++) v[k] = mh_h2f(p[k]);
 #endif
     return v;
 }
@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) void mh_gemv_f16_body(const uint16_
                                                                    int64_t cols, int64_t ldw, const int team) {
 #define MH_STORE_F16(o, s) (y[o] = mh_f2h(b ? (s) + mh_h2f(b[o]) : (s)))
 #if MH_HAS_F16 && defined(__AVX512F__)
-    /* x read as fp16 and widened with each row's values (one VCVTPH2PS more per 16 weights): half the
+    /* x read as fp16 and widened with each row's values (one VCVTPH2PS more per 8 weights): half the
      * cache traffic of a widened fp32 copy of x, and 1.0-1.2x the GB/s of reading that copy on a Zen 5
      * (benchmarks/native_gemv.py, 1024-32000 rows of 1024-2816 fp16 weights, one thread) */
     MH_STREAM_ROWS(w, x, load_f16, load_f16, mh_h2f, mh_h2f, MH_STORE_F16, team);
@@ -184,37 +184,41 @@ static inline __attribute__((always_inline)) void mh_gemv_f16_body(const uint16_
 MH_TWO_ENTRIES(mh_gemv_f16, uint16_t, uint16_t)
 
 #if MH_DPBF16
-/* a row's sum from its eight accumulators v and the values i .. cols - 1 past the vector loops */
-static inline __attribute__((always_inline)) float dpbf16_total(__m512 v[8], const uint16_t *r, const uint16_t *x,
+/* a row's sum from its four accumulators v and the values i .. cols - 1 past the vector loops */
+static inline __attribute__((always_inline)) float dpbf16_total(__m256 v[4], const uint16_t *r, const uint16_t *x,
                                                                 int64_t i, int64_t cols) {
-    for (int k = 0; k < 4; k++) v[k] = _mm512_add_ps(v[k], v[k + 4]);
-    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[1]), _mm512_add_ps(v[2], v[3])));
+    mh_v8 t;
+    const __m256 u = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+    memcpy(&t, &u, sizeof t);
+    float s = hsum8(t);
     for (; i < cols; i++) s += bf16_to_f32(r[i]) * bf16_to_f32(x[i]);
     return s;
 }
 
 /* The AVX512-BF16 sums of one bf16 row r with x0 into sum[0], and with x1 into sum[1] when both (a
- * constant at each call; each 32 weights loaded once for both): eight accumulators of VDPBF16PS over 256
- * values (512 bytes of the row a pass), the 32-value and single-value tails; sum[0] has the same bits
- * either way. */
+ * constant at each call; each 16 weights loaded once for both): four accumulators of 256-bit VDPBF16PS
+ * over 64 values (128 bytes of the row a pass), the 16-value and single-value tails; sum[0] has the same
+ * bits either way. */
 static inline __attribute__((always_inline)) void dpbf16_sums(const uint16_t *r, const uint16_t *x0,
                                                                const uint16_t *x1, int both, int64_t cols,
                                                                float *sum) {
-    const int64_t c256 = cols & ~(int64_t)255, c32 = cols & ~(int64_t)31;
-    __m512 a[8], c[8];
-    for (int k = 0; k < 8; k++) a[k] = c[k] = _mm512_setzero_ps();
+    const int64_t c64 = cols & ~(int64_t)63, c16 = cols & ~(int64_t)15;
+    __m256 a[4], c[4];
+    for (int k = 0; k < 4; k++) a[k] = c[k] = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i < c256; i += 256)
-        for (int k = 0; k < 8; k++) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(r + i + 32 * k);
-            a[k] = _mm512_dpbf16_ps(a[k], wv, (__m512bh)_mm512_loadu_si512(x0 + i + 32 * k));
-            if (both) c[k] = _mm512_dpbf16_ps(c[k], wv, (__m512bh)_mm512_loadu_si512(x1 + i + 32 * k));
+#define MH_BF(p) ((__m256bh)_mm256_loadu_si256((const __m256i *)(p)))
+    for (; i < c64; i += 64)
+        for (int k = 0; k < 4; k++) {
+            const __m256bh wv = MH_BF(r + i + 16 * k);
+            a[k] = _mm256_dpbf16_ps(a[k], wv, MH_BF(x0 + i + 16 * k));
+            if (both) c[k] = _mm256_dpbf16_ps(c[k], wv, MH_BF(x1 + i + 16 * k));
         }
-    for (; i < c32; i += 32) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(r + i);
-        a[0] = _mm512_dpbf16_ps(a[0], wv, (__m512bh)_mm512_loadu_si512(x0 + i));
-        if (both) c[0] = _mm512_dpbf16_ps(c[0], wv, (__m512bh)_mm512_loadu_si512(x1 + i));
+    for (; i < c16; i += 16) {
+        const __m256bh wv = MH_BF(r + i);
+        a[0] = _mm256_dpbf16_ps(a[0], wv, MH_BF(x0 + i));
+        if (both) c[0] = _mm256_dpbf16_ps(c[0], wv, MH_BF(x1 + i));
     }
+#undef MH_BF
     sum[0] = dpbf16_total(a, r, x0, i, cols);
     if (both) sum[1] = dpbf16_total(c, r, x1, i, cols);
 }
@@ -236,30 +240,30 @@ static inline __attribute__((always_inline)) void mh_gemv_bf16_body(const uint16
 }
 MH_TWO_ENTRIES(mh_gemv_bf16, uint16_t, uint16_t)
 
-/* The same sums for two activation rows X0, X1 at once, one weight row at a time: each 16 weights loaded
- * once for both, each row's sums in the one-row loop's order (eight accumulators over 128 values, then
- * the 16-value and single-value tails), so STORE0(o, s) / STORE1(o, t) write the bits the one-row kernels
+/* The same sums for two activation rows X0, X1 at once, one weight row at a time: each 8 weights loaded
+ * once for both, each row's sums in the one-row loop's order (eight accumulators over 64 values, then
+ * the 8-value and single-value tails), so STORE0(o, s) / STORE1(o, t) write the bits the one-row kernels
  * give. Serial (the caller splits the rows); reads rows, cols, ldw of the enclosing function. */
 #define MH_TWO_X(W, X0, X1, LOAD_W, LOAD_X, ONE_W, ONE_X, STORE0, STORE1)                                    \
     do {                                                                                                     \
-        const int64_t c128_ = cols & ~(int64_t)127, c16_ = cols & ~(int64_t)15;                              \
+        const int64_t c64_ = cols & ~(int64_t)63, c8_ = cols & ~(int64_t)7;                                  \
         for (int64_t o = 0; o < rows; o++) {                                                                 \
             const __typeof__(&(W)[0]) r = (W) + o * ldw;                                                     \
-            v16 a[8] = {{0}}, c[8] = {{0}};                                                                  \
+            mh_v8 a[8] = {{0}}, c[8] = {{0}};                                                                \
             int64_t i = 0;                                                                                   \
-            for (; i < c128_; i += 128)                                                                      \
+            for (; i < c64_; i += 64)                                                                        \
                 for (int k = 0; k < 8; k++) {                                                                \
-                    const v16 wv = LOAD_W(r + i + 16 * k);                                                   \
-                    a[k] += wv * LOAD_X((X0) + i + 16 * k);                                                  \
-                    c[k] += wv * LOAD_X((X1) + i + 16 * k);                                                  \
+                    const mh_v8 wv = LOAD_W(r + i + 8 * k);                                                  \
+                    a[k] += wv * LOAD_X((X0) + i + 8 * k);                                                   \
+                    c[k] += wv * LOAD_X((X1) + i + 8 * k);                                                   \
                 }                                                                                            \
-            for (; i < c16_; i += 16) {                                                                      \
-                const v16 wv = LOAD_W(r + i);                                                                \
+            for (; i < c8_; i += 8) {                                                                        \
+                const mh_v8 wv = LOAD_W(r + i);                                                              \
                 a[0] += wv * LOAD_X((X0) + i);                                                               \
                 c[0] += wv * LOAD_X((X1) + i);                                                               \
             }                                                                                                \
-            float s = hsum16(((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])));             \
-            float t = hsum16(((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7])));             \
+            float s = hsum8(((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])));              \
+            float t = hsum8(((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7])));              \
             for (int64_t j = i; j < cols; j++) s += ONE_W(r[j]) * ONE_X((X0)[j]);                            \
             for (int64_t j = i; j < cols; j++) t += ONE_W(r[j]) * ONE_X((X1)[j]);                            \
             STORE0(o, s);                                                                                    \

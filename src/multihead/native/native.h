@@ -121,28 +121,28 @@ extern _Thread_local mh_span *mh_team_spans;
     } while (0)
 #endif
 
-/* 16 fp32 lanes (GCC / Clang vector extensions) and their sum as a tree of halves: 4 vector adds
- * instead of 15 dependent scalar ones, which a row of a few KiB would otherwise wait on */
+/* 16 and 8 fp32 lanes (GCC / Clang vector extensions) and their sums as trees of halves: a few vector adds
+ * instead of 15 or 7 dependent scalar ones, which a row of a few KiB would otherwise wait on */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float mh_v8 __attribute__((vector_size(32)));
 typedef float mh_v4 __attribute__((vector_size(16)));
-static inline float hsum16(v16 v) {
 #if defined(__clang__) || __GNUC__ >= 12 /* halves by shuffles: v stays in registers */
-    const mh_v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const mh_v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#define MH_LO8(v) __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+#define MH_HI8(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+#define MH_LO4(v) __builtin_shufflevector(v, v, 0, 1, 2, 3)
+#define MH_HI4(v) __builtin_shufflevector(v, v, 4, 5, 6, 7)
 #else /* halves through memory: older compilers keep v on the stack */
-    mh_v8 a, b;
-    __builtin_memcpy(&a, &v, sizeof a);
-    __builtin_memcpy(&b, (const char *)&v + sizeof a, sizeof b);
-    a += b;
-    mh_v4 c, d;
-    __builtin_memcpy(&c, &a, sizeof c);
-    __builtin_memcpy(&d, (const char *)&a + sizeof c, sizeof d);
-    c += d;
+#define MH_HALF(T, v, at) __extension__({ T h_; __builtin_memcpy(&h_, (const char *)&(v) + (at), sizeof h_); h_; })
+#define MH_LO8(v) MH_HALF(mh_v8, v, 0)
+#define MH_HI8(v) MH_HALF(mh_v8, v, 32)
+#define MH_LO4(v) MH_HALF(mh_v4, v, 0)
+#define MH_HI4(v) MH_HALF(mh_v4, v, 16)
 #endif
+static inline float hsum8(mh_v8 v) {
+    const mh_v4 c = MH_LO4(v) + MH_HI4(v);
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
+static inline float hsum16(v16 v) { return hsum8(MH_LO8(v) + MH_HI8(v)); }
 
 typedef int32_t mh_i32x16 __attribute__((vector_size(64)));
 

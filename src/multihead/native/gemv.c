@@ -162,7 +162,8 @@ static inline __attribute__((always_inline)) void mh_gemv_f16_body(const uint16_
 #if MH_HAS_F16 && defined(__AVX512F__)
     /* x read as fp16 and widened with each row's values (one VCVTPH2PS more per 8 weights): half the
      * cache traffic of a widened fp32 copy of x, and 1.0-1.2x the GB/s of reading that copy on a Zen 5
-     * (benchmarks/native_gemv.py, 1024-32000 rows of 1024-2816 fp16 weights, one thread) */
+     * (benchmarks/native_gemv.py, 1024-32000 rows of 1024-2816 fp16 weights, one thread; measured when
+     * the kernels loaded 512 bits at a time, so kept to AVX-512 builds) */
     MH_STREAM_ROWS(w, x, load_f16, load_f16, mh_h2f, mh_h2f, MH_STORE_F16, team);
 #elif MH_HAS_F16
     float stack[4096], *xf = cols <= 4096 ? stack : malloc((size_t)cols * sizeof(float));

@@ -250,7 +250,9 @@ class Int8GemvLinear(BlockedRows):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight the int8 numbers stand for, (O, I) in ``dtype``."""
-        return dequantize_groups(self.int8_weight, self.scale, self.group_size, dtype)
+        w8, scale = self._apart()  # packed rows read out once for both, not once for each
+        w8 = layout.from_blocked(w8) if self.blocked else w8  # (O, I) in column order
+        return dequantize_groups(w8, scale, self.group_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         w, scale, how = self.kernel_tensors()

@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from multihead.bench import timing
+from multihead.bench.timing import Timing
 from multihead.cli import generate
 from multihead.cli.main import main
 from tests.clocks import FakeClock
@@ -63,3 +65,34 @@ def test_generate_prints_too_short_instead_of_a_rate(monkeypatch, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["decode_tokens_per_s"] is None and "too short to measure" in doc["decode_note"]
     assert doc["prefill_s"] is None and len(doc["tokens"][0]) == 3
+
+
+def test_generate_refuses_a_rate_whose_spread_is_wider_than_ten_times():
+    # the figure `multihead generate` printed: 22849.9 tokens/s (7691.4-4775843.6)
+    t = Timing(31 / 22849.9, 31 / 4775843.6, 31 / 7691.4, 5, 1)
+    fig = generate._decode_figure(t, 31, argparse.Namespace(max_new_tokens=32, batch=1))
+    assert not fig.ok and fig.value is None
+    text = fig.text(unit="tokens/s")
+    assert text.startswith("n/a (") and "wider than 10x" in text and "--max-new-tokens 128" in text
+    assert "22849" not in text
+
+
+def test_generate_names_the_option_when_the_difference_is_inside_the_noise():
+    four, one = Timing(4.0, 3.0, 5.0, 5, 1), Timing(1.0, 0.5, 3.5, 5, 1)
+    fig = generate._decode_figure(
+        timing.difference(four, one), 3, argparse.Namespace(max_new_tokens=4, batch=1)
+    )
+    assert "inside the noise" in fig.text() and "pass --max-new-tokens 64" in fig.text()
+
+
+def test_generate_keeps_an_honest_rate_with_its_spread():
+    t = Timing(0.031, 0.030, 0.032, 5, 1)  # 31 steps in 31 ms: 1000 tokens/s
+    fig = generate._decode_figure(t, 31, argparse.Namespace(max_new_tokens=32, batch=2))
+    assert fig.ok and fig.text(unit="tokens/s") == "2000.0 tokens/s (1937.5-2066.7)"
+
+
+def test_one_new_token_names_the_option():
+    fig = generate._decode_figure(
+        Timing(None, None, None, 0, 0), 0, argparse.Namespace(max_new_tokens=1, batch=1)
+    )
+    assert fig.text() == "n/a (one token: no decode step; pass --max-new-tokens 2 or more)"

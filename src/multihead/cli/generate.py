@@ -12,8 +12,8 @@
 
 Prints the new tokens and the speed: prefill time and decode tokens/s (one-token steps on the KV cache),
 each the median of generations repeated until they are long enough to time (a few times the one run
-the tokens need), with its spread (for the rate: the rates its time's spread allows), or "too short to
-measure".
+the tokens need), with its spread (for the rate: the rates its time's spread allows), or "n/a" with
+the reason and the option that gives a figure (a difference inside the noise, a spread wider than 10x).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .console import check_input_dir
 from .threads import threads_option
 
 if TYPE_CHECKING:
-    from ..bench.timing import Timing
+    from ..bench.timing import Checked, Timing
 
 __all__ = ["register"]
 
@@ -128,6 +128,31 @@ def _timed(
     return last[0], t["prefill"], timing.difference(t["all"], t["prefill"])
 
 
+def _decode_figure(decode: Timing, steps: int, args: argparse.Namespace) -> Checked:
+    """Decode tokens/s of ``steps`` steps after the first token (for every row of the batch), checked
+    (:func:`multihead.bench.timing.rate_figure`): "n/a (why; the option that gives a figure)" for one
+    token, a difference inside the noise or a spread wider than 10x."""
+    from ..bench import timing
+
+    if steps <= 0:
+        return timing.check_figure(
+            None, why="one token: no decode step", fix="pass --max-new-tokens 2 or more"
+        )
+    more = max(4 * args.max_new_tokens, 64)
+    fix = f"pass --max-new-tokens {more}: more decode steps a timed call set them apart from the prefill"
+    return timing.rate_figure(decode, steps * args.batch, fix=fix)
+
+
+def _prefill_text(prefill: Timing) -> str:
+    """The prefill's milliseconds with their spread, checked like the rate (:func:`_decode_figure`)."""
+    from ..bench import timing
+
+    ms = None if prefill.median is None else prefill.median * 1e3
+    low, high = (None, None) if prefill.low is None else (prefill.low * 1e3, (prefill.high or 0) * 1e3)
+    fix = "pass --prompt-len 256: a longer prefill is long enough for the clock"
+    return timing.check_figure(ms, low, high, why=prefill.why, fix=fix).text(".3g", unit="ms")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     """Load or build the model, generate, print tokens (and text) and speed."""
     from rich.console import Console
@@ -152,12 +177,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with Console(stderr=True).status(f"generating {args.max_new_tokens} tokens with {what}"):
         out, prefill, decode = _timed(lm, ids, args)
     new = out[:, ids.shape[1] :]  # (batch, new)
-    steps = new.shape[1] - 1  # decode steps after the first token (which the prefill gives)
-    decode_rate = decode.rate(steps * args.batch) if steps > 0 else None
-    spread = None  # the rates the decode time's spread allows: the figure's own uncertainty
-    if decode_rate is not None and decode.low and decode.high:
-        spread = [steps * args.batch / decode.high, steps * args.batch / decode.low]
-    why = "one token" if steps <= 0 else decode.why
+    rate = _decode_figure(decode, new.shape[1] - 1, args)
     doc: dict[str, Any] = {
         "model": what,
         "params": params,
@@ -170,9 +190,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "prefill_s": prefill.median,
         "prefill_spread_s": [prefill.low, prefill.high],
         "decode_s": decode.median,
-        "decode_tokens_per_s": decode_rate,
-        "decode_tokens_per_s_spread": spread,
-        "decode_note": None if decode_rate is not None else why,
+        "decode_tokens_per_s": rate.value,
+        "decode_tokens_per_s_spread": None if rate.low is None else [rate.low, rate.high],
+        "decode_note": None if rate.ok else rate.text(),
         "tokens": new.tolist(),
     }
     if tokenizer is not None:
@@ -180,20 +200,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
-    from ..bench.timing import time_text
     from .console import make_console
 
     console = make_console()
     for r, row in enumerate(doc.get("text") or new.tolist()):
         console.print(f"[{r}] {row}", markup=False)
-    rate = f"n/a ({why})" if decode_rate is None else f"{decode_rate:.1f} tokens/s"
-    if spread is not None:
-        rate += f" ({spread[0]:.1f}-{spread[1]:.1f})"
+    said = rate.text(unit="tokens/s")
     if native_steps is not None:
-        rate += f" (native steps: {native_steps})"
+        said += f" (native steps: {native_steps})"
     console.print(
         f"{what}: {doc['params'] / 1e6:.1f}M params, {args.cache} cache, batch {args.batch}; prefill of "
-        f"{ids.shape[1]} tokens + first token {time_text(prefill)}; decode {rate}",
+        f"{ids.shape[1]} tokens + first token {_prefill_text(prefill)}; decode {said}",
         markup=False,
     )
     return 0

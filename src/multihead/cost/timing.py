@@ -12,6 +12,11 @@
 3. **No fraction above the physical limit.** :func:`fraction_of_limit` refuses a measured rate above
    its limit (a bandwidth or FLOP rate): such a figure means the probe of the limit, or the count of
    bytes or FLOPs, is wrong, and that is what it says.
+4. **No impossible figure printed.** :func:`check_figure` (and :func:`rate_figure` for a rate read off a
+   :class:`Timing`) is what every printed rate goes through: a figure without a number, with a spread
+   wider than :data:`WIDE` times, above its limit (or a spread reaching above it), or below a rate it
+   must be at least (a part of a step slower than the whole step) reads "n/a (why; what to pass)",
+   naming the option that gives a figure, instead of the number.
 
 The clock is a parameter, so tests drive every path with a fake one. The helper lives in the library
 (``multihead.cost``) so that the library's own probes (:mod:`multihead.cost.machine`) use it too;
@@ -32,8 +37,11 @@ __all__ = [
     "MIN_TOTAL",
     "SAME",
     "TOO_SHORT",
+    "WIDE",
+    "Checked",
     "Comparison",
     "Timing",
+    "check_figure",
     "clock_resolution",
     "compare",
     "difference",
@@ -45,6 +53,7 @@ __all__ = [
     "measure",
     "measure_all",
     "once",
+    "rate_figure",
     "rate_text",
     "time_text",
 ]
@@ -59,6 +68,8 @@ SAME = "same within noise"
 MIN_TOTAL = 0.2  # seconds of samples: ~16 scheduler slices of 12 ms
 MIN_TICKS = 50  # clock ticks per sample: rounding to the clock costs under 2%
 FLOOR_SAMPLE = 1e-4  # seconds: a sample shorter than this is mostly the timer's own cost
+#: a spread whose ends are more than this many times apart says nothing about its median
+WIDE = 10.0
 
 
 @dataclass(frozen=True)
@@ -329,8 +340,8 @@ def difference(longer: Timing, shorter: Timing) -> Timing:
     if low <= 0 or med <= 0:
         return Timing(
             None, None, None, 0, 0,
-            f"{TOO_SHORT}: the difference {med:.3g} s is inside the noise ({low:.3g} .. {high:.3g} s); "
-            "time more work per call",
+            f"{TOO_SHORT}: the difference {med:.3g} s is inside the noise ({low:.3g} .. {high:.3g} s) "
+            "of its two terms",
         )  # fmt: skip
     return Timing(med, low, high, min(longer.samples, shorter.samples), 1)
 
@@ -384,3 +395,101 @@ def rate_text(t: Timing, work: float, spec: str = ".1f") -> str:
     """``work`` per second at the median, formatted with ``spec``, or "too short to measure"."""
     r = t.rate(work)
     return TOO_SHORT if r is None else format(r, spec)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A figure that passed :func:`check_figure` (``why`` empty), or the reason it is not printed
+    (``value`` None, ``why`` the reason and ``fix`` what to pass for a figure)."""
+
+    value: float | None
+    low: float | None = None
+    high: float | None = None
+    why: str = ""
+    fix: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.value is not None and not self.why
+
+    def text(self, spec: str = ".1f", spread_spec: str | None = None, unit: str = "") -> str:
+        """``"605.2 tokens/s (590.1-620.4)"`` (``unit`` after the value, the spread where there is one),
+        or ``"n/a (why; fix)"``."""
+        if not self.ok:
+            return "n/a (" + "; ".join(x for x in (self.why or TOO_SHORT, self.fix) if x) + ")"
+        assert self.value is not None
+        out = format(self.value, spec) + (f" {unit}" if unit else "")
+        if self.low is not None and self.high is not None:
+            inner = spread_spec or spec
+            out += f" ({format(self.low, inner)}-{format(self.high, inner)})"
+        return out
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def check_figure(
+    value: float | None,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    why: str = "",
+    limit: float | None = None,
+    limit_what: str = "its limit",
+    at_least: float | None = None,
+    at_least_what: str = "",
+    fix: str = "",
+) -> Checked:
+    """Check a figure against what it can be; every rate the application prints goes through here.
+
+    Args:
+        value: the figure (a rate, a time); None when it has none (``why`` then says why).
+        low, high: its spread (both or neither).
+        why: the reason there is no value (e.g. a :class:`Timing`'s "too short to measure: ...").
+        limit: the most it can be (a bandwidth limit in the same unit); the value, and the top of its
+            spread, must not pass it.
+        limit_what: the limit's name in the reason ("the bandwidth limit").
+        at_least: the least it can be (a part of a step is at least as fast as the whole step).
+        at_least_what: that bound's name in the reason ("the whole step's rate").
+        fix: what to pass for an honest figure, named by its option ("pass --max-new-tokens 256").
+
+    Returns:
+        :class:`Checked` with the figure, or with ``value`` None and the reason; its ``text()`` reads
+        "n/a (reason; fix)" then.
+    """
+
+    def refuse(reason: str) -> Checked:
+        return Checked(None, None, None, reason, fix)
+
+    if value is None or not math.isfinite(value):
+        return refuse(why or TOO_SHORT)
+    if low is not None and high is not None and (low <= 0 or high / low > WIDE):
+        return refuse(
+            f"its spread {low:.4g}-{high:.4g} is wider than {WIDE:g}x: the samples disagree too much "
+            "to give one figure"
+        )
+    if limit is not None and limit > 0:
+        if value > limit:
+            return refuse(
+                f"{value:.4g} is above {limit_what} {limit:.4g}: that limit's probe or count is wrong"
+            )
+        if high is not None and high > limit:
+            return refuse(
+                f"its spread reaches {high:.4g}, above {limit_what} {limit:.4g}: the samples are noise"
+            )
+    if at_least is not None and value < at_least:
+        return refuse(
+            f"{value:.4g} is below {at_least_what} {at_least:.4g}, which it is part of: the two were timed "
+            "under different load"
+        )
+    return Checked(value, low, high)
+
+
+def rate_figure(t: Timing, work: float, **checks: Any) -> Checked:
+    """``work`` per second of ``t`` as a checked figure (:func:`check_figure`): the median's rate, with
+    the rates the spread allows (``work / high`` .. ``work / low``); ``checks`` are check_figure's."""
+    rate = t.rate(work)
+    low = high = None
+    if rate is not None and t.low is not None and t.high is not None and t.low > 0:
+        low, high = work / t.high, work / t.low
+    return check_figure(rate, low, high, why=checks.pop("why", "") or t.why, **checks)

@@ -10,13 +10,24 @@ of one call, at least 1, at most the cores this process may run on (and never mo
 to use: a user's ``torch.set_num_threads`` is a ceiling).
 
     n = clamp(max(flops / FLOPS_PER_THREAD, bytes / BYTES_PER_THREAD), 1, cores)
+
+:func:`limited` applies the count to the calling thread alone. ``torch.set_num_threads`` is
+process-wide (it also sets the count every thread started later begins with), so a library that called
+it would leave a thread started meanwhile on one thread, and undo a ``torch.set_num_threads`` that the
+host made in the meantime. Instead, where torch's threads are OpenMP's (the Linux and Windows wheels),
+the count is the calling thread's own OpenMP setting (``omp_set_num_threads``) and MKL's local one
+(``mkl_set_num_threads_local``), which torch's operators and the native kernels read on that thread;
+elsewhere the block runs on torch's count unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -63,18 +74,70 @@ def threads_for(flops: float, nbytes: float = 0.0, *, ceiling: int | None = None
     return max(1, min(top, int(want)))
 
 
+@functools.cache
+def _setters() -> tuple[Callable[[int], object], ...]:
+    """The calling thread's thread-count setters of the runtimes torch's operators use: OpenMP's
+    ``omp_set_num_threads`` (a per-thread setting) and MKL's ``mkl_set_num_threads_local`` (whose C
+    entry point is ``MKL_Set_Num_Threads_Local``: the lower-case names take a pointer); none where
+    torch does not run on OpenMP (then :func:`limited` changes nothing)."""
+    if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
+        return ()
+    found: list[Callable[[int], object]] = []
+    libs = [os.path.join(os.path.dirname(torch.__file__), "lib", name) for name in _TORCH_LIBS]
+    for name, symbol in (("OpenMP", "omp_set_num_threads"), ("MKL", "MKL_Set_Num_Threads_Local")):
+        for path in (None, *libs):  # the process's global symbols first, then torch's own libraries
+            try:
+                fn = getattr(ctypes.CDLL(path), symbol, None)
+            except OSError:  # a library this torch does not ship
+                continue
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], None
+                found.append(fn)
+                break
+        else:
+            if name == "OpenMP":  # the OpenMP runtime is the one that must be there
+                return ()
+    return tuple(found)
+
+
+_TORCH_LIBS = ("libgomp.so.1", "libtorch_cpu.so", "libiomp5.so", "libomp.dylib", "libtorch_cpu.dylib")
+
+
+def _set_here(n: int) -> None:
+    for setter in _setters():
+        setter(n)
+
+
+def _process_count() -> int:
+    """The count a thread started now begins with: the last ``torch.set_num_threads`` of any thread."""
+    seen: list[int] = []
+    probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()), daemon=True)
+    probe.start()
+    probe.join()
+    return seen[0]
+
+
 @contextlib.contextmanager
 def limited(n: int) -> Iterator[int]:
-    """Run the block on at most ``n`` torch threads (never more than now); restore the count after."""
-    before = torch.get_num_threads()
+    """Run the block on at most ``n`` torch threads (never more than now) in the calling thread only;
+    restore that thread's count after, unless a ``torch.set_num_threads`` was made meanwhile (it stays).
+
+    Other threads, those already running and those started during the block, keep the process's count.
+    Where torch does not run on OpenMP the count cannot be set per thread: the block runs on torch's
+    count, and the yielded number says so.
+    """
+    before = torch.get_num_threads()  # also sets up this thread's count, as torch's first operator would
     use = max(1, min(n, before))
-    if use != before:
-        torch.set_num_threads(use)
+    if use == before or not _setters():
+        yield before
+        return
+    _set_here(use)
     try:
         yield use
     finally:
-        if use != before:
-            torch.set_num_threads(before)
+        if torch.get_num_threads() == use:  # else this thread set its own count meanwhile: it stays
+            latest = _process_count()
+            _set_here(before if latest == before else latest)  # a host's set_num_threads meanwhile stays
 
 
 def training(model: torch.nn.Module, tokens: int) -> contextlib.AbstractContextManager[int]:

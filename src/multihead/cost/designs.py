@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from .. import rng
 from ..core.checks import check_int
 
 __all__ = ["DesignCost", "design_costs"]
@@ -93,9 +94,9 @@ def design_costs(
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = []
     for name in names:
-        torch.manual_seed(0)
-        base = TransformerLM(16, d_model, 1, n_heads, 2 * d_model, max_len=context + 1)
-        lm = base if name == "mha" else swap(base, name, backend="matrix")
+        with rng.private(0):  # every design from the same weights; the caller's generator untouched
+            base = TransformerLM(16, d_model, 1, n_heads, 2 * d_model, max_len=context + 1)
+            lm = base if name == "mha" else swap(base, name, backend="matrix")
         assert isinstance(lm, TransformerLM)
         lm = lm.to(dtype).eval()
         attn = lm.layers[0].self_attn

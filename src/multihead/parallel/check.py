@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .. import rng
+
 __all__ = ["check_worker"]
 
 
@@ -24,11 +26,13 @@ def check_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, float]
     from .tensor_parallel import tensor_parallel
 
     dev = torch.device(cfg["device"])
-    torch.manual_seed(0)  # every rank builds the same global problem and model
     B, H, Hkv, N, D = 2, 4, 2, 64 * world, 16
-    q, k, v = (
-        torch.randn(B, h, N, D, device=dev, dtype=torch.float64, requires_grad=True) for h in (H, Hkv, Hkv)
-    )
+    with rng.private(0):  # every rank builds the same global problem and model (drawn on the CPU)
+        q, k, v = (
+            torch.randn(B, h, N, D, dtype=torch.float64).to(dev).requires_grad_() for h in (H, Hkv, Hkv)
+        )
+        lm = mh.TransformerLM(97, 64, 2, 4 * world, 128, n_kv_heads=2 * world).to(dev)
+        ids = torch.randint(0, 97, (2, 17)).to(dev)
     errs: dict[str, float] = {}
     for name, mask, bias in (
         ("ring causal zigzag", mh.causal(), None),
@@ -43,9 +47,7 @@ def check_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, float]
         got = torch.autograd.grad(out.sum(), loc)
         pairs = [(out.detach(), ref.detach()), *zip(got, want)]
         errs[name] = max((a - shard(b, layout="zigzag")).abs().max().item() for a, b in pairs)
-    lm = mh.TransformerLM(97, 64, 2, 4 * world, 128, n_kv_heads=2 * world).to(dev)
     ref_lm = copy.deepcopy(lm)
-    ids = torch.randint(0, 97, (2, 17), device=dev)
     with torch.no_grad():
         want_logits = ref_lm(ids)
         got_logits = tensor_parallel(lm)(ids)

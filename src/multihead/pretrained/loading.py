@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from .. import rng
 from ..models.lm import TransformerLM
 from .bert import Bert, bert_from_state_dict
 from .config_checks import check_config
@@ -87,5 +87,5 @@ def random_lm(preset: str | Mapping[str, Any] = "llama-tiny", *, seed: int = 0) 
         ValueError: an unknown preset name or an unsupported config.
     """
     config = preset_config(preset) if isinstance(preset, str) else dict(preset)
-    torch.manual_seed(seed)
-    return TransformerLM(**llama_kwargs(config)).eval()
+    with rng.private(seed):  # the caller's global generator is neither reset nor advanced
+        return TransformerLM(**llama_kwargs(config)).eval()

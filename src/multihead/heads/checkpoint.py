@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from .. import rng
 from ..models.lm import TransformerLM
 from ..pretrained.files import atomic_write, read_json, read_safetensors, read_safetensors_metadata
 from ..pretrained.sentence_encoder import SentenceEncoder, minilm
@@ -141,6 +142,22 @@ def _check_step(step: Any, i: int, where: str) -> None:
         )
 
 
+def _rebuild(meta: dict[str, Any], steps: list[dict[str, Any]], where: str) -> nn.Module:
+    """The structure ``surgery.json`` describes: its base with its steps applied (weights to be loaded)."""
+    try:
+        model = _base_model(meta.get("base", MINILM), where)
+    except ValueError as e:  # an unknown preset, an unreadable base checkpoint: say whose base it is
+        raise ValueError(
+            e.args[0] if where in str(e) else f"{where}: its base cannot be built: {e}"
+        ) from None
+    try:
+        for step in steps:
+            model = apply_surgery(model, step)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: step {step!r} cannot be applied to its base: {e}") from None
+    return model
+
+
 def load_converted(path: str | Path) -> SentenceEncoder | TransformerLM:
     """The model saved by :func:`save_converted` in ``path``: a SentenceEncoder (MiniLM base) or a
     TransformerLM (LLaMA-family base), in eval mode.
@@ -170,17 +187,8 @@ def load_converted(path: str | Path) -> SentenceEncoder | TransformerLM:
             f"{str(weights)!r} and {str(meta_file)!r} come from different saves (weights_id {pair!r} vs "
             f"{meta.get('weights_id')!r}): a save was interrupted or is running; save the model again"
         )
-    try:
-        model = _base_model(meta.get("base", MINILM), where)
-    except ValueError as e:  # an unknown preset, an unreadable base checkpoint: say whose base it is
-        raise ValueError(
-            e.args[0] if where in str(e) else f"{where}: its base cannot be built: {e}"
-        ) from None
-    try:
-        for step in steps:
-            model = apply_surgery(model, step)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: step {step!r} cannot be applied to its base: {e}") from None
+    with rng.private(0):  # the structure's first weights are replaced by the file's: the caller's generator
+        model = _rebuild(meta, steps, where)  # is neither reset nor advanced
     sd = read_safetensors(weights, fix=_AGAIN)
     try:
         model.load_state_dict(sd, strict=True)

@@ -29,8 +29,11 @@ The bandwidth limit of a contestant is the read bandwidth over as many bytes as 
 reads (all parameters and buffers but the input embedding, which is read one row at a time; a tied
 output head is counted), measured by :func:`read_bandwidth` over a buffer of that size read again and
 again, as the steps read the weights: from memory for a model larger than the caches, from the caches
-for a small one. The KV cache is not counted (at a 256-token prompt it is about 1% of the weights). A
-rate above its limit is not printed: the table says the probe or the byte count is wrong instead.
+for a small one. The KV cache is not counted (at a 256-token prompt it is about 1% of the weights).
+Every figure is checked against what it can be (:func:`multihead.bench.timing.check_figure`): a limit
+below a rate measured against it (the probe ran while the machine was busy), a rate whose spread is
+wider than 10x or reaches above its limit, a floor slower than the whole step it is part of: each reads
+"n/a (why; what to pass)", naming the option (``--rounds``, ``--new-tokens``) that gives a figure.
 
 "GEMVs alone" (:func:`kernels_alone`) runs every linear layer of the contestant once with one token,
 back to back, with nothing between them (for a contestant whose products are native, in one native call,
@@ -209,7 +212,9 @@ def _measure(
     bandwidth: dict[int, float] = {}
     for group in _size_groups(sorted({b for _, b in contestants.values()})):
         say(f"read bandwidth over {group[-1] / 1e6:.1f} MB")
-        rate = read_bandwidth(group[-1])  # one probe for sizes within 25%: the same caches hold them
+        # one probe for sizes within 25% (the same caches hold them); its fastest sample counts, so more
+        # rounds give a busy machine more chances at the limit
+        rate = read_bandwidth(group[-1], reps=max(5, 2 * rounds))
         bandwidth.update(dict.fromkeys(group, rate))
     return steps, floors, bandwidth
 
@@ -226,12 +231,28 @@ def _size_groups(sizes: list[int]) -> list[list[int]]:
 
 
 def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.Timing], new: int,
-         floor: timing.Timing, bandwidth: float) -> dict[str, Any]:  # fmt: skip
-    """One row of the report (see :func:`run`)."""
+         floor: timing.Timing, bandwidth: float, rounds: int = 3) -> dict[str, Any]:  # fmt: skip
+    """One row of the report (see :func:`run`); every figure checked (:func:`timing.check_figure`)."""
     step = steps[name]
-    tok_s = step.rate(new - 1)
     limit = bandwidth / nbytes
-    kernels = floor.rate(1.0)
+    fixes = _fixes(new, rounds)
+    rate = timing.rate_figure(step, new - 1, fix=fixes["rate"])
+    kernels = timing.rate_figure(floor, 1.0, fix=fixes["floor"])
+    limit_fig = timing.check_figure(
+        limit, at_least=max((f.value for f in (rate, kernels) if f.ok), default=None),
+        at_least_what="a rate measured against it", fix=fixes["limit"],
+    )  # fmt: skip
+    if limit_fig.ok:  # a limit that holds: no spread may reach above it
+        rate = timing.rate_figure(
+            step, new - 1, limit=limit, limit_what="the bandwidth limit", fix=fixes["rate"]
+        )
+    if rate.ok and kernels.ok and rate.low is not None and kernels.value is not None:
+        # the products alone are part of the step: a floor below the step's slowest rate is no floor
+        kernels = timing.check_figure(
+            kernels.value, kernels.low, kernels.high, at_least=rate.low,
+            at_least_what="the whole step's slowest rate", fix=fixes["floor"],
+        )  # fmt: skip
+    tok_s, kern = rate.value, kernels.value
     peer = f"HF {dtype}"
 
     def vs(other: str) -> timing.Comparison | None:
@@ -244,19 +265,32 @@ def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.
         "dtype": dtype,
         "bytes_per_token": nbytes,
         "tok_s": tok_s,
-        "tok_s_spread": None
-        if step.high is None or step.low is None
-        else [(new - 1) / step.high, (new - 1) / step.low],
-        "why_no_rate": step.why or None,
+        "tok_s_spread": None if rate.low is None else [rate.low, rate.high],
+        "why_no_rate": None if rate.ok else rate.text(),
         "limit_tok_s": limit,
+        "why_no_limit": None if limit_fig.ok else limit_fig.text(),
         "fraction_of_limit": _fraction(tok_s, limit),
-        "kernels_tok_s": kernels,
-        "kernels_fraction_of_limit": _fraction(kernels, limit),
-        "fraction_of_kernels": _fraction(tok_s, kernels, ABOVE_FLOOR),
+        "kernels_tok_s": kern,
+        "kernels_tok_s_spread": None if kernels.low is None else [kernels.low, kernels.high],
+        "why_no_kernels": None if kernels.ok else kernels.text(),
+        "kernels_fraction_of_limit": _fraction(kern, limit),
+        "fraction_of_kernels": _fraction(tok_s, kern, ABOVE_FLOOR),
         "vs_hf_fp32": None if fp32 is None else fp32.ratio,
         "vs_hf_fp32_within_noise": None if fp32 is None else fp32.same,
         "vs_hf_same_dtype": None if same is None else same.ratio,
         "vs_hf_same_dtype_within_noise": None if same is None else same.same,
+    }
+
+
+def _fixes(new: int, rounds: int) -> dict[str, str]:
+    """What to pass for a figure that is refused, per figure: the options of ``multihead bench decode``."""
+    more = f"--rounds {2 * rounds}"
+    return {
+        "rate": f"pass --new-tokens {4 * new} (more steps a timed call) or {more}",
+        "floor": f"it is part of the step, so the two were timed under different load: pass {more} or run "
+        "on an idle machine",
+        "limit": f"the probe ran under load: run on an idle machine, or pass {more} (its fastest of more "
+        "samples counts)",
     }
 
 
@@ -402,7 +436,7 @@ def run(
         torch.set_num_threads(before)
     rows = [
         _row(name, impl, dtype, contestants[name][1], steps, new_tokens, floors[name],
-             bandwidth[contestants[name][1]])
+             bandwidth[contestants[name][1]], rounds)
         for name, impl, dtype in ROWS
         if name in contestants
     ]  # fmt: skip
@@ -436,8 +470,9 @@ def _ratio(x: float | None, same: bool | None) -> str:
 
 
 def _rate(r: dict[str, Any]) -> str:
+    """A checked rate with its spread, or the refusal of :func:`_row` ("n/a (why; what to pass)")."""
     if r["tok_s"] is None:
-        return timing.TOO_SHORT
+        return r["why_no_rate"] or timing.TOO_SHORT
     lo, hi = r["tok_s_spread"]
     return f"{r['tok_s']:.1f} ({lo:.0f}-{hi:.0f})"
 
@@ -452,24 +487,27 @@ def render(doc: dict[str, Any]) -> Any:
 
     title = (
         f"{doc['preset']} decode: prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, "
-        f"{doc['threads']} torch thread(s), median of >= {doc['rounds']} interleaved sample(s) "
-        f"(spread: quartiles); read bandwidth {doc['read_bandwidth_GBps']:.1f} GB/s from memory, "
-        "more from the caches for a small step"
+        f"{doc['threads']} torch thread(s), the median of >= {doc['rounds']} interleaved sample(s) a "
+        "call (spread: the rates its quartiles allow); read bandwidth (the probe's fastest sample) "
+        f"{doc['read_bandwidth_GBps']:.1f} GB/s from memory, more from the caches for a small step"
     )
     table = Table(title=title)
     cols = ("contestant", "MB/token", "tok/s", "bandwidth limit", "of limit", "GEMVs alone", "of GEMVs")
     for col in (*cols, "vs HF fp32", "vs HF same"):
         table.add_column(col, justify="left" if col == "contestant" else "right", no_wrap=col == "contestant")
     for r in doc["rows"]:
-        kern = "-" if r["kernels_tok_s"] is None else f"{r['kernels_tok_s']:.1f}"
+        kern = r.get("why_no_kernels") or "-"
+        if r["kernels_tok_s"] is not None:
+            kern = f"{r['kernels_tok_s']:.1f} ({_frac(r['kernels_fraction_of_limit'])})"
+        limit = r.get("why_no_limit") or f"{r['limit_tok_s']:.1f}"
         differs = doc.get(f"tokens_identical_{r['dtype']}") is False
         table.add_row(
             r["name"] + (" (*)" if differs else ""),
             f"{r['bytes_per_token'] / 1e6:.1f}",
             _rate(r),
-            f"{r['limit_tok_s']:.1f}",
+            limit,
             _frac(r["fraction_of_limit"]),
-            f"{kern} ({_frac(r['kernels_fraction_of_limit'])})",
+            kern,
             _frac(r["fraction_of_kernels"]),
             _ratio(r["vs_hf_fp32"], r["vs_hf_fp32_within_noise"]),
             _ratio(r["vs_hf_same_dtype"], r["vs_hf_same_dtype_within_noise"]),

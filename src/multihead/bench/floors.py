@@ -96,10 +96,12 @@ def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> 
         raise ValueError(f"kernels_alone needs a model with linear layers; {type(model).__name__} has none")
     xs = [torch.randn(1, 1, m.in_features).to(activations) for m in layers]  # (1, 1, I) each
     native_steps = isinstance(model, TransformerLM) and model.why_not_native_steps is None
+    # the layers as the step runs them: a native step runs the native GEMV on a plain linear's weight, so
+    # its floor does too (the modules' own path - bf16 through F.linear - can be many times slower than
+    # the whole step, and would not be its floor)
+    runs = [GemvLinear.from_linear(m) if native_steps and type(m) is nn.Linear else m for m in layers]
     bounds = []
-    for m, x in zip(layers, xs):  # each layer's native product, where its forward would run one
-        if native_steps and type(m) is nn.Linear:  # the step runs the native GEMV on its weight
-            m = GemvLinear.from_linear(m)
+    for m, x in zip(runs, xs):  # each layer's native product, where its forward would run one
         direct = getattr(m, "native_product", None)
         bounds.append(None if direct is None else direct(x))
     lib, ready = native.library(), [b for b in bounds if b is not None]
@@ -108,7 +110,7 @@ def kernels_alone(model: nn.Module, activations: torch.dtype, reps: int = 3) -> 
     else:
 
         def one_pass() -> None:
-            for m, x in zip(layers, xs):
+            for m, x in zip(runs, xs):
                 m(x)
 
     with torch.inference_mode():

@@ -32,7 +32,11 @@ def register(sub) -> None:
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
     p.add_argument(
-        "--rounds", type=positive_int, default=3, help="interleaved rounds; the fastest counts (default 3)"
+        "--rounds",
+        type=positive_int,
+        default=3,
+        help="timed samples per call at least, interleaved; the median counts, with its spread (the "
+        "bandwidth probe takes twice as many and its fastest counts; default 3)",
     )
     p.add_argument(
         "--new-tokens",
@@ -52,7 +56,7 @@ def _cmd_decode(args) -> int:
 
     from .progress import eta_progress
 
-    console = Console(highlight=False, stderr=args.json)
+    console = Console(highlight=False, markup=False, stderr=args.json)  # row names are data, not markup
     if not console.is_terminal:
         console.width = 160
     with eta_progress() as bar:

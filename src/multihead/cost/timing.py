@@ -478,10 +478,7 @@ def check_figure(
                 f"its spread reaches {high:.4g}, above {limit_what} {limit:.4g}: the samples are noise"
             )
     if at_least is not None and value < at_least:
-        return refuse(
-            f"{value:.4g} is below {at_least_what} {at_least:.4g}, which it is part of: the two were timed "
-            "under different load"
-        )
+        return refuse(f"{value:.4g} is below {at_least_what} {at_least:.4g}")
     return Checked(value, low, high)
 
 

@@ -44,8 +44,12 @@ def positive_int(text: str) -> int:
 
 
 def make_console() -> Console:
-    """A console on stdout; wide when stdout is not a terminal, so tables do not wrap in files."""
-    console = Console(highlight=False)
+    """A console on stdout; wide when stdout is not a terminal, so tables do not wrap in files.
+
+    Markup is off: what the commands print is data (notes, table cells, file names), and rich would
+    take a bracketed phrase such as ``[bootstrap 95% interval]`` for a style tag and drop it.
+    """
+    console = Console(highlight=False, markup=False)
     if not console.is_terminal:
         console.width = 160
     return console

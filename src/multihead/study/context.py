@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table as RichTable
 
 from .. import cost
@@ -24,6 +25,8 @@ __all__ = [
     "human",
     "machine_rates",
     "machine_roof",
+    "markdown_cell",
+    "markdown_row",
     "one_thread",
     "walk_table",
 ]
@@ -77,18 +80,36 @@ class Table:
         return self.align[i] if i < len(self.align) else "l"
 
     def markdown(self) -> str:
+        """The table in markdown; every cell, header and the title through :func:`markdown_cell`."""
         rule = ["---:" if self._align(i) == "r" else "---" for i in range(len(self.columns))]
-        lines = [f"**{self.title}**", "", "| " + " | ".join(self.columns) + " |", "|" + "|".join(rule) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        lines = [
+            f"**{markdown_cell(self.title)}**",
+            "",
+            markdown_row(self.columns),
+            "|" + "|".join(rule) + "|",
+        ]
+        lines += [markdown_row(r) for r in self.rows]
         return "\n".join(lines)
 
     def rich(self) -> RichTable:
-        t = RichTable(title=self.title, title_justify="left")
+        """The table for a terminal; its text is data, never rich markup (brackets are kept)."""
+        t = RichTable(title=escape(self.title), title_justify="left")
         for i, c in enumerate(self.columns):
-            t.add_column(c, justify="right" if self._align(i) == "r" else "left")
+            t.add_column(escape(c), justify="right" if self._align(i) == "r" else "left")
         for r in self.rows:
-            t.add_row(*r)
+            t.add_row(*(escape(c) for c in r))
         return t
+
+
+def markdown_cell(text: str) -> str:
+    """``text`` as one markdown table cell: a pipe would end the cell (escaped as ``\\|``) and a line
+    break the row (written as a space)."""
+    return " ".join(text.replace("|", "\\|").splitlines())
+
+
+def markdown_row(cells: list[str]) -> str:
+    """One markdown table row of cells escaped by :func:`markdown_cell`."""
+    return "| " + " | ".join(markdown_cell(c) for c in cells) + " |"
 
 
 @dataclass
@@ -117,7 +138,7 @@ class Section:
         for t in self.tables:
             console.print(t.rich())
         for n in self.notes:
-            console.print(n, highlight=False)
+            console.print(n, highlight=False, markup=False)  # a note's brackets are text
 
 
 def human(x: float) -> str:

@@ -81,3 +81,31 @@ def test_heads_finding_compares_mla_and_gqa_at_equal_bytes_after_recovery():
     assert "keeps 88.0%" in lost and "less than GQA-2 aligned (90.0%)" in lost
     skipped = Section("heads", "Heads", {"surgery": {"skipped": "gensim is not installed"}})
     assert key_findings([skipped]) == []
+
+
+def test_recovery_that_moved_no_shown_score_is_not_credited():
+    unmoved = _surgery(85.0, 90.0)  # MLA r=128: 85.0% before and after its 6 steps
+    found = dict(key_findings([unmoved]))["heads"]
+    assert "after 6 recovery steps" not in found
+    assert "the same before and after its 6 recovery steps (they changed no score shown)" in found
+    from multihead.study.sections.surgery import SurgerySizes, recovery_effect, surgery_notes
+
+    rows = unmoved.data["surgery"]["rows"]
+    assert recovery_effect(rows, rows[-1]) == (
+        False, "6 recovery steps changed no score the table shows (85.0% before and after)"
+    )  # fmt: skip
+    assert recovery_effect(rows, rows[2]) == (True, "after 6 recovery steps (lowest 80.0% before them)")
+    notes = surgery_notes(rows, SurgerySizes((2,), (128,), (), 6, True, 8, 2, 16, None), 1.0)
+    assert "MLA r=128 calibrated: 6 recovery steps changed no score the table shows" in notes[-1]
+    assert "its 6 recovery steps changed no score" in notes[1] and "after recovery" not in notes[1]
+
+
+def test_performance_finding_reads_the_sections_results_and_their_noise():
+    rows = [
+        {"method": "auto", "ms": 1.0, "vs": {"sdpa": 0.5}, "vs_noise": {"sdpa": False}},
+        {"method": "auto", "ms": 1.0, "vs": {"sdpa": 1.05}, "vs_noise": {"sdpa": True}},
+        {"method": "sdpa", "ms": 1.0, "vs": {"auto": 2.0}},
+    ]
+    found = dict(key_findings([Section("performance", "Performance", {"results": rows})]))
+    assert "median over 2 cases" in found["performance"]
+    assert "1 of them the same within noise" in found["performance"]

@@ -28,7 +28,7 @@ from . import methods as bm
 from . import timing
 from .methods import Case
 
-__all__ = ["GOALS", "Case", "Result", "cases", "check_goals", "run"]
+__all__ = ["GOALS", "Case", "Result", "Verdict", "cases", "check_goals", "run", "verdicts", "vs_text"]
 
 
 @dataclass
@@ -140,10 +140,34 @@ def _fraction(rate: float | None, limit: float, what: str) -> tuple[float | None
         return None, f"above the {what}: probe or FLOP count wrong"
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """How a result's time compares with one peer's: ``ratio`` (its time / the peer's), ``same`` when
+    the two spreads overlap; ``text`` is what the table cell and every sentence say."""
+
+    peer: str
+    ratio: float
+    same: bool
+
+    @property
+    def text(self) -> str:
+        return timing.SAME if self.same else f"{self.ratio:.2f}x"
+
+    def slower(self, by: float) -> bool:
+        """Slower than the peer by more than ``by`` times, outside the noise."""
+        return not self.same and self.ratio > by
+
+
+def verdicts(r: dict) -> list[Verdict]:
+    """A result's comparison with each of its peers (:class:`Verdict`): the one reading of its ratios
+    that the tables and the sentences under them share."""
+    noise = r.get("vs_noise", {})
+    return [Verdict(k, v, bool(noise.get(k))) for k, v in r.get("vs", {}).items()]
+
+
 def vs_text(r: dict) -> str:
     """A result's time ratios to its peers: ``"sdpa 0.97x, eager same within noise"``."""
-    noise = r.get("vs_noise", {})
-    return ", ".join(f"{k} {timing.SAME if noise.get(k) else f'{v:.2f}x'}" for k, v in r["vs"].items())
+    return ", ".join(f"{v.peer} {v.text}" for v in verdicts(r))
 
 
 def run(kind: str = "quick", *, repeats: int = 3, flex: bool = False, only: str | None = None,

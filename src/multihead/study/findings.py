@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .context import Section
-from .sections.surgery import equal_bytes_pairs
+from .sections.surgery import equal_bytes_pairs, recovery_effect
 
 __all__ = ["FINDINGS", "key_findings"]
 
@@ -32,13 +32,20 @@ def _exactness(d: dict[str, Any]) -> str | None:
 
 
 def _performance(d: dict[str, Any]) -> str | None:
-    ratios = [r["vs"]["sdpa"] for r in d["rows"] if r.get("method") == "auto" and "sdpa" in r.get("vs", {})]
-    if not ratios:
+    """auto against SDPA, read off the verdicts the performance table shows (noise is no gain or loss)."""
+    from ..bench.suite import verdicts
+
+    auto = [r for r in d["results"] if r.get("method") == "auto" and r.get("ms") is not None]
+    sdpa = [v for r in auto for v in verdicts(r) if v.peer == "sdpa"]
+    if not sdpa:
         return None
+    ratios = [v.ratio for v in sdpa]
     med = statistics.median(ratios)
+    same = sum(v.same for v in sdpa)
+    noise = f"; {same} of them the same within noise" if same else ""
     return (
         f"auto takes {med:.2f}x the time of PyTorch SDPA (median over {len(ratios)} cases, ratio < 1 = "
-        f"faster; best {min(ratios):.2f}x, worst {max(ratios):.2f}x)."
+        f"faster; best {min(ratios):.2f}x, worst {max(ratios):.2f}x{noise})."
     )
 
 
@@ -89,7 +96,15 @@ def _heads(d: dict[str, Any]) -> str | None:
     full = next(r["kv_bytes"] for r in d["surgery"]["rows"] if r["method"] == "original")
     diff = mla["lowest_pct"] - gqa["lowest_pct"]
     verb = "more than" if diff > 0 else "less than" if diff < 0 else "as much as"
-    when = f"after {mla['recover_steps']} recovery steps" if mla["stage"] == "after" else "without recovery"
+    when = "without recovery"
+    if mla["stage"] == "after":
+        moved, _ = recovery_effect(d["surgery"]["rows"], mla)
+        steps = f"{mla['recover_steps']} recovery steps"
+        when = (
+            f"after {steps}"
+            if moved
+            else f"the same before and after its {steps} (they changed no score shown)"
+        )
     return (
         f"At equal KV cache ({mla['kv_bytes']:,} bytes per token, {full / mla['kv_bytes']:.0f}x below MHA), "
         f"{mla['model'].split(' + ')[0]} keeps {mla['lowest_pct']:.1f}% of MiniLM's human-judged score "

@@ -53,17 +53,28 @@ def one_rate(doc: dict) -> None:
 
 
 def slower_note(results: list[dict]) -> str:
-    """Every case where auto took more than :data:`SLOWER` times a peer's time, read off the rows."""
+    """Every case where auto took more than :data:`SLOWER` times a peer's time outside the noise, read
+    off the same verdicts as the table's cells (:func:`multihead.bench.suite.verdicts`): a ratio the
+    table calls "same within noise" is never called slower here."""
+    from ...bench.suite import verdicts
+
     slow = [
-        f"{r['case']} N={r['n']}: {ratio:.2f}x the time of {peer}"
+        f"{r['case']} N={r['n']}: {v.ratio:.2f}x the time of {v.peer}"
         for r in results
         if r["method"] == "auto" and r["ms"] is not None
-        for peer, ratio in r.get("vs", {}).items()
-        if ratio > SLOWER
+        for v in verdicts(r)
+        if v.slower(SLOWER)
     ]
     if not slow:
-        return f"auto is within {SLOWER:.2f}x of every peer's time in every case of this run."
-    return f"auto is slower than a peer (by more than {SLOWER:.2f}x) in: " + "; ".join(slow) + "."
+        return (
+            f"auto is within {SLOWER:.2f}x of every peer's time in every case of this run (or the same "
+            "within noise)."
+        )
+    return (
+        f"auto is slower than a peer (by more than {SLOWER:.2f}x, outside the noise) in: "
+        + "; ".join(slow)
+        + "."
+    )
 
 
 def performance(ctx: StudyContext) -> Section:

@@ -46,6 +46,7 @@ __all__ = [
     "equal_bytes_pairs",
     "eval_unavailable",
     "plot_surgery",
+    "recovery_effect",
     "surgery_notes",
     "surgery_rows",
     "surgery_table",
@@ -224,6 +225,29 @@ def equal_bytes_pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], 
     return sorted(pairs, key=lambda p: (order.get(p[0]["stage"], 2), p[0]["kv_bytes"]))
 
 
+def _shown(row: dict[str, Any]) -> tuple[str, ...]:
+    """A row's scores as the table prints them (3 decimals a set, the lowest % to 1 decimal)."""
+    return (*(f"{row[m]:.3f}" for m in METRICS if m in row), f"{row['lowest_pct']:.1f}")
+
+
+def recovery_effect(rows: list[dict[str, Any]], after: dict[str, Any]) -> tuple[bool, str]:
+    """What recovery did to a variant, as the table shows it: (whether any printed score moved, a
+    phrase). The notes and the key finding both say it from here, so neither credits a recovery that
+    moved nothing the table prints.
+    """
+    name = after["model"].removesuffix(" + recover")
+    before = next((r for r in rows if r["model"] == name and r["stage"] == "before"), None)
+    steps = f"{after['recover_steps']} recovery steps"
+    if before is None:
+        return True, f"after {steps}"
+    if _shown(before) == _shown(after):
+        return (
+            False,
+            f"{steps} changed no score the table shows ({after['lowest_pct']:.1f}% before and after)",
+        )
+    return True, f"after {steps} (lowest {before['lowest_pct']:.1f}% before them)"
+
+
 # -- the table, the figure, the notes --------------------------------------------------------------------
 def _with_interval(row: dict[str, Any], metric: str) -> str:
     """'0.656 [0.612, 0.695]': a score and its bootstrap 95% interval (the score alone without one)."""
@@ -323,10 +347,17 @@ def surgery_notes(rows: list[dict[str, Any]], sizes: SurgerySizes, seconds: floa
         verb = "more than" if m["lowest_pct"] > g["lowest_pct"] else "less than"
         if m["lowest_pct"] == g["lowest_pct"]:
             verb = "as much as"
-        stage = "after recovery" if m["stage"] == "after" else "without recovery"
+        stage = "without recovery"
+        if m["stage"] == "after":
+            moved, effect = recovery_effect(rows, m)
+            stage = effect if moved else f"the same before and after: its {effect}"
         mla, gqa = m["model"].split(" + ")[0], g["model"].split(" + ")[0]
         notes.append(
             f"At {m['kv_bytes']:,} KV bytes per token, {mla} keeps {m['lowest_pct']:.1f}% of the original's "
             f"score (lowest of the three), {verb} {gqa} ({g['lowest_pct']:.1f}%), {stage}."
         )
+    effects = [f"{r['model'].removesuffix(' + recover')}: {recovery_effect(rows, r)[1]}" for r in rows
+               if r["stage"] == "after"]  # fmt: skip
+    if effects:
+        notes.append("What recovery did, row by row: " + "; ".join(effects) + ".")
     return notes

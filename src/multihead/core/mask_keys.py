@@ -22,6 +22,7 @@ built once for all rows (or heads) and broadcast.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -175,6 +176,9 @@ class KeyedCache(Generic[T]):
     Each entry remembers weak references to the mask's identity-keyed tensors; an entry whose tensors
     died is never served (a new tensor may reuse the ``id`` and address) and is evicted when met.
     ``builds`` counts the objects built, for tests and benchmarks.
+
+    Safe to share between threads: a lock guards the entries, and threads that miss on the same key
+    together build it once (the others wait for that build; builds of other keys run meanwhile).
     """
 
     def __init__(self, maxsize: int):
@@ -183,12 +187,16 @@ class KeyedCache(Generic[T]):
         self.maxsize = maxsize
         self.builds = 0
         self._entries: OrderedDict[Hashable, tuple[list[weakref.ref], T]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict[Hashable, threading.Lock] = {}  # key -> held while one thread builds it
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            return len(self._entries)
 
     def clear(self) -> None:
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
 
     def get(self, mask: Mask | None, ctx: MaskContext, device, build: Callable[[], T]) -> T:
         """The object cached for ``(mask, ctx, device)``, built by ``build()`` on a miss.
@@ -197,19 +205,41 @@ class KeyedCache(Generic[T]):
         """
         key = cache_key(mask, ctx, device)
         if key is None:
-            self.builds += 1
+            with self._lock:
+                self.builds += 1
             return build()
         tensors = [] if mask is None else mask_tensors(mask)
-        hit = self._entries.get(key)
-        if hit is not None:
+        found = self._lookup(key, tensors)
+        if found is not None:
+            return found[0]
+        with self._lock:
+            building = self._building.setdefault(key, threading.Lock())
+        with building:  # one build per key; a thread that waited here finds the entry it built
+            found = self._lookup(key, tensors)
+            if found is not None:
+                return found[0]
+            try:
+                value = build()
+                with self._lock:
+                    self.builds += 1
+                    self._entries[key] = ([weakref.ref(t) for t in tensors], value)
+                    while len(self._entries) > self.maxsize:
+                        self._entries.popitem(last=False)
+            finally:  # stored first: a thread arriving now finds the entry, not a free build lock
+                with self._lock:
+                    self._building.pop(key, None)
+            return value
+
+    def _lookup(self, key: Hashable, tensors: list[Tensor]) -> tuple[T] | None:
+        """``(value,)`` of a live entry for ``key`` (marked most recently used), else None (a dead
+        entry is dropped)."""
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                return None
             refs, value = hit
             if len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors, strict=True)):
                 self._entries.move_to_end(key)
-                return value
+                return (value,)
             del self._entries[key]
-        value = build()
-        self.builds += 1
-        self._entries[key] = ([weakref.ref(t) for t in tensors], value)
-        while len(self._entries) > self.maxsize:
-            self._entries.popitem(last=False)
-        return value
+            return None

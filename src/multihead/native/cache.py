@@ -225,7 +225,21 @@ def verify(library: Path) -> tuple[str | None, str | None]:
 
 
 def remove_entry(library: Path) -> None:
-    """Remove ``library`` and its sidecars (those that exist)."""
+    """Remove ``library`` and its sidecars (those that exist), whatever they are: a file, a link (not
+    its target) or a directory (with what it holds; links in it are removed, not followed). The
+    directory holding them is private (:func:`private_dir`), so whatever is there was put there by this
+    user, and the build that follows takes its place.
+
+    Raises:
+        OSError: an entry that cannot be removed (then nothing can be built in its place either).
+    """
     for path in (library, sidecar(library, "sha256"), sidecar(library, "checked")):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

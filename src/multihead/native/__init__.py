@@ -389,7 +389,7 @@ def _open_entry(compiler: list[str], so: Path, notes: list[str]) -> tuple[ctypes
     return None, f"the native library at {so} failed twice: {'; '.join(notes[-2:])}"
 
 
-@functools.cache
+@build.Once  # one build per process, however many threads ask at once
 def _load() -> _Loaded:
     if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
         return _Loaded(None, "disabled by MULTIHEAD_NATIVE=0", None, ())
@@ -402,7 +402,7 @@ def _load() -> _Loaded:
         return _Loaded(None, reason, None, ())
     where, notes, unsafe = cache.private_dir(cache_dir())
     if unsafe:  # a directory planted by another account, or one anybody may write
-        warnings.warn("multihead.native: " + "; ".join(notes), RuntimeWarning, stacklevel=3)
+        warnings.warn("multihead.native: " + "; ".join(notes), RuntimeWarning, stacklevel=4)
     if where is None:
         return _Loaded(
             None, f"no private directory to build the native kernels in: {'; '.join(notes)}", None, ()
@@ -416,7 +416,7 @@ def _load() -> _Loaded:
     # an entry kept before digests were recorded is rebuilt as a matter of course: no warning
     repaired = [n for n in notes[seen:] if "no recorded digest" not in n]
     if repaired:
-        warnings.warn("multihead.native: " + "; ".join(repaired), RuntimeWarning, stacklevel=3)
+        warnings.warn("multihead.native: " + "; ".join(repaired), RuntimeWarning, stacklevel=4)
     return _Loaded(lib, reason, so if lib is not None else None, tuple(notes))
 
 

@@ -51,7 +51,10 @@ def test_report_rows_render_and_plot(tmp_path):
     rows[1]["mean_cos"] = 0.5  # a quality value so that the plot has a point
     rows[0]["mean_cos"] = 1.0
     table = report.table(rows, (64,))
-    assert table.rows[0][5] == "1.00x" and table.rows[1][5].endswith("x")  # time relative to exact
+    rel = table.rows[1][5]  # time relative to exact: a ratio, noise, or why neither (a busy machine)
+    assert table.rows[0][5] == "1.00x" and (
+        rel.endswith("x") or rel in ("same within noise",) or rel[:4] == "n/a "
+    )
     assert table.rows[1][1] == "0.5000" and table.rows[1][3] == "-"  # no MQAR run: a dash
     pytest.importorskip("matplotlib")
     png = measure.pareto_png(rows, tmp_path / "p.png", 64)
@@ -192,3 +195,27 @@ def test_pareto_plot_names_every_method_it_leaves_out():
     labels = ax.get_legend_handles_labels()[1]
     plt.close(fig)
     assert labels[-1].startswith("not drawn: ") and "Performer(128) (no MQAR run)" in labels[-1]
+
+
+def test_vs_exact_says_noise_where_the_spreads_overlap_and_refuses_a_wide_spread():
+    exact = {"seconds": 0.010, "spread": [0.009, 0.011]}
+    # the Performer that read 0.88x in one run and 5.76x in another: overlapping samples are no ranking
+    assert measure.vs_exact({"seconds": 0.0088, "spread": [0.0080, 0.0095]}, exact) == "same within noise"
+    assert measure.vs_exact({"seconds": 0.0576, "spread": [0.05, 0.06]}, exact) == "5.76x"
+    wide = measure.vs_exact({"seconds": 0.02, "spread": [0.001, 0.05]}, exact)
+    assert wide.startswith("n/a (its spread") and "wider than 10x" in wide and "pass a larger N" in wide
+    short = {"seconds": float("nan"), "spread": None, "why": "too short to measure: x"}
+    assert measure.vs_exact(short, exact).startswith("n/a (too short to measure: x")
+    assert measure.vs_exact(exact, None) == ""
+
+
+def test_the_table_shows_each_time_with_its_spread():
+    rows = [
+        {"name": "exact (tiled)", "mean_cos": 1.0, "worst_cos": 1.0, "mqar_acc": None,
+         "cost": {1024: {"seconds": 0.010, "spread": [0.009, 0.011], "peak_bytes": 1 << 20}}},
+        {"name": "Performer(128)", "mean_cos": 0.9, "worst_cos": 0.8, "mqar_acc": None,
+         "cost": {1024: {"seconds": 0.0088, "spread": [0.0080, 0.0095], "peak_bytes": 1 << 20}}},
+    ]  # fmt: skip
+    cells = report.table(rows, (1024,)).rows
+    assert cells[0][4:6] == ["0.010 s (0.009-0.011)", "1.00x"]
+    assert cells[1][4:6] == ["0.009 s (0.008-0.009)", "same within noise"]

@@ -37,6 +37,7 @@ __all__ = [
     "METHODS",
     "Method",
     "cost",
+    "costs",
     "draw_pareto",
     "fidelity",
     "make",
@@ -44,6 +45,7 @@ __all__ = [
     "pareto_png",
     "peak_rss_tracker",
     "spread",
+    "vs_exact",
 ]
 
 HEADS, HEAD_DIM = 8, 64
@@ -151,6 +153,53 @@ def cost(approx: Approximation | None, n: int, *, seed: int = 0) -> dict[str, An
     seconds = t.median if t.median is not None else float("nan")  # nan: too short to measure
     assert isinstance(out, Tensor)
     return {"n": n, "seconds": seconds, "peak_bytes": peak, "finite": bool(torch.isfinite(out).all())}
+
+
+def costs(approxes: dict[str, Approximation | None], n: int, *, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """:func:`cost` of every approximation at length ``n``, their samples interleaved
+    (:func:`multihead.bench.timing.measure_all`), so that a change of load on a shared machine slows them
+    alike and their ranking is the code's, not the machine's: name -> ``{"n", "seconds" (median; nan
+    when too short to measure), "spread" ([low, high] seconds: the quartiles), "why", "peak_bytes",
+    "finite"}``. The peak is each one's first call alone.
+    """
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, generator=g) for _ in range(3))  # (1, H, N, D)
+    calls, out = {}, {}
+    with torch.no_grad():
+        for name, approx in approxes.items():
+            backend = "tiled" if approx is None else approx
+            extra = peak_rss_tracker()
+            first = attention(q, k, v, backend=backend)
+            assert isinstance(first, Tensor)
+            out[name] = {"n": n, "peak_bytes": None if extra is None else extra(),
+                         "finite": bool(torch.isfinite(first).all())}  # fmt: skip
+            del first
+            calls[name] = lambda backend=backend: attention(q, k, v, backend=backend)
+        times = timing.measure_all(calls, warmup=0, min_samples=5, max_seconds=3.0)
+    for name, t in times.items():
+        spread = None if t.low is None or t.high is None else [t.low, t.high]
+        seconds = t.median if t.median is not None else float("nan")  # nan: too short to measure
+        out[name].update(seconds=seconds, spread=spread, why=t.why)
+    return out
+
+
+def vs_exact(c: dict[str, Any], exact: dict[str, Any] | None) -> str:
+    """A method's time against exact attention's at the same length, from their medians and spreads
+    (:func:`costs`): "1.23x", "same within noise" where the spreads overlap, or "n/a (why)" where
+    either has no figure or a spread wider than 10x (one ratio would then say nothing)."""
+    if exact is None:
+        return ""
+
+    def timed(x: dict[str, Any]) -> timing.Checked:
+        low, high = x.get("spread") or (None, None)
+        fix = "pass a larger N, or run on an idle machine"
+        return timing.check_figure(x["seconds"], low, high, why=x.get("why", ""), fix=fix)
+
+    a, b = timed(c), timed(exact)
+    if not (a.ok and b.ok):
+        return (a if not a.ok else b).text()
+    ta, tb = (timing.Timing(x.value, x.low or x.value, x.high or x.value, 1, 1) for x in (a, b))
+    return str(timing.compare(ta, tb))
 
 
 # -- fidelity -----------------------------------------------------------------------------------------

@@ -61,19 +61,17 @@ def compare(
     if isinstance(mini, str):
         notes.append(f"MiniLM fidelity skipped: {mini}")
         mini = None
-    rows = []
-    for i, m in enumerate(methods):
-        row: dict[str, Any] = {
-            "name": m.name,
-            "cost": {},
-            "mean_cos": None,
-            "worst_cos": None,
-            "mqar_acc": None,
-        }
-        for n in ns:
-            step(f"{m.name}: time and memory at N={n}", i / len(methods))
-            if m.max_n is None or n <= m.max_n:
-                row["cost"][n] = measure.cost(m.build(max(ns)), n)
+    rows: list[dict[str, Any]] = [
+        {"name": m.name, "cost": {}, "mean_cos": None, "worst_cos": None, "mqar_acc": None} for m in methods
+    ]
+    for n in ns:  # every method's calls at one length timed together, interleaved
+        step(f"time and memory at N={n}", 0.0)
+        fit = {m.name: m.build(max(ns)) for m in methods if m.max_n is None or n <= m.max_n}
+        timed = measure.costs(fit, n)
+        for row in rows:
+            if row["name"] in timed:
+                row["cost"][n] = timed[row["name"]]
+    for i, (m, row) in enumerate(zip(methods, rows)):
         if mini is not None:
             step(f"{m.name}: MiniLM fidelity", i / len(methods))
             encoder, texts, exact = mini
@@ -89,7 +87,6 @@ def compare(
             step(f"{m.name}: MQAR training", i / len(methods))
             res = train_mqar(mqar, m.build(mqar.seq_len))
             row.update({"mqar_acc": res.accuracy, "mqar_causal": res.causal, "mqar_seconds": res.seconds})
-        rows.append(row)
     return {"rows": rows, "notes": notes + mqar_notes(rows)}
 
 
@@ -143,6 +140,14 @@ def _mib(b: int | None) -> str:
     return "n/a" if not b else f"{b / 2**20:,.1f}"
 
 
+def _seconds(c: dict) -> str:
+    """Seconds per call with the spread of the samples ("0.012 s (0.011-0.013)"), or why none."""
+    if c["seconds"] != c["seconds"]:  # nan: too short to measure
+        return c.get("why") or "too short to measure"
+    spread = c.get("spread")
+    return f"{c['seconds']:.3f} s" + ("" if not spread else f" ({spread[0]:.3f}-{spread[1]:.3f})")
+
+
 def table(rows: list[dict], ns: tuple[int, ...]) -> Table:
     """One row per method: fidelity, MQAR accuracy, time and peak memory per N (relative to exact)."""
     from ..context import Table
@@ -167,10 +172,14 @@ def table(rows: list[dict], ns: tuple[int, ...]) -> Table:
                 cells += ["n/a", "", "n/a"]
                 continue
             ref = None if base is None else base["cost"].get(n)
-            rel = f"{c['seconds'] / ref['seconds']:.2f}x" if ref and ref["seconds"] > 0 else ""
-            cells += [f"{c['seconds']:.3f} s", rel, _mib(c["peak_bytes"])]
+            itself = "1.00x" if c["seconds"] == c["seconds"] else ""  # nan: the reference has no time
+            rel = itself if r is base else measure.vs_exact(c, ref)
+            cells += [_seconds(c), rel, _mib(c["peak_bytes"])]
         out.append(cells)
-    title = "approximations: quality against cost (cost: one call, B=1, H=8, D=64, fp32, no mask)"
+    title = (
+        "approximations: quality against cost (cost: one call, B=1, H=8, D=64, fp32, no mask; the median "
+        "of interleaved samples with their quartiles; vs exact: same within noise where they overlap)"
+    )
     return Table(title, cols, out, align="lrrr" + "rrr" * len(ns))
 
 

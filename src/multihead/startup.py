@@ -7,6 +7,12 @@ module before any other, and importing it calls :func:`guard`: in a process that
 a shell reports for a process ended by Ctrl-C). The command line calls :func:`release` as it starts,
 giving SIGINT back to Python's handler, so that a running command cleans up on its own
 ``KeyboardInterrupt``.
+
+:func:`release` also makes SIGTERM and SIGHUP end the command line as Ctrl-C does, with an exception
+(:class:`Terminated`, exit status 128 + the signal's number) raised in the main thread, so that every
+``finally`` runs there, after the temporaries registered by other threads are removed and the native
+kernels' compiler is stopped (:func:`multihead.temporaries.remove_all`). Only the command line does so
+(:func:`end_on_termination`): a program that imports the library keeps its own signal handlers.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import signal
 import sys
 from types import FrameType
 
-__all__ = ["guard", "launched_as_command", "release"]
+from . import temporaries
+
+__all__ = ["Terminated", "end_on_termination", "guard", "launched_as_command", "release"]
 
 NAME = "multihead"
 
@@ -60,9 +68,41 @@ def guard() -> None:
 
 
 def release() -> None:
-    """Give SIGINT back to Python's handler (``KeyboardInterrupt``) if :func:`guard` took it."""
+    """Give SIGINT back to Python's handler (``KeyboardInterrupt``) if :func:`guard` took it; in the
+    command line's process, end on SIGTERM and SIGHUP as on Ctrl-C (:func:`end_on_termination`)."""
     if signal.getsignal(signal.SIGINT) is _interrupted:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if launched_as_command():
+        end_on_termination()
+
+
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP arrived: raised in the main thread so that its clean-ups run (``finally``,
+    ``except BaseException``), and not caught by ``except Exception``; the process exits with
+    128 + the signal's number, as a shell reports a process ended by it."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    temporaries.remove_all()  # the other threads' temporaries: their finally will not run
+    raise Terminated(signum)
+
+
+def end_on_termination() -> None:
+    """From now on, SIGTERM and SIGHUP remove the registered temporaries and raise :class:`Terminated`
+    in the main thread (a signal that is ignored, or has a handler of the program's, is left alone).
+    For a program's main thread (the command line's); elsewhere it does nothing."""
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is None:  # no SIGHUP on Windows
+            continue
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _terminated)
+        except ValueError:  # not the main thread: signals are not ours to handle
+            return
 
 
 guard()

@@ -142,8 +142,10 @@ class Once(Generic[R]):
             self._done = []
 
 
-_LIVE_LOCK = threading.Lock()
+# re-entrant: stop_all may run in a signal handler on the thread that holds it
+_LIVE_LOCK = threading.RLock()
 _LIVE: dict[int, tuple[subprocess.Popen[str] | None, Path]] = {}  # build -> its compiler, its directory
+_STOPPED = threading.Event()  # set by stop_all: the program is ending, no compiler starts any more
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
@@ -159,8 +161,9 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
 def stop_all() -> None:
     """Kill every compiler still running (and what it started) and remove its temporaries: for a
     program's exit, or its signal handler, while builds run on other threads. Those builds then
-    report a failed compiler."""
+    report a failed compiler, and builds asked for afterwards fail at once (the program is ending)."""
     with _LIVE_LOCK:
+        _STOPPED.set()
         live = list(_LIVE.values())
     for proc, work in live:
         if proc is not None:
@@ -180,17 +183,19 @@ def _run(argv: list[str], work: Path, build: int) -> subprocess.CompletedProcess
         OSError: the compiler could not be started.
     """
     env = dict(os.environ, TMPDIR=str(work), TMP=str(work), TEMP=str(work))
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        errors="replace",
-        env=env,
-        start_new_session=True,  # its own group: killed whole, and a terminal's Ctrl-C is ours to handle
-    )
-    with _LIVE_LOCK:
+    with _LIVE_LOCK:  # started and listed at once: stop_all sees every compiler
+        if _STOPPED.is_set():
+            raise OSError("the program is ending (native builds were stopped)")
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,  # its own group: killed whole; a terminal's Ctrl-C is ours to handle
+        )
         _LIVE[build] = (proc, work)
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)

@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .. import temporaries
 from .context import Section, StudyContext, Table, human, walk_table
 from .findings import key_findings
 from .references import references
@@ -159,13 +160,29 @@ def _swap_in(staging: Path, out: Path) -> None:
         os.rename(staging, out)
         return
     old = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}.old-"))
-    os.rename(out, old / "report")
     try:
+        os.rename(out, old / "report")
         os.rename(staging, out)
-    except OSError:
-        os.rename(old / "report", out)  # put the old report back before reporting the error
+    except BaseException:  # an error, Ctrl-C or SIGTERM between the renames
+        if not out.exists() and (old / "report").exists():
+            os.rename(old / "report", out)  # put the old report back before reporting the error
+        shutil.rmtree(old, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _discard(staging: Path | None) -> None:
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_report(staging: Path, sections: list[Section], quick: bool) -> None:
+    from .. import __version__
+
+    (staging / "report.md").write_text(render_markdown(sections, quick))
+    title = f"multihead study ({'quick' if quick else 'full'})"
+    sub = f"multihead {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    (staging / "report.html").write_text(render_html(sections, title, sub, key_findings(sections)))
 
 
 def run_study(
@@ -196,19 +213,17 @@ def run_study(
     select_sections(only)  # fail on a bad name before any work
     out = None if out_dir is None else Path(out_dir)
     staging = None if out is None else _staging_folder(out)  # fails before the work, not after
-    try:
-        sections = run_sections(quick, progress, staging, only)
-        cited = references(sections)
-        sections += [cited] if cited is not None else []
-        if out is not None and staging is not None:
-            (staging / "report.md").write_text(render_markdown(sections, quick))
-            title = f"multihead study ({'quick' if quick else 'full'})"
-            sub = f"multihead {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-            (staging / "report.html").write_text(render_html(sections, title, sub, key_findings(sections)))
-            _swap_in(staging, out)
-    except BaseException:  # Ctrl-C included: the user's folder stays as it was
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+    discard = partial(_discard, staging)
+    try:  # registered too: a study on a thread that SIGTERM's exception does not unwind
+        with temporaries.registered(discard):
+            sections = run_sections(quick, progress, staging, only)
+            cited = references(sections)
+            sections += [cited] if cited is not None else []
+            if out is not None and staging is not None:
+                _write_report(staging, sections, quick)
+                _swap_in(staging, out)
+    except BaseException:  # Ctrl-C and SIGTERM included: the user's folder stays as it was
+        discard()
         raise
     report: dict = {
         "quick": quick,

@@ -243,3 +243,26 @@ def test_references_section_lists_cited_works_in_order():
     assert [n.split(":")[0] for n in ref.notes] == ["Clark et al.", "Zoology"]
     assert "arXiv:1906.04341" in ref.notes[0]
     assert references([Section("b", "B", {}, [], ["no names here"])]) is None
+
+
+def _t(median: float, low: float, high: float):
+    from multihead.bench.timing import Timing
+
+    return Timing(median, low, high, 5, 1)
+
+
+PACKING = [  # (packed, padded seconds, what the sentence says)
+    ((0.2, 0.19, 0.21), (0.1, 0.09, 0.11), r"yet packed rows take 2\.00x padded batches' time: the document"),
+    ((0.1, 0.09, 0.12), (0.105, 0.1, 0.11), r"same speed within noise\.$"),
+    ((0.05, 0.045, 0.055), (0.1, 0.09, 0.11), r"and packed rows take 0\.50x padded batches' time\.$"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("packed, padded, says", PACKING)
+def test_the_minilm_packing_sentence_reads_the_speed_tables_timings(packed, padded, says):
+    from multihead.study.sections.minilm import packing_note
+
+    positions = {"padded_positions": 1000, "packed_positions": 900}
+    note = packing_note({"multihead packed": _t(*packed), "multihead padded": _t(*padded)}, positions)
+    assert note.startswith("Packing saves 10% of the positions here (1000 padded, 900 packed)")
+    assert re.search(says, note), note

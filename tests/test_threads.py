@@ -61,7 +61,8 @@ COMPUTING = ["generate", "train", "encode", "eval", "study", "bench", "approx", 
 
 
 @pytest.mark.parametrize("command", COMPUTING)
-def test_every_computing_command_takes_threads(command):
+def test_every_computing_command_takes_threads(command, monkeypatch):
+    monkeypatch.setattr(threads, "cores", lambda: 4)  # --threads goes up to the cores
     args = build_parser().parse_args([command, "--threads", "3"])
     assert args.threads == 3
 
@@ -75,7 +76,7 @@ def test_threads_applies_to_the_run_and_is_restored(capsys, monkeypatch):
     assert json.loads(out.out)["new_tokens"] == 3
     assert "busier than its cores (load 99.0" in out.err and "running on 1 thread(s)" in out.err
     assert main(["generate", "--threads", "0"]) == 2
-    assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
+    assert "expected an integer from 1 to" in capsys.readouterr().err
 
 
 def test_a_small_training_run_steps_on_one_thread(monkeypatch):

@@ -26,7 +26,7 @@ def _cmd_approx(args: argparse.Namespace) -> int:
     from ..bench import approx as measure
     from ..study.sections import approximations as report
     from ..train.trainer import TrainConfig
-    from .console import progress_columns
+    from .console import progress_columns, writing
 
     if args.png:
         _check_png(args)
@@ -50,7 +50,10 @@ def _cmd_approx(args: argparse.Namespace) -> int:
         )
     rows: list[dict[str, Any]] = res["rows"]
     if args.json:
-        png = measure.pareto_png(rows, args.png, max(ns)) if args.png else None
+        png = None
+        if args.png:
+            with writing(args.png, "--png"):
+                png = measure.pareto_png(rows, args.png, max(ns))
         if args.png and png is None:
             res["notes"].append("no plot: no method has a quality score to plot")
         doc = {
@@ -66,7 +69,8 @@ def _cmd_approx(args: argparse.Namespace) -> int:
     for note in res["notes"]:
         console.print(note, markup=False)
     if args.png:
-        png = measure.pareto_png(rows, args.png, max(ns))
+        with writing(args.png, "--png"):
+            png = measure.pareto_png(rows, args.png, max(ns))
         console.print(
             f"wrote {png}" if png else "no plot: no method has a quality score to plot", markup=False
         )
@@ -95,7 +99,7 @@ def _check_png(args: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``approx`` subcommand to the ``multihead`` parser."""
-    from .console import positive_int
+    from .args import count, positive_int
 
     p = sub.add_parser(
         "approx",
@@ -110,7 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--texts",
-        type=int,
+        type=count,
         default=32,
         help="docstrings for MiniLM fidelity; 0 skips it (and leaves --png nothing to plot without --mqar) "
         "(default 32)",

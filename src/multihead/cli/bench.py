@@ -8,10 +8,14 @@ import argparse
 
 from ..bench import suite
 from . import bench_decode, bench_hf
-from .console import check_output_file, for_terminal
+from .args import integer, positive_int
+from .console import check_output_file, for_terminal, writing
 from .threads import threads_option
 
-__all__ = ["register"]
+__all__ = ["MAX_PROCESSES", "register"]
+
+#: the most local processes ``--distributed`` starts
+MAX_PROCESSES = 64
 
 
 def register(sub) -> None:
@@ -34,7 +38,7 @@ def register(sub) -> None:
         "--tiny", dest="kind", action="store_const", const="tiny", help="a seconds-long smoke run"
     )
     p.set_defaults(kind="quick", func=_cmd_bench)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per method, interleaved (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method (default 3)")
     p.add_argument(
         "--only", metavar="NAME", default=None,
         help="run only this case family or the cases whose name contains NAME (NAME,NAME,... for several)",
@@ -45,11 +49,12 @@ def register(sub) -> None:
     p.add_argument(
         "--distributed",
         metavar="N",
-        type=int,
+        type=integer(1, MAX_PROCESSES, unit="processes"),
         default=None,
-        help="instead: ring attention on 1, 2, 4, ... N local gloo processes (per-rank memory, time, bytes)",
+        help=f"instead: ring attention on 1, 2, 4, ... N local gloo processes, N at most {MAX_PROCESSES} "
+        "(per-rank memory, time, bytes)",
     )
-    p.add_argument("--seq", type=int, default=8192, help="with --distributed: global sequence length")
+    p.add_argument("--seq", type=positive_int, default=8192, help="with --distributed: the global length")
     threads_option(p)
     # Whole-model benchmarks (``multihead bench NAME``): each cli/bench_NAME.py registers itself here.
     whole = p.add_subparsers(dest="what", metavar="NAME", title="whole-model benchmarks")
@@ -84,7 +89,8 @@ def _cmd_bench(args) -> int:
         if doc["goals"]:  # the small runs measure no case a goal is set on
             console.print(suite.goals_table(doc))
     if args.plot:
-        suite.plot(doc, args.plot)
+        with writing(args.plot, "--plot"):
+            suite.plot(doc, args.plot)
         Console(highlight=False, stderr=True).print(f"wrote {args.plot}", markup=False)
     return 0
 

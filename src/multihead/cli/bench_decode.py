@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 
 from ..bench import decode
-from .console import for_terminal, positive_int
+from .args import positive_int
+from .args import threads as thread_count
+from .console import for_terminal
 from .threads import threads_option
 
 __all__ = ["register"]
@@ -30,7 +32,12 @@ def register(sub) -> None:
         "235 s of CPU time on a 2-core AVX-512 machine, so 2-4 minutes when the machine is idle and "
         "longer when it is busy; llama-tiny: seconds; llama-155m: 8x the weights of llama-20m, longer)",
     )
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument(
+        "--threads",
+        type=thread_count,
+        default=None,
+        help="torch threads, 1 to the cores (default: torch's own)",
+    )
     p.add_argument(
         "--rounds",
         type=positive_int,

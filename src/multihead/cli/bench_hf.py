@@ -10,11 +10,13 @@ __all__ = ["register"]
 
 def _lengths(text: str) -> list[int]:
     """argparse type: comma-separated token counts, e.g. ``4096,8192``."""
+    from .args import positive_int
+
     try:
-        out = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
+        out = [positive_int(t) for t in text.split(",") if t.strip()]
+    except argparse.ArgumentTypeError:
         out = []
-    if not out or any(n < 1 for n in out):
+    if not out:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated positive lengths like 4096,8192, got {text!r}"
         )
@@ -35,7 +37,8 @@ def _impls(text: str) -> list[str]:
 
 def register(sub) -> None:
     """Add ``hf`` to the subparsers of ``multihead bench``."""
-    from .console import positive_int
+    from .args import count, positive_int
+    from .args import threads as thread_count
 
     p = sub.add_parser(
         "hf",
@@ -56,7 +59,7 @@ def register(sub) -> None:
     )
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved timed rounds (default 3)")
     p.add_argument(
-        "--new-tokens", type=int, default=64, help="tokens generate produces in the decode rows; 0 skips (64)"
+        "--new-tokens", type=count, default=64, help="tokens generate makes in the decode rows; 0 skips (64)"
     )
     p.add_argument("--prompt", type=positive_int, default=512, help="decode prompt length (default 512)")
     p.add_argument(
@@ -68,7 +71,9 @@ def register(sub) -> None:
     p.add_argument(
         "--eager-cap", type=positive_int, default=8192, help="skip eager above this many tokens (8192)"
     )
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument(
+        "--threads", type=thread_count, default=1, help="torch threads per worker, 1 to the cores (default 1)"
+    )
     p.add_argument(
         "--floor",
         action="store_true",
@@ -89,8 +94,6 @@ def _cmd_bench_hf(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("transformers") is None:
         print("multihead bench hf needs transformers: pip install multihead[hf]")
         return 1
-    if args.new_tokens < 0:
-        raise ValueError(f"--new-tokens must be >= 0 (0 skips decode), got {args.new_tokens}")
     err = Console(stderr=True, highlight=False)
     with err.status("bench hf") as status:
         doc = hf.run(

@@ -4,10 +4,13 @@ lost result)."""
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import errno
 import re
+import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -20,27 +23,28 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from .args import positive_int
+
 __all__ = [
     "check_input_dir",
     "check_input_file",
     "check_output_dir",
     "check_output_file",
+    "disk_full",
     "for_terminal",
     "make_console",
     "positive_int",
     "progress_columns",
+    "writing",
 ]
+
+#: errors of a write that ran out of room: no space, a quota, or numpy's short write of a full disk
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
 
 # Sphinx roles (:func:`x`, :class:`~a.b`) and inline literals (``x``) read as plain text on a terminal
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
 
 
 def make_console() -> Console:
@@ -160,9 +164,10 @@ def check_output_file(path: str, flag: str) -> Path:
     return p
 
 
-def check_output_dir(path: str, flag: str) -> Path:
+def check_output_dir(path: str, flag: str, *, inside: bool = False) -> Path:
     """Check, before any work, that a folder can be written (or created) at ``path``: the writers build
-    it next to ``path`` and rename it into place, so its parent folder must take new entries.
+    it next to ``path`` and rename it into place, so its parent folder must take new entries (with
+    ``inside``: the writer puts its files into ``path``, which must take them when it exists).
 
     Raises:
         ValueError: ``path`` or a parent is a file, or the nearest existing parent cannot be written.
@@ -170,8 +175,44 @@ def check_output_dir(path: str, flag: str) -> Path:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag} {path!r} is a file; give a folder")
-    base = _nearest_existing(p.absolute().parent)
+    base = _nearest_existing(p.absolute() if inside else p.absolute().parent)
     if not base.is_dir():
         raise ValueError(f"{flag} {path!r} cannot be written: {str(base)!r} is a file, not a folder")
     _probe(base, flag, path)
     return p
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether ``e`` is a write that ran out of room (no space, a quota, a short write)."""
+    return isinstance(e, OSError) and (e.errno in _FULL or bool(_SHORT_WRITE.search(str(e))))
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, flag: str, *, full_only: bool = False) -> Iterator[None]:
+    """Name ``flag`` and ``path`` when writing there fails: a full disk says so and how much is free;
+    another OSError (unless ``full_only``, for a block that also reads) says what the system said.
+
+    Raises:
+        ValueError: in place of the OSError, naming the option, the path and the fix.
+    """
+    try:
+        yield
+    except OSError as e:
+        if disk_full(e):
+            from ..core.limits import format_bytes
+
+            folder = _nearest_existing(Path(path))
+            try:
+                free = f"{format_bytes(shutil.disk_usage(folder).free)} free in {str(folder)!r}"
+            except OSError:
+                free = f"in {str(folder)!r}"
+            raise ValueError(
+                f"{flag} {str(path)!r} could not be written: the disk is full ({free}); free some space "
+                "or choose another path"
+            ) from None
+        if full_only:
+            raise
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        raise ValueError(
+            f"{flag} {str(path)!r} could not be written: {e.strerror or e}{where}; choose another path"
+        ) from None

@@ -22,7 +22,7 @@ import torch
 from ..cost import timing
 from ..cost.timing import Timing
 from ..pretrained.files import atomic_write
-from .console import check_input_file, check_output_file, progress_columns
+from .console import check_input_file, check_output_file, progress_columns, writing
 from .threads import threads_option
 
 if TYPE_CHECKING:
@@ -40,17 +40,12 @@ def _texts(args: argparse.Namespace) -> tuple[list[str], str]:
     if args.texts and args.file:
         raise ValueError("give texts on the command line or --file, not both")
     if args.file:
-        if args.file == "-":
-            lines = sys.stdin.read().splitlines()
+        if args.file == "-":  # bytes: the terminal's encoding may let invalid UTF-8 through as surrogates
+            data = sys.stdin.buffer.read()
         else:
-            path = check_input_file(args.file, "--file", "a text file, one text per line")
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-            except UnicodeDecodeError as e:
-                raise ValueError(
-                    f"--file {args.file!r} is not UTF-8 text ({e.reason} at byte {e.start}); give a text "
-                    "file with one text per line (convert it with `iconv -t UTF-8`)"
-                ) from None
+            data = check_input_file(args.file, "--file", "a text file, one text per line").read_bytes()
+        where = "'-' (standard input)" if args.file == "-" else repr(args.file)
+        lines = _utf8(data, where).splitlines()
         texts = [line for line in lines if line.strip()]
         if not texts:
             raise ValueError(f"--file {args.file!r} has no non-empty line; put one text per line")
@@ -60,6 +55,21 @@ def _texts(args: argparse.Namespace) -> tuple[list[str], str]:
     from ..pretrained import stdlib_docstrings
 
     return stdlib_docstrings(args.limit), f"the first {args.limit} standard-library docstrings"
+
+
+def _utf8(data: bytes, where: str) -> str:
+    """``data`` decoded as UTF-8.
+
+    Raises:
+        ValueError: invalid UTF-8; the message names ``where`` (the --file), the byte and the fix.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"--file {where} is not UTF-8 text ({e.reason} at byte {e.start}); give a text file with one "
+            "text per line (convert it with `iconv -t UTF-8`)"
+        ) from None
 
 
 def _embed(
@@ -106,7 +116,7 @@ def _check_out(path: str) -> None:
 def _write(path: str, emb: torch.Tensor, texts: list[str]) -> None:
     if not path.endswith((".npy", ".json")):
         raise ValueError(f"--out {path!r} must end in .npy or .json")
-    with atomic_write(path) as tmp:  # a reader sees the old file or the whole new one
+    with writing(path, "--out"), atomic_write(path) as tmp:  # a reader sees the old file or the new one
         if path.endswith(".npy"):
             np.save(tmp, emb.numpy())
         else:
@@ -190,7 +200,8 @@ def _cmd_encode(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``encode`` subcommand to the ``multihead`` parser."""
-    from .console import positive_int
+    from .args import positive_int
+    from .models import ENCODER_DIR
 
     p = sub.add_parser(
         "encode",
@@ -204,7 +215,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--file", metavar="PATH", help="read one text per line from PATH ('-' for stdin)")
     p.add_argument(
         "--model", metavar="DIR", default=None,
-        help="a SentenceEncoder directory or a `heads convert` folder of MiniLM (default: all-MiniLM-L6-v2)",
+        help=f"{ENCODER_DIR} (default: all-MiniLM-L6-v2)",
     )  # fmt: skip
     p.add_argument("--limit", type=positive_int, default=DEFAULT_DOCS, help="docstrings in the default set")
     p.add_argument("--out", metavar="FILE", help="write the embeddings to FILE.npy or FILE.json")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from .args import count, seed
 from .threads import threads_option
 
 __all__ = ["register"]
@@ -19,12 +20,10 @@ __all__ = ["register"]
 def _cmd_eval(args: argparse.Namespace) -> int:
     from ..eval import SETS, human_judged
     from ..pretrained import minilm
-    from .console import check_input_dir, make_console
+    from .console import make_console
     from .models import load_encoder
 
     try:
-        if args.model:
-            check_input_dir(args.model, "--model", "a SentenceEncoder folder or a `heads convert` folder")
         model = load_encoder(args.model) if args.model else minilm()
         scores = human_judged(model, bootstrap=args.bootstrap, seed=args.seed)
     except ImportError as e:  # a missing weights or data package: the message names the pip command
@@ -58,8 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--model", metavar="DIR",
         help="a SentenceEncoder directory or a `heads convert` folder of MiniLM (default: all-MiniLM-L6-v2)",
     )  # fmt: skip
-    p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples (default 200; 0: none)")
-    p.add_argument("--seed", type=int, default=0, help="probe folds and bootstrap seed (default 0)")
+    p.add_argument("--bootstrap", type=count, default=200, help="bootstrap resamples (default 200; 0: none)")
+    p.add_argument(
+        "--seed", type=seed, default=0, help="probe folds and bootstrap seed (0 to 4294967295, default 0)"
+    )
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.set_defaults(func=_cmd_eval)
     threads_option(p)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 import torch
@@ -87,8 +88,23 @@ def _mask_picture(mask: Mask | None, nq: int, nk: int) -> str:
     return head + mask.picture(*small)
 
 
+#: the most elements a tensor's shape may describe: torch counts them in a signed 64-bit integer
+MAX_ELEMENTS = 2**63 - 1
+
+
 def _empty(dtype: torch.dtype, q_shape: tuple, k_shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-stride q (B, Hq, Nq, D) and k = v (B, Hkv, Nk, D): the problem's shapes, nothing allocated."""
+    """Zero-stride q (B, Hq, Nq, D) and k = v (B, Hkv, Nk, D): the problem's shapes, nothing allocated.
+
+    Raises:
+        ValueError: a shape of more than :data:`MAX_ELEMENTS` elements (the message names the options).
+    """
+    for shape in (q_shape, k_shape):
+        if math.prod(shape) > MAX_ELEMENTS:
+            raise ValueError(
+                f"--batch x heads x --seq x head dim = {' x '.join(map(str, shape))} = "
+                f"{math.prod(shape):.3g} elements, more than a tensor can describe ({MAX_ELEMENTS:.3g}); "
+                "lower --seq or --batch"
+            )
     one = torch.empty((), dtype=dtype)
     return one.expand(*q_shape), one.expand(*k_shape)  # (B, Hq, Nq, D), (B, Hkv, Nk, D)
 
@@ -220,7 +236,10 @@ def _model_doc(args: argparse.Namespace) -> dict[str, Any]:
         "plot": None,
     }
     if args.plot and roof is not None:
-        doc["plot"] = str(cost.plot_roofline({f"{args.phase} B={args.batch}": c}, roof, args.plot))
+        from .console import writing
+
+        with writing(args.plot, "--plot"):
+            doc["plot"] = str(cost.plot_roofline({f"{args.phase} B={args.batch}": c}, roof, args.plot))
     return doc
 
 
@@ -290,7 +309,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``multihead explain`` to the command line's subparsers."""
-    from .console import positive_int
+    from .args import count, positive_int
 
     p = sub.add_parser(
         "explain",
@@ -324,7 +343,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--cached",
-        type=int,
+        type=count,
         default=None,
         help="model mode: tokens in the KV cache (default 0 prefill, N-1 decode)",
     )

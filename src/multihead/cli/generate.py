@@ -70,8 +70,40 @@ def _group(text: str | None) -> int | None:
     return n
 
 
-def _prompt(args: argparse.Namespace, vocab: int, tokenizer: Any) -> torch.Tensor:
-    """The prompt ids (batch, N)."""
+def _check_sizes(args: argparse.Namespace, lm: Any, n: int) -> None:
+    """Refuse, before any tensor is built, a prompt of ``n`` tokens and a batch that the model's
+    positions or the free memory cannot hold.
+
+    Raises:
+        ValueError: prompt + new tokens past the model's max_len, or the ids, one hidden state per
+            prompt token and the dense KV cache of the whole batch larger than the free memory.
+    """
+    from ..core.limits import check_fits
+    from ..heads import kv_cache_bytes_per_token
+
+    total = n + args.max_new_tokens
+    where = "--prompt-len" if args.prompt is None and args.prompt_ids is None else "the prompt"
+    limit = getattr(lm, "max_len", None)
+    if isinstance(limit, int) and total > limit:
+        raise ValueError(
+            f"{where} ({n} tokens) + --max-new-tokens {args.max_new_tokens} = {total} positions exceed "
+            f"the model's max_len={limit}; ask for at most {limit} positions in all"
+        )
+    width = getattr(getattr(lm, "embed", None), "embedding_dim", 0)
+    per_token = 16 + 4 * width  # the ids in and out (int64), a hidden state (fp32)
+    if args.cache == "dense":
+        per_token += kv_cache_bytes_per_token(lm)
+    check_fits(
+        args.batch * total * per_token,
+        f"--batch {args.batch} x {total} positions (the ids, a hidden state and the KV cache)",
+        "lower --batch, --prompt-len or --max-new-tokens",
+    )
+
+
+def _prompt(args: argparse.Namespace, lm: Any, tokenizer: Any) -> torch.Tensor:
+    """The prompt ids (batch, N), after :func:`_check_sizes`."""
+    vocab = lm.vocab_size
+    ids: list[int] | None = None
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError("--prompt TEXT needs a --model directory with tokenizer.json; use --prompt-ids")
@@ -83,12 +115,13 @@ def _prompt(args: argparse.Namespace, vocab: int, tokenizer: Any) -> torch.Tenso
             raise ValueError(
                 f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}"
             ) from None
-    else:
+    _check_sizes(args, lm, args.prompt_len if ids is None else len(ids))
+    if ids is None:
         g = torch.Generator().manual_seed(args.seed)
         ids = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
     if not ids or min(ids) < 0 or max(ids) >= vocab:
         raise ValueError(f"prompt ids must be 1 or more integers in [0, {vocab}), got {ids[:8]}...")
-    return torch.tensor([ids] * args.batch)  # (batch, N)
+    return torch.tensor(ids).repeat(args.batch, 1)  # (batch, N)
 
 
 def _timed(
@@ -161,6 +194,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         given = "no --weights was given" if args.weights is None else f"not to --weights {args.weights}"
         raise ValueError(f"--group-size applies to --weights int8; {given}")
     lm, tokenizer, what = _model(args)
+    ids = _prompt(args, lm, tokenizer)  # before the weights are converted: sizes are checked first
     native_steps = None
     params = sum(p.numel() for p in lm.parameters())  # before any int8 weights become buffers
     if args.weights is not None:
@@ -173,7 +207,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         native_steps = lm.why_not_native_steps or "yes"
         scales = "" if not int8 else " (a scale per row)" if group is None else f" (groups of {group})"
         what = f"{what}, {args.weights} weights{scales}"
-    ids = _prompt(args, lm.vocab_size, tokenizer)
     with Console(stderr=True).status(f"generating {args.max_new_tokens} tokens with {what}"):
         out, prefill, decode = _timed(lm, ids, args)
     new = out[:, ids.shape[1] :]  # (batch, new)
@@ -220,7 +253,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``generate`` subcommand to the ``multihead`` parser."""
     from ..nn.kv_cache import KINDS
     from ..pretrained import PRESETS
-    from .console import positive_int
+    from .args import positive_int, real, seed
 
     p = sub.add_parser(
         "generate",
@@ -257,10 +290,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "row for one scale per output row",
     )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample)")
+    p.add_argument("--temperature", type=real(), default=1.0, help="sampling temperature (with --sample)")
     p.add_argument("--top-k", type=positive_int, default=None, help="sample among the k best (with --sample)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (with --sample)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the prompt and sampling")
+    p.add_argument(
+        "--top-p", type=real(0.0, 1.0, lo_open=True), default=None,
+        help="nucleus sampling mass in (0, 1] (with --sample)",
+    )  # fmt: skip
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help="seed of the weights, the prompt and sampling (0 to 4294967295, default 0)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_generate)
     threads_option(p)

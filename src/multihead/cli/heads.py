@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..pretrained.files import atomic_folder, atomic_write
+from .args import count, minutes
 from .console import for_terminal
 from .threads import threads_option
 
@@ -40,18 +41,19 @@ def run(args: argparse.Namespace) -> int:
     """Measure the roles, draw the maps, write the files; return 0.
 
     Raises:
-        ValueError: a --head outside the model, a negative --texts, and what the head tools raise.
+        ValueError: a --head outside the model, an --out that cannot be written (checked first), a full
+            disk, and what the head tools raise.
     """
     from .. import heads
     from ..heads import plots
     from ..pretrained import minilm, stdlib_docstrings
+    from .console import check_output_dir, writing
     from .progress import eta_progress
 
-    if args.texts < 0:
-        raise ValueError(f"--texts must be >= 0, got {args.texts}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with eta_progress() as bar:
+    out = check_output_dir(args.out, "--out", inside=True)  # before the model is loaded
+    with writing(out, "--out"):
+        out.mkdir(parents=True, exist_ok=True)
+    with writing(out, "--out", full_only=True), eta_progress() as bar:
         # units: loading, each text's maps, the roles, the two grids, each --head, the table
         units = 4 + len(args.head)
         task = bar.add_task("loading all-MiniLM-L6-v2", total=units + 1 + args.texts)
@@ -117,7 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("text", nargs="?", default=DEFAULT_TEXT, help="the text whose maps are drawn")
     p.add_argument(
         "--texts",
-        type=int,
+        type=count,
         default=32,
         help="standard-library docstrings added to the role statistics; 0: the text only (default 32)",
     )
@@ -198,7 +200,7 @@ def convert(args: argparse.Namespace) -> int:
     from ..heads.access import pad_batch
     from ..models.lm import TransformerLM
     from ..pretrained import SentenceEncoder, stdlib_docstrings
-    from .console import check_input_dir, check_output_dir, make_console
+    from .console import check_input_dir, check_output_dir, make_console, writing
 
     if args.hf is not None:
         check_input_dir(args.hf, "--hf", "a save_pretrained() checkpoint folder")
@@ -243,9 +245,10 @@ def convert(args: argparse.Namespace) -> int:
             student, model, texts, minutes=args.recover_minutes or None, steps=args.recover_steps,
             progress=not args.json,
         )  # fmt: skip
-    folder = heads.save_converted(student, [step], args.out, base=base)
-    if args.hf is not None:  # text in, text out: the converted folder keeps the tokenizer
-        _copy_tokenizer(Path(args.hf), folder)
+    with writing(args.out, "--out"):
+        # text in, text out: the tokenizer is saved with the pair, in the same folder swap
+        tokenizer = [] if args.hf is None else _tokenizer_files(Path(args.hf))
+        folder = heads.save_converted(student, [step], args.out, base=base, files=tokenizer)
     loaded = heads.load_converted(folder)
     probe = texts[-8:]
     result = {
@@ -273,7 +276,8 @@ def convert(args: argparse.Namespace) -> int:
             "cosine_to_original": fidelity,
         }
         what = f"mean cosine to the original {fidelity:.3f} on 8 docstrings"
-    result["hf"] = _export_hf(student, folder / "hf") if lm else _no_hf(args.to)
+    with writing(folder / "hf", "--out", full_only=True):
+        result["hf"] = _export_hf(student, folder / "hf") if lm else _no_hf(args.to)
     if result["hf"]["written"] and args.hf is not None:
         _copy_tokenizer(Path(args.hf), folder / "hf")
     if args.json:
@@ -322,13 +326,18 @@ def _check_changes(model: Any, step: dict, allow: bool) -> None:
         )
 
 
+def _tokenizer_files(source: Path) -> list[Path]:
+    """The tokenizer files of a checkpoint directory (those it has)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    return [source / name for name in names if (source / name).is_file()]
+
+
 def _copy_tokenizer(source: Path, folder: Path) -> None:
     """Copy the tokenizer files of a checkpoint directory into ``folder`` (those it has)."""
     import shutil
 
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).is_file():
-            shutil.copy(source / name, folder / name)
+    for f in _tokenizer_files(source):
+        shutil.copy(f, folder / f.name)
 
 
 def _no_hf(to: str) -> dict:
@@ -368,11 +377,13 @@ def _export_hf(student: Any, folder: Path) -> dict:
 def register_convert(sub: argparse._SubParsersAction) -> None:
     """Add ``heads convert`` (reached as ``multihead heads convert ...``; see cli/main.py)."""
     from ..heads.mla import ROPE_SELECT
-    from .console import positive_int
+    from ..pretrained import PRESETS
+    from .args import positive_int
 
     p = sub.add_parser(
         "heads-convert",
         prog="multihead heads convert",
+        hidden=True,  # reached as `heads convert` (cli/main.py): neither listed nor suggested
         description="Shrink a model's KV cache by head surgery - GQA (aligned merge), MLA (activation-aware "
         "joint SVD of keys and values; partial RoPE on rotary models) or importance pruning - "
         "optionally recover by distillation (mh.heads.recover) on standard-library docstrings, and save a "
@@ -385,7 +396,7 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--to", choices=("gqa", "mla", "prune"), default="mla", help="the surgery (default mla)")
     p.add_argument("--hf", metavar="DIR", default=None, help="a LLaMA-family save_pretrained directory")
-    p.add_argument("--preset", default=None, help="a random-weight LM preset, e.g. llama-tiny")
+    p.add_argument("--preset", choices=list(PRESETS), default=None, help="a random-weight LM preset")
     p.add_argument("--kv-heads", type=positive_int, default=2, help="GQA kv heads per layer (default 2)")
     p.add_argument("--kv-rank", type=positive_int, default=128, help="MLA latent width (default 128)")
     p.add_argument(
@@ -398,7 +409,10 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
         "by norm, each pair in one kv head, so that OUT/hf/ holds it as a DeepSeek-V3 checkpoint)",
     )  # fmt: skip
     p.add_argument("--fraction", type=_fraction, default=1 / 3, help="heads pruned (default 1/3)")
-    p.add_argument("--recover-minutes", type=float, default=0.0, help="distillation wall time (default 0)")
+    p.add_argument(
+        "--recover-minutes", type=minutes, default=0.0,
+        help="distillation wall time in minutes, 0 to a week (default 0)",
+    )  # fmt: skip
     p.add_argument("--recover-steps", type=positive_int, default=None, help="or a number of steps")
     p.add_argument("--texts", type=positive_int, default=1000, help="docstrings for calibration/recovery")
     p.add_argument(

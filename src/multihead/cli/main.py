@@ -35,6 +35,8 @@ from . import generate as generate_cli
 from . import heads as heads_cli
 from . import study as study_cli
 from . import train as train_cli
+from .args import Parser
+from .console import disk_full
 from .explain import parse_mask
 
 __all__ = ["build_parser", "main", "parse_mask"]
@@ -42,7 +44,7 @@ __all__ = ["build_parser", "main", "parse_mask"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``multihead`` argument parser with one subparser per command."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="multihead",
         description="Multi-head attention workbench. Every command runs with no arguments; "
         "`multihead <command> --help` lists its options; --json prints machine-readable results.",
@@ -91,6 +93,8 @@ def _quiet_stdout() -> None:
 
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
+    if disk_full(e):  # a writer that did not say where: at least say what happened
+        return f"the disk is full ({text}); free some space or write the output elsewhere"
     return text if isinstance(e, _user_errors()) else f"{type(e).__name__}: {text}"
 
 

@@ -3,22 +3,28 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-__all__ = ["load_encoder"]
+__all__ = ["ENCODER_DIR", "load_encoder"]
+
+#: what ``--model`` of ``encode`` and ``eval`` takes
+ENCODER_DIR = (
+    "a SentenceEncoder folder (config.json, tokenizer.json, ...) or a `heads convert` folder of MiniLM"
+)
 
 
 def load_encoder(path: str) -> Any:
-    """The SentenceEncoder in ``path``: a sentence-transformers directory (config.json, tokenizer.json,
-    ...) or a converted MiniLM (surgery.json).
+    """The SentenceEncoder in ``path`` (given as ``--model``): a sentence-transformers directory
+    (config.json, tokenizer.json, ...) or a converted MiniLM (surgery.json).
 
     Raises:
-        ValueError: a folder with neither, or one that holds a language model (the message names it).
+        ValueError: a path that does not exist or is a file, a folder with neither, or one that holds a
+            language model (the message names it and what --model takes).
     """
     from ..pretrained import SentenceEncoder, load
+    from .console import check_input_dir
 
-    folder = Path(path)
+    folder = check_input_dir(path, "--model", ENCODER_DIR)
     if not (folder / "surgery.json").is_file():
         if folder.is_dir() and not (folder / "config.json").is_file():
             load(folder)  # raises: names the folder and what it holds

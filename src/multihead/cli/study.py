@@ -8,7 +8,7 @@ import json
 import textwrap
 
 from ..study import run as study
-from .console import check_output_dir, for_terminal, make_console
+from .console import check_output_dir, for_terminal, make_console, writing
 from .threads import threads_option
 
 __all__ = ["register"]
@@ -19,9 +19,10 @@ def _cmd_study(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_output_dir(args.out, "--out")
     console = None if args.json else make_console()
-    report = study.run_study(
-        quick=args.quick, out_dir=args.out, progress=True, console=console, only=args.only
-    )
+    with writing(args.out or ".", "--out", full_only=True):  # the run reads too: only a full disk here
+        report = study.run_study(
+            quick=args.quick, out_dir=args.out, progress=True, console=console, only=args.only
+        )
     if args.json:
         print(json.dumps(report, indent=1))
     elif args.out is not None:

@@ -12,12 +12,12 @@ from collections.abc import Callable
 import torch
 
 from ..threads import busy_hint
-from .console import positive_int
+from .args import threads as thread_count
 
 __all__ = ["threads_option"]
 
 HELP = (
-    "torch threads (default: chosen by the work's size, one thread for small work, at most the cores; "
+    "torch threads, 1 to the cores (default: chosen by the work's size, one thread for small work; "
     "a machine busier than its cores gets a one-line note)"
 )
 
@@ -27,7 +27,7 @@ def threads_option(parser: argparse.ArgumentParser, *, add: bool = True) -> None
     command runs on that many torch threads (restored after) and prints the busy-machine hint. Call it
     after ``parser.set_defaults(func=...)``."""
     if add:
-        parser.add_argument("--threads", type=positive_int, default=None, help=HELP)
+        parser.add_argument("--threads", type=thread_count, default=None, help=HELP)
     run = parser.get_default("func")
     if run is None:
         raise ValueError(f"threads_option({parser.prog!r}) must come after set_defaults(func=...)")

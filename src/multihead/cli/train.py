@@ -106,7 +106,7 @@ def _resolve_recipe(args: argparse.Namespace) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``train`` subcommand to the ``multihead`` parser."""
     from ..train.trainer import TrainConfig
-    from .console import positive_int
+    from .args import count, positive_int, real, seed
 
     d = TrainConfig()
     choices = _choices()
@@ -138,7 +138,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"training steps (default {q['steps']}; {d.steps} with --full)",
     )  # fmt: skip
     p.add_argument("--batch", type=positive_int, default=d.batch, help=f"batch size (default {d.batch})")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    lr = real(0.0, lo_open=True)
+    p.add_argument("--lr", type=lr, default=d.lr, help=f"peak learning rate (default {d.lr})")
     p.add_argument(
         "--seq-len", type=positive_int, default=None,
         help=f"tokens per example (default {q['seq_len']}; {d.seq_len} with --full)",
@@ -156,12 +157,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--short-steps",
-        type=int,
+        type=count,
         default=None,
         help="curriculum: train the first N steps on sequences and pair counts a quarter of the size "
         f"(default {q['short_steps']}: off; 40%% of --steps with --full)",
     )
-    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of data and weights (default {d.seed})")
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=d.seed,
+        help=f"seed of data and weights (0 to 4294967295, default {d.seed})",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_train)
     threads_option(p)

@@ -20,7 +20,7 @@ from ..core.limits import SCORE_LIMIT_ENV, SMALL_BYTES, available_bytes, format_
 from ..core.masks import index_grid
 from ..core.problem import Problem
 
-__all__ = ["check_score_size", "modify_scores", "safe_softmax"]
+__all__ = ["check_dense_size", "check_score_size", "dense_size_problem", "modify_scores", "safe_softmax"]
 
 
 def check_score_size(p: Problem, backend: str, dtype: torch.dtype) -> None:
@@ -32,17 +32,37 @@ def check_score_size(p: Problem, backend: str, dtype: torch.dtype) -> None:
         ValueError: naming the backend, the shape, the bytes it needs and the ways out.
     """
     need = p.B * p.Hq * p.Nq * p.Nk * torch.empty(0, dtype=dtype).element_size()
+    what = (
+        f"the (B, Hq, Nq, Nk) = ({p.B}, {p.Hq}, {p.Nq}, {p.Nk}) score matrix in "
+        f"{str(dtype).replace('torch.', '')}"
+    )
+    check_dense_size(p, backend, need, what)
+
+
+def dense_size_problem(p: Problem, need: int) -> str | None:
+    """Why ``need`` bytes of dense (.., Nq, Nk) tensors may not be materialised for ``p``: over the limit
+    of :func:`~multihead.core.limits.max_score_bytes` or the free memory; None when they may."""
     limit = max_score_bytes()
     if need <= min(limit, SMALL_BYTES):
-        return  # small: no need to ask how much memory is free
+        return None  # small: no need to ask how much memory is free
+    if need > limit:
+        return f"{format_bytes(need)}, over the limit of {format_bytes(limit)} ({SCORE_LIMIT_ENV})"
     free = available_bytes(p.q.device)
-    if need <= limit and (free is None or need <= free):
+    if free is not None and need > free:
+        return f"{format_bytes(need)}, more than the {format_bytes(free)} free"
+    return None
+
+
+def check_dense_size(p: Problem, backend: str, need: int, what: str) -> None:
+    """Refuse, before allocating, ``need`` bytes of (.., Nq, Nk) tensors (``what``) over the limit of
+    :func:`~multihead.core.limits.max_score_bytes` or the free memory: every dense path asks here.
+
+    Raises:
+        ValueError: naming the backend, what it would materialise, the bytes and the ways out.
+    """
+    over = dense_size_problem(p, need)
+    if over is None:
         return
-    over = (
-        f"over the limit of {format_bytes(limit)} ({SCORE_LIMIT_ENV})"
-        if need > limit
-        else f"more than the {format_bytes(free or 0)} free"
-    )
     ways = (
         "drop return_weights (backend 'auto' or 'tiled' then needs O(N) memory), or ask for the weights "
         "of fewer query rows at a time"
@@ -50,8 +70,7 @@ def check_score_size(p: Problem, backend: str, dtype: torch.dtype) -> None:
         else "use backend='tiled' or 'auto' (O(N) memory)"
     )
     raise ValueError(
-        f"backend {backend!r} would materialise the (B, Hq, Nq, Nk) = ({p.B}, {p.Hq}, {p.Nq}, {p.Nk}) "
-        f"score matrix in {str(dtype).replace('torch.', '')}: {format_bytes(need)}, {over}; {ways}, "
+        f"backend {backend!r} would materialise {what}: {over}; {ways}, "
         f"or, to allow it, set {SCORE_LIMIT_ENV} to a larger byte count"
     )
 

@@ -9,6 +9,9 @@
   convention does not hang on a torch version.
 * Half-precision training is refused on the CPU only (torch's CPU backward in bf16/fp16 is less exact
   than the rule allows); on CUDA its flash kernel's backward serves it.
+* A mask or bias is materialised as a dense (.., Nq, Nk) ``attn_mask``: calls whose mask and bias would
+  take more than ``MULTIHEAD_MAX_SCORE_BYTES`` (or the free memory) are refused before anything is
+  allocated, as on every dense path (``auto`` leaves large masks to ``tiled`` long before).
 * Attention sinks: SDPA has no sink term and does not return the log-sum-exp that would let us add one
   afterwards, so calls with ``sinks`` are refused (``auto`` then takes ``decode`` or ``tiled``).
 """
@@ -18,8 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core.mask_keys import mask_dims
 from ..core.problem import AttentionOutput, Problem
 from ..core.tiles import nonempty_fraction
+from .dense import check_dense_size, dense_size_problem
 
 # Refuse under `auto` when a materialised mask/bias would exceed this many bytes.
 MAX_MASK_BYTES = 256 << 20
@@ -57,6 +62,9 @@ class SdpaBackend:
             n = p.B * p.Hq * p.Nq * p.Nk  # upper bound of the materialised mask
             if n * (4 if p.bias is not None else 1) > MAX_MASK_BYTES:
                 return f"the mask/bias would be materialised as a dense {n * 4 / 2**20:.0f} MiB tensor"
+            over = dense_size_problem(p, attn_mask_bytes(p))
+            if over is not None:
+                return f"the mask/bias as a dense attn_mask would take {over}"
         return self._why_slower(p)
 
     def _why_slower(self, p: Problem) -> str | None:
@@ -96,6 +104,9 @@ class SdpaBackend:
         if p.mask is not None and p.mask.is_causal and p.Nq == p.Nk and p.bias is None:
             is_causal = True
         elif p.mask is not None or p.bias is not None:
+            parts = " and ".join(n for n, x in (("mask", p.mask), ("bias", p.bias)) if x is not None)
+            what = f"the {parts} as a dense attn_mask over (Nq, Nk) = ({p.Nq}, {p.Nk})"
+            check_dense_size(p, self.name, attn_mask_bytes(p), what)
             if p.mask is not None:
                 allowed = p.mask.natural(ctx, p.q.device)  # (B|1, Hq|1, Nq, Nk)
             if p.bias is not None:
@@ -119,6 +130,21 @@ class SdpaBackend:
             if not bool(has_key.all()):
                 out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return AttentionOutput(out, None, None)
+
+
+def attn_mask_bytes(p: Problem) -> int:
+    """Bytes of the dense attn_mask :meth:`SdpaBackend.run` builds for ``p`` (a mask or a bias set): the
+    bool mask at its natural shape, and the float copy torch makes of it in q's dtype; or the bias in q's
+    dtype (counted at (B, Hq, Nq, Nk)) and its masked copy."""
+    elt = p.q.element_size()
+    plane = p.Nq * p.Nk
+    nm = 0
+    if p.mask is not None:
+        by_batch, by_head = mask_dims(p.mask, p.ctx)
+        nm = (p.B if by_batch else 1) * (p.Hq if by_head else 1) * plane
+    if p.bias is None:
+        return nm * (1 + elt)
+    return nm + 2 * p.B * p.Hq * plane * elt
 
 
 BACKEND = SdpaBackend()

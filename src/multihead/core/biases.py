@@ -15,9 +15,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .masks import MaskContext, check_broadcast, gather4, index_grid
+from .checks import check_int
+from .masks import MaskContext, check_broadcast, check_predicate, gather4, index_grid
 
 __all__ = ["Bias", "BiasChain", "alibi", "alibi_slopes", "as_bias", "bias_parts", "custom_bias", "softcap"]
+
+#: The most heads :func:`alibi` builds slopes for (far above any model's query head count).
+MAX_HEADS = 1 << 16
 
 
 class Bias:
@@ -120,8 +124,10 @@ def alibi_slopes(n_heads: int) -> Tensor:
     For a power of two n the slopes are the geometric sequence ``2^(-8/n), 2^(-16/n), ...``; otherwise
     the n' = 2^floor(log2 n) slopes are followed by every other slope of the 2n' sequence.
     """
-    if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
-        raise ValueError(f"alibi n_heads must be an int >= 1, got {n_heads!r}")
+    # one slope per head is built in Python: a head count far above any model's is a mistake
+    check_int("n_heads", n_heads, 1, owner="alibi")
+    if n_heads > MAX_HEADS:
+        raise ValueError(f"alibi n_heads must be at most {MAX_HEADS}, got {n_heads!r}; pass the query's Hq")
 
     def geometric(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
@@ -196,11 +202,14 @@ class CustomBias(Bias):
 
     def values(self, b, h, q, k, ctx):
         out = self.fn(b, h, q, k)
+        name = getattr(self.fn, "__name__", self.fn)
         if not isinstance(out, Tensor) or not out.is_floating_point():
             raise ValueError(
-                f"custom_bias fn {getattr(self.fn, '__name__', self.fn)!r} must return a float tensor, "
+                f"custom_bias fn {name!r} must return a float tensor, "
                 f"got {getattr(out, 'dtype', type(out).__name__)}"
             )
+        target = torch.broadcast_shapes(b.shape, h.shape, q.shape, k.shape)
+        check_predicate(out, target, f"fn {name!r}", "custom_bias")
         return out
 
     def __repr__(self):

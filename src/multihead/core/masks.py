@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .checks import as_int_tensor, check_size
 from .ranges import range_min_max
 
 __all__ = [
@@ -80,6 +81,25 @@ def index_grid(
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+def check_predicate(out: Tensor, target: tuple[int, ...], who: str, kind: str = "mask") -> Tensor:
+    """``out`` right-aligned to 4 dims after checking it broadcasts to ``target`` (the shape of the index
+    tensors it was computed from) without being broadcast itself.
+
+    Raises:
+        ValueError: naming the predicate, the shape it returned and the shape it had to broadcast to.
+    """
+    ok = out.dim() <= len(target) and all(
+        got in (1, want) for got, want in zip(reversed(out.shape), reversed(target))
+    )
+    if not ok:
+        raise ValueError(
+            f"{kind} {who} returned shape {tuple(out.shape)} for index tensors of broadcast shape "
+            f"{tuple(target)}; it must broadcast to that shape (each dim equal or 1): compute it "
+            "elementwise from b, h, q_idx, kv_idx, e.g. `(q_idx - kv_idx).abs() < 4`"
+        )
+    return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))  # (.., .., .., ..)
+
+
 def kinds_from(full: Tensor, empty: Tensor) -> Tensor:
     """Encode two broadcastable bool tensors as block kinds (full wins; neither means partial)."""
     full, empty = torch.broadcast_tensors(full, empty)
@@ -100,9 +120,25 @@ class Mask:
     #: True when ``allowed`` depends only on ``q + offset - k`` (causal, sliding window and their
     #: combinations): every tile on one diagonal is the same, so a kernel evaluates it once.
     shift_invariant: bool = False
+    #: False when the mask does not depend on the query row (padding, key padding): then the keys no
+    #: query may see are read from one row (:func:`multihead.core.dead_keys.seen_keys`).
+    reads_queries: bool = True
+    #: False when the keys this mask hides hold the caller's own finite values (a model's KV cache,
+    #: written by the model from real token ids): ``attention`` then does not zero them before a kernel
+    #: runs, which would copy the cache at every decode step. A combination is cleared unless one of
+    #: its parts says False.
+    clear_hidden_keys: bool = True
 
     def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, ctx: MaskContext) -> Tensor:
         raise NotImplementedError
+
+    def seen_keys(self, ctx: MaskContext, device=None) -> Tensor | bool | None:
+        """Which keys some query row may attend, per (batch, head), when the mask says it cheaply:
+        a bool tensor broadcastable to (B, H, Nk), True when every key is seen, None when it has no
+        cheap answer (the keys are then found from its tile kinds and by evaluating it block by block).
+        Only called with ``ctx.Nq >= 1``.
+        """
+        return None
 
     def validate(self, ctx: MaskContext) -> None:
         """Raise ValueError when the mask cannot apply to a problem of this size."""
@@ -123,7 +159,9 @@ class Mask:
     ) -> Tensor:
         """The mask over one tile, broadcastable to ``(B, H, q1 - q0, k1 - k0)``."""
         b, h, q, k = index_grid(ctx, q_range, k_range, device)
-        return torch.as_tensor(self.evaluate(b, h, q, k, ctx), dtype=torch.bool, device=device)
+        out = torch.as_tensor(self.evaluate(b, h, q, k, ctx), dtype=torch.bool, device=device)
+        target = (b.shape[0], h.shape[1], q.shape[2], k.shape[3])
+        return check_predicate(out, target, repr(self))  # (B|1, H|1, nq|1, nk|1)
 
     def natural(self, ctx: MaskContext, device=None) -> Tensor:
         """The whole mask at its natural (un-expanded) broadcast shape, e.g. ``(1, 1, Nq, Nk)``."""
@@ -192,6 +230,14 @@ class AndMask(Mask):
     def shift_invariant(self):  # type: ignore[override]
         return self.a.shift_invariant and self.b.shift_invariant
 
+    @property
+    def reads_queries(self):  # type: ignore[override]
+        return self.a.reads_queries or self.b.reads_queries
+
+    @property
+    def clear_hidden_keys(self):  # type: ignore[override]
+        return self.a.clear_hidden_keys and self.b.clear_hidden_keys
+
     def block_kinds(self, ctx, ql, qh, kl, kh):
         ka, kb = self.a.block_kinds(ctx, ql, qh, kl, kh), self.b.block_kinds(ctx, ql, qh, kl, kh)
         if ka is None or kb is None:
@@ -246,12 +292,23 @@ class NotMask(Mask):
     def shift_invariant(self):  # type: ignore[override]
         return self.a.shift_invariant
 
+    @property
+    def reads_queries(self):  # type: ignore[override]
+        return self.a.reads_queries
+
+    @property
+    def clear_hidden_keys(self):  # type: ignore[override]
+        return self.a.clear_hidden_keys
+
     def block_kinds(self, ctx, ql, qh, kl, kh):
         ka = self.a.block_kinds(ctx, ql, qh, kl, kh)
         return None if ka is None else FULL - ka  # empty <-> full
 
     def validate(self, ctx):
         self.a.validate(ctx)
+
+    def __invert__(self) -> Mask:
+        return self.a  # ~~a is a itself (keeps flags such as is_causal that let a kernel take a fast path)
 
     def default_size(self):
         return self.a.default_size()
@@ -269,6 +326,9 @@ class Causal(Mask):
     def evaluate(self, b, h, q, k, ctx):
         return k <= q + ctx.offset
 
+    def seen_keys(self, ctx, device=None):
+        return True  # the last query row sees every key
+
     def block_kinds(self, ctx, ql, qh, kl, kh):
         o = ctx.offset
         return kinds_from(kh - 1 <= ql + o, kl > qh - 1 + o)
@@ -281,18 +341,19 @@ class SlidingWindow(Mask):
     """Causal, and query i sees itself and the ``size - 1`` keys before it (Mistral)."""
 
     def __init__(self, size: int):
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(
-                f"sliding_window size must be an int >= 1, got {size!r}; "
-                "size=1 lets each query see only itself"
-            )
-        self.size = size
+        fix = "size=1 lets each query see only itself, a size of at least Nk is causal()"
+        self.size = check_size("size", size, 1, owner="sliding_window", fix=fix)
 
     shift_invariant = True
 
     def evaluate(self, b, h, q, k, ctx):
         qa = q + ctx.offset
         return (k <= qa) & (qa - k < self.size)
+
+    def seen_keys(self, ctx, device=None):
+        # key k is seen by the query at its own position (or the first query, if k lies before it)
+        first = ctx.offset - self.size + 1  # the oldest key the first query row still sees
+        return True if first <= 0 else torch.arange(ctx.Nk).view(1, 1, -1) >= first  # (1, 1, Nk)
 
     def block_kinds(self, ctx, ql, qh, kl, kh):
         lo, hi = ql + ctx.offset, qh - 1 + ctx.offset  # absolute positions of the tile's first/last row
@@ -307,8 +368,8 @@ class Padding(Mask):
     """Right padding: key j of batch row b is real iff ``j < lengths[b]``."""
 
     def __init__(self, lengths: Tensor | list[int]):
-        t = torch.as_tensor(lengths)
-        if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+        t = as_int_tensor("lengths", lengths, owner="padding")
+        if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise ValueError(
                 f"padding lengths must be a 1-D integer tensor of shape (B,), got dtype {t.dtype} and "
                 f"shape {tuple(t.shape)}"
@@ -325,6 +386,8 @@ class Padding(Mask):
             )
         if self.lengths.numel() and int(self.lengths.max()) > ctx.Nk:
             raise ValueError(f"padding lengths {self.lengths.tolist()} exceed the key length Nk={ctx.Nk}")
+
+    reads_queries = False
 
     def evaluate(self, b, h, q, k, ctx):
         return k < self.lengths.to(k.device)[b]
@@ -360,6 +423,8 @@ class KeyPadding(Mask):
                 f"key_padding mask has shape {tuple(self.mask.shape)} but (B, Nk) = ({ctx.B}, {ctx.Nk})"
             )
 
+    reads_queries = False
+
     def evaluate(self, b, h, q, k, ctx):
         return self.mask.to(k.device)[b, k]
 
@@ -386,8 +451,8 @@ class Document(Mask):
     """
 
     def __init__(self, ids: Tensor | list[int]):
-        t = torch.as_tensor(ids)
-        if t.dim() not in (1, 2) or t.is_floating_point():
+        t = as_int_tensor("ids", ids, owner="document")
+        if t.dim() not in (1, 2) or t.is_floating_point() or t.is_complex():
             raise ValueError(
                 f"document ids must be an integer tensor of shape (N,) or (B, N), got dtype {t.dtype} "
                 f"and shape {tuple(t.shape)}"
@@ -431,12 +496,13 @@ class PrefixLM(Mask):
     """Bidirectional over the first ``n`` keys, causal after (T5 / UniLM prefix LM)."""
 
     def __init__(self, n: int):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"prefix_lm length must be an int >= 0, got {n!r}")
-        self.n = n
+        self.n = check_size("length", n, 0, owner="prefix_lm", fix="0 is causal()")
 
     def evaluate(self, b, h, q, k, ctx):
         return (k < self.n) | (k <= q + ctx.offset)
+
+    def seen_keys(self, ctx, device=None):
+        return True  # the last query row sees every key
 
     def block_kinds(self, ctx, ql, qh, kl, kh):
         o = ctx.offset
@@ -456,11 +522,15 @@ class Custom(Mask):
 
     def evaluate(self, b, h, q, k, ctx):
         out = self.fn(b, h, q, k)
+        name = getattr(self.fn, "__name__", self.fn)
         if not isinstance(out, Tensor) or out.dtype != torch.bool:
             raise ValueError(
-                f"custom mask fn {getattr(self.fn, '__name__', self.fn)!r} must return a bool tensor, "
+                f"custom mask fn {name!r} must return a bool tensor, "
                 f"got {getattr(out, 'dtype', type(out).__name__)}"
             )
+        check_predicate(
+            out, torch.broadcast_shapes(b.shape, h.shape, q.shape, k.shape), f"fn {name!r}", "custom mask"
+        )
         return out
 
     def __repr__(self):
@@ -511,6 +581,13 @@ class TensorMask(Mask):
 
     def natural(self, ctx, device=None):
         return check_broadcast(self.t, ctx, "mask").to(device)
+
+    @property
+    def reads_queries(self):  # type: ignore[override]
+        return self.t.dim() >= 2 and self.t.shape[-2] > 1
+
+    def seen_keys(self, ctx, device=None):
+        return check_broadcast(self.t, ctx, "mask").any(dim=-2)  # (B|1, H|1, Nk|1)
 
     def default_size(self):
         return tuple((1,) * max(0, 4 - self.t.dim()) + tuple(self.t.shape))  # right-aligned (broadcast)

@@ -76,7 +76,8 @@ def evaluate_kinds(mask: Mask, ctx: MaskContext, q_edges: list[int], ke: Tensor)
     rows = []
     zero = torch.zeros(1, dtype=torch.long)
     for q0, q1 in itertools.pairwise(q_edges):
-        allowed = mask.block(ctx, (q0, q1), (0, ctx.Nk)).cpu()  # (B|1, H|1, nq, Nk)
+        allowed = mask.block(ctx, (q0, q1), (0, ctx.Nk)).cpu()  # (B|1, H|1, nq|1, Nk|1)
+        allowed = allowed.expand(*allowed.shape[:2], q1 - q0, ctx.Nk)  # (B|1, H|1, nq, Nk)
         flat = allowed.reshape(-1, ctx.Nk)  # (B'*H'*nq, Nk)
         n_any = torch.cat([zero, flat.any(0).long().cumsum(0)])  # (Nk + 1,)
         n_all = torch.cat([zero, flat.all(0).long().cumsum(0)])  # (Nk + 1,)

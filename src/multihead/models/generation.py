@@ -10,6 +10,7 @@ Shape legend: B batch, N prompt tokens, T = N + new tokens, V vocabulary, d mode
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import threads
-from ..core.checks import check_int
+from ..core.checks import check_int, check_size
+from ..core.limits import check_fits
 from ..nn.kv_cache import KVCache
 from .padding import check_left_padding
 
@@ -65,12 +67,16 @@ def generate(
     :meth:`multihead.TransformerLM.generate` for the options. Runs in eval mode and restores the mode.
 
     Raises:
-        ValueError: bad ids, a negative max_new_tokens or one that takes the sequence past the model's
-            ``max_len``, sampling options without ``do_sample`` or out of range, an attention_mask that
-            is not left padding or leaves a row empty, a KV cache larger than the free memory.
+        ValueError: bad ids (an empty batch included), a negative max_new_tokens or one that takes the
+            sequence past the model's ``max_len``, sampling options without ``do_sample`` or out of
+            range, an ``eos_token_id`` outside the vocabulary, an attention_mask that is not left
+            padding or leaves a row empty, an output or a KV cache larger than the free memory. Every
+            size is checked before anything is allocated.
     """
     model.check_ids(ids)
-    check_int("max_new_tokens", max_new_tokens, 0)
+    if ids.shape[0] == 0:
+        raise ValueError(f"ids of shape {tuple(ids.shape)} has B=0 rows; give at least one prompt")
+    check_size("max_new_tokens", max_new_tokens, 0)
     limit = getattr(model, "max_len", None)
     if isinstance(limit, int) and ids.shape[1] + max_new_tokens > limit:
         raise ValueError(
@@ -79,7 +85,9 @@ def generate(
             f"max_position_embeddings); ask for at most {max(limit - ids.shape[1], 0)} new tokens"
         )
     check_sampling(do_sample, temperature, top_k, top_p)
+    check_eos(eos_token_id, getattr(model, "vocab_size", None))
     real = None if attention_mask is None else check_left_padding(attention_mask, *ids.shape)
+    check_output_fits(ids, max_new_tokens, attention_mask is not None)
     was_training = model.training
     model.train(False)
     try:
@@ -157,26 +165,60 @@ def _steps(model: CausalLM, out: Tensor, h: Tensor, N: int, sampling, eos_token_
     return out
 
 
+def check_output_fits(ids: Tensor, max_new_tokens: int, masked: bool) -> None:
+    """Raise before allocating unless the (B, N + max_new_tokens) output (and its real-token mask) fit in
+    the free memory of ids' device. The KV cache is checked when it is built (``make_cache``).
+
+    Raises:
+        ValueError: naming the sizes, the bytes and the fix.
+    """
+    B, N = ids.shape
+    total = N + max_new_tokens
+    nbytes = B * total * (ids.element_size() + (1 if masked else 0))
+    what = f"the generated ids (B, N + max_new_tokens) = ({B}, {total})"
+    check_fits(nbytes, what, "lower max_new_tokens or the batch", ids.device)
+
+
+def check_eos(eos_token_id: Any, vocab_size: int | None) -> None:
+    """Raise ValueError unless ``eos_token_id`` is None or a token id in [0, vocab_size)."""
+    if eos_token_id is None:
+        return
+    high = None if not isinstance(vocab_size, int) else vocab_size - 1
+    check_int("eos_token_id", eos_token_id, 0, high, fix="pass the id of the end-of-sequence token, or None")
+
+
 def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError for sampling options given without ``do_sample`` or out of range."""
+    """Raise ValueError for sampling options given without ``do_sample`` or out of range: ``do_sample``
+    a bool, ``temperature`` a finite number > 0, ``top_k`` an int >= 1, ``top_p`` a number in (0, 1]."""
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
     if not do_sample and (temperature != 1.0 or top_k is not None or top_p is not None):
         raise ValueError(
             f"temperature={temperature}, top_k={top_k}, top_p={top_p} only apply when sampling; "
             "pass do_sample=True or drop them for greedy decoding"
         )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}; use do_sample=False for greedy")
+    number = not isinstance(temperature, bool) and isinstance(temperature, (int, float))
+    if not (number and temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(
+            f"temperature must be > 0, got {temperature!r}; it must be a finite number (do_sample=False "
+            "for greedy)"
+        )
     if top_k is not None:
-        check_int("top_k", top_k, 1)
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        check_int("top_k", top_k, 1, fix="None keeps every token")
+    number = not isinstance(top_p, bool) and isinstance(top_p, (int, float))
+    if top_p is not None and not (number and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}; None (or 1.0) keeps every token")
 
 
 def pick_next(logits: Tensor, do_sample: bool, temperature: float, top_k, top_p) -> Tensor:
     """Next token per row (B,) from last-position logits (B, V): argmax, or a sample."""
     if not do_sample:  # torch's argmax over bf16 / fp16 is scalar code: widen first (exact, same ties)
         return (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(dim=-1)
-    logits = logits.float() / temperature  # (B, V)
+    # Shifted so the best token scores 0, then divided in float64 (where every positive float is a
+    # nonzero divisor): finite for any temperature > 0. A tiny one sends the others to -inf (greedy, ties
+    # shared) instead of giving inf / inf = NaN.
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # (B, V), max 0
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -250,6 +250,8 @@ class TransformerLM(nn.Module):
             raise ValueError(f"ids must have shape (B, N), got {tuple(ids.shape)}; {fix}")
         if ids.shape[1] == 0:
             raise ValueError("ids has N=0 tokens; give at least one token")
+        if ids.shape[0] == 0:
+            raise ValueError(f"ids of shape {tuple(ids.shape)} has B=0 rows; give at least one sequence")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"ids must lie in [0, vocab_size={self.vocab_size}), got min {lo} and max {hi}")

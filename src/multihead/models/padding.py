@@ -26,6 +26,10 @@ class TrailingKeyPadding(Mask):
     them, a sliding cache the most recent ones), so key j is real iff ``real[b, j + T - Nk]``.
     """
 
+    #: the hidden keys are the model's own pad slots (finite activations of pad tokens); clearing them
+    #: would copy the whole KV cache at every decode step
+    clear_hidden_keys = False
+
     def __init__(self, real: Tensor):
         self.real = real
 

@@ -179,3 +179,33 @@ def test_the_command_line_ends_on_sigterm_and_sighup_and_a_library_user_keeps_it
     """
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+WRITE_ON_A_THREAD = """
+    import sys, threading, time
+    from pathlib import Path
+    from multihead import startup
+    from multihead.pretrained.files import atomic_write
+
+    def write():
+        with atomic_write(Path(sys.argv[1])) as tmp:
+            tmp.write_text("half of it")
+            Path(sys.argv[2]).touch()
+            time.sleep(300)
+
+    startup.end_on_termination()
+    worker = threading.Thread(target=write, daemon=True)
+    worker.start()
+    worker.join()
+"""
+
+
+def test_sigterm_during_an_atomic_write_on_another_thread_leaves_no_temporary(place):
+    root, env = place
+    (root / "mark" / "pids").write_text("")
+    inside = root / "mark" / "inside"
+    proc = _victim(WRITE_ON_A_THREAD, env, inside, str(root / "out" / "emb.npy"), str(inside))
+    assert [p.name.startswith(".emb.tmp-") for p in (root / "out").iterdir()] == [True]
+    rc, out = _end(proc, signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, out
+    assert list((root / "out").iterdir()) == [], out

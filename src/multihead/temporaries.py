@@ -21,7 +21,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["registered", "remove_all"]
+__all__ = ["add", "discard", "registered", "remove_all"]
 
 # re-entrant: remove_all may run in a signal handler on a thread that is inside registered()
 _LOCK = threading.RLock()
@@ -29,19 +29,29 @@ _LIVE: dict[int, Callable[[], None]] = {}
 _NEXT = [0]
 
 
-@contextlib.contextmanager
-def registered(cleanup: Callable[[], None]) -> Iterator[None]:
-    """Keep ``cleanup`` (removes the block's temporary; must be safe to call twice, or after the block
-    removed it itself) registered while the block runs."""
+def add(cleanup: Callable[[], None]) -> int:
+    """Register ``cleanup`` (removes a temporary; must be safe to call twice, or after its owner removed
+    the temporary itself); returns the key that :func:`discard` takes."""
     with _LOCK:
         _NEXT[0] += 1
-        key = _NEXT[0]
-        _LIVE[key] = cleanup
+        _LIVE[_NEXT[0]] = cleanup
+        return _NEXT[0]
+
+
+def discard(key: int) -> None:
+    """Forget the clean-up registered under ``key`` (its owner removed the temporary)."""
+    with _LOCK:
+        _LIVE.pop(key, None)
+
+
+@contextlib.contextmanager
+def registered(cleanup: Callable[[], None]) -> Iterator[None]:
+    """Keep ``cleanup`` registered (:func:`add`) while the block runs."""
+    key = add(cleanup)
     try:
         yield
     finally:
-        with _LOCK:
-            _LIVE.pop(key, None)
+        discard(key)
 
 
 def remove_all() -> None:

@@ -1,26 +1,29 @@
 """Writes a user keeps, all at once: a temporary in the target's folder, renamed over the target only
 when complete (``os.replace``), so a reader sees the old file or the new one, never a part; the
-temporary is removed on an error, Ctrl-C (KeyboardInterrupt), SIGTERM and SIGHUP.
+temporary is removed on an error, Ctrl-C (KeyboardInterrupt), and on SIGTERM and SIGHUP where the
+program ends on them with an exception or runs :func:`multihead.temporaries.remove_all` (the
+``multihead`` command line does both: :func:`multihead.startup.end_on_termination`); from any thread,
+and at exit. No signal handler is installed here: a library leaves the program's signals alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import shutil
-import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+
+from .. import temporaries
 
 __all__ = ["atomic_folder", "atomic_write", "temporary_name"]
 
-_LIVE: set[Path] = set()  # temporaries of the atomic writes in progress (removed on SIGTERM)
+_LIVE: dict[Path, int] = {}  # the writes in progress: temporary -> its key in multihead.temporaries
 _LOCK = threading.Lock()
-_PREVIOUS: dict[int, Any] = {}
 
 
 def _remove(path: Path) -> None:
@@ -31,37 +34,20 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _on_signal(signum: int, frame: Any) -> None:
-    """A Python handler installed before ours runs (if it raises, the ``finally`` of each write removes
-    its temporary); otherwise remove every live temporary and end the process as the signal's default
-    action would."""
-    previous = _PREVIOUS.get(signum)
-    if callable(previous):
-        previous(signum, frame)
-        return
-    for tmp in list(_LIVE):
-        _remove(tmp)
-    _LIVE.clear()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _track(tmp: Path) -> None:
+def _track(tmp: Path, cleanup: Callable[[], None] | None = None) -> None:
+    """Register the clean-up of ``tmp`` (default: remove it) with :mod:`multihead.temporaries`, which
+    runs it at exit and from the command line's SIGTERM / SIGHUP handler: a write on another thread
+    than the main one is not unwound by the exception that handler raises."""
+    key = temporaries.add(cleanup or functools.partial(_remove, tmp))
     with _LOCK:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                if sig not in _PREVIOUS and signal.getsignal(sig) is not signal.SIG_IGN:
-                    _PREVIOUS[sig] = signal.signal(sig, _on_signal)
-        _LIVE.add(tmp)
+        _LIVE[tmp] = key
 
 
 def _untrack(tmp: Path) -> None:
     with _LOCK:
-        _LIVE.discard(tmp)
-        if not _LIVE and threading.current_thread() is threading.main_thread():
-            for sig, previous in list(_PREVIOUS.items()):
-                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-                del _PREVIOUS[sig]
+        key = _LIVE.pop(tmp, None)
+    if key is not None:
+        temporaries.discard(key)
 
 
 def temporary_name(path: Path, kind: str = "tmp") -> Path:
@@ -74,8 +60,9 @@ def atomic_write(path: str | Path) -> Iterator[Path]:
     """Write ``path`` all at once: yields a temporary path in the same folder to write to, then renames it
     over ``path`` (``os.replace``: a reader sees the old file or the new one, never a part).
 
-    The temporary is removed when the block raises, on Ctrl-C (KeyboardInterrupt) and on SIGTERM / SIGHUP
-    (the handler removes it, then the signal ends the process as it would have). Works with any writer
+    The temporary is removed when the block raises, on Ctrl-C (KeyboardInterrupt), at exit, and on
+    SIGTERM / SIGHUP in a program that ends on them as the command line does (see the module's
+    docstring), whichever thread writes. Works with any writer
     that takes a path: ``save_file(sd, tmp)``, ``np.save(tmp, a)``, ``fig.savefig(tmp)``,
     ``tmp.write_text(s)``.
 

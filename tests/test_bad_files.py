@@ -19,15 +19,22 @@ pytest.importorskip(
 )
 
 
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """One copy of the bundled MiniLM files (symbolic links out of a checkpoint folder are refused)."""
+    import shutil
+
+    return Path(shutil.copytree(mh.pretrained.minilm_dir(), tmp_path_factory.mktemp("minilm") / "m"))
+
+
 @pytest.fixture
-def ckpt(tmp_path: Path) -> Path:
-    """A directory of links to the bundled MiniLM files; a test replaces the one it breaks."""
-    src = mh.pretrained.minilm_dir()
-    for f in src.rglob("*"):
+def ckpt(tmp_path: Path, pristine: Path) -> Path:
+    """A directory of hard links to the copied MiniLM files; a test replaces the one it breaks."""
+    for f in pristine.rglob("*"):
         if f.is_file():
-            dst = tmp_path / f.relative_to(src)
+            dst = tmp_path / f.relative_to(pristine)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.symlink_to(f)
+            dst.hardlink_to(f)
     return tmp_path
 
 
@@ -87,7 +94,7 @@ BAD_CHECKPOINTS = {
         r"model\.safetensors' \(4096 bytes\) is not a readable safetensors",
     ),
     "corrupted safetensors": (_garbage, r"model\.safetensors' \(16384 bytes\) is not a readable safetensors"),
-    "integer weights": (_int_weights, r"non-floating-point weights \[.*torch\.int8.*dequantize"),
+    "integer weights": (_int_weights, r"tensors that are not floating point: .*torch\.int8.*dequantize"),
     "wrong shapes": (_wrong_shapes, r"wrong shapes \[.*checkpoint \(1536, 384\) vs model \(1000, 384\)"),
     "invalid JSON": (_invalid_json, r"config\.json' is not valid JSON \(line 1, column \d+"),
     "non-UTF-8 config": (_binary_config, r"config\.json' is not UTF-8 text"),

@@ -348,10 +348,10 @@ def test_sigterm_during_save_converted_leaves_the_old_pair_and_no_temporary(tmp_
     )
     assert child.stdout is not None
     assert child.stdout.readline().strip() == "written"
-    assert len(_files_left(folder)) == 1  # the new weights, still a temporary
+    assert len(_files_left(folder.parent)) == 1  # the new folder, still a temporary beside the old one
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=60) == 128 + signal.SIGTERM  # the signal still ends the process
-    assert _files_left(folder) == []
+    assert _files_left(folder.parent) == [] and _files_left(folder) == []
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert isinstance(mh.heads.load_converted(folder), mh.TransformerLM)
 

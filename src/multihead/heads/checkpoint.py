@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import secrets
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,19 @@ from torch import nn
 
 from .. import rng
 from ..models.lm import TransformerLM
-from ..pretrained.files import atomic_write, read_json, read_safetensors, read_safetensors_metadata
+from ..pretrained.files import (
+    atomic_folder,
+    read_json,
+    read_safetensors,
+    read_safetensors_header,
+    read_safetensors_metadata,
+)
 from ..pretrained.sentence_encoder import SentenceEncoder, minilm
 from .gqa import to_gqa
 from .mla import to_mla
 from .pruning import prune
 
-__all__ = ["MINILM", "SURGERIES", "apply_surgery", "load_converted", "save_converted"]
+__all__ = ["MAX_STEPS", "MINILM", "SURGERIES", "apply_surgery", "load_converted", "save_converted"]
 
 #: The base of a converted MiniLM in surgery.json.
 MINILM = "all-MiniLM-L6-v2"
@@ -63,31 +70,84 @@ def apply_surgery(model: nn.Module, step: dict[str, Any], *, calibration: Any = 
     raise ValueError(f"unknown surgery step {step!r}; 'to' must be one of {list(SURGERIES)}")
 
 
-def save_converted(
-    model: nn.Module, steps: Sequence[dict[str, Any]], out: str | Path, *, base: str | dict[str, str] = MINILM
-) -> Path:
-    """Write ``model.safetensors`` and ``surgery.json`` into ``out`` (created); return the folder.
+#: The most steps a surgery.json may list (`multihead heads convert` writes one; each costs a copy).
+MAX_STEPS = 8
+#: A converted weights file holds at least this fraction of its base's bytes: surgery changes only the
+#: attention, and the embeddings and MLPs it leaves are most of a model.
+MIN_KEPT_FRACTION = 0.25
+#: The files a converted folder is made of (the tokenizer's copied from a Hugging Face base).
+OWN_FILES = ("model.safetensors", "surgery.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "hf")  # fmt: skip
 
-    ``base``: what the steps were applied to (see the module docstring); a ``{"hf": DIR}`` is stored
-    as an absolute path. Each file is written to a temporary in ``out`` and renamed over the old one
-    once complete (the weights first); both carry the same random ``weights_id``, so
-    :func:`load_converted` refuses a pair from two different saves, and an interrupted save (an error,
-    Ctrl-C, SIGTERM) leaves the previous pair and no temporary.
+
+def save_converted(
+    model: nn.Module,
+    steps: Sequence[dict[str, Any]],
+    out: str | Path,
+    *,
+    base: str | dict[str, str] = MINILM,
+    files: Sequence[str | Path] = (),
+) -> Path:
+    """Write ``model.safetensors``, ``surgery.json`` and a copy of each of ``files`` into the folder
+    ``out``; return it.
+
+    The folder is written whole: the new files go into a temporary folder beside ``out``, which is
+    then swapped with the old ``out`` in one step (:func:`~multihead.pretrained.files.atomic_folder`),
+    so a reader finds the old pair or the new one, never the weights of one save with the surgery.json
+    of another; an interrupted save (an error, Ctrl-C, SIGTERM) leaves the old folder as it was and no
+    temporary. Both files also carry the same random ``weights_id``, which :func:`load_converted` checks.
+    The old folder's files are replaced, its ``hf/`` copy among them (it described the old model).
+
+    Args:
+        model: the converted model.
+        steps: the surgery steps applied (the module docstring lists them).
+        out: the folder; created, or replaced when it holds only a converted model's files.
+        base: what the steps were applied to (see the module docstring); a ``{"hf": DIR}`` is stored
+            as an absolute path.
+        files: files copied into the folder with the pair (a Hugging Face base's tokenizer files).
+
+    Raises:
+        ValueError: ``out`` is a file, its parent folder cannot be made, or it holds files that are not
+            a converted model's (they would be lost; the message names them).
     """
     from safetensors.torch import save_file
 
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
+    _check_own_folder(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
     # a copy of each tensor: tied weights (embedding = head) would share memory, which safetensors refuses
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if isinstance(base, dict) and "hf" in base:
         base = {"hf": str(Path(base["hf"]).resolve())}
     pair = secrets.token_hex(8)
     meta = {"base": base, "steps": list(steps), "weights_id": pair}
-    with atomic_write(folder / "surgery.json") as tmp_meta, atomic_write(folder / "model.safetensors") as tmp:
-        save_file(state, str(tmp), metadata={"weights_id": pair})
-        tmp_meta.write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    return folder  # the weights were renamed into place first (inner block), then surgery.json
+    with atomic_folder(folder) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"weights_id": pair})
+        (tmp / "surgery.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        for f in files:
+            shutil.copyfile(f, tmp / Path(f).name)
+    return folder
+
+
+def _check_own_folder(folder: Path) -> None:
+    """Refuse to replace a folder that holds more than a converted model's files.
+
+    Raises:
+        ValueError: naming the folder and the files that would be lost.
+    """
+    if not folder.is_dir():
+        return
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in OWN_FILES and not _leftover(p.name))
+    if foreign:
+        raise ValueError(
+            f"cannot save a converted model into {str(folder)!r}: it holds {foreign[:8]}, which are not a "
+            "converted model's files and would be replaced with the folder; give a new or empty folder"
+        )
+
+
+def _leftover(name: str) -> bool:
+    """A hidden temporary of an earlier write that was killed (``.<name>.tmp-<hex>``)."""
+    return name.startswith(".") and (".tmp-" in name or ".old-" in name)
 
 
 def _base_model(base: Any, where: str) -> nn.Module:
@@ -142,6 +202,59 @@ def _check_step(step: Any, i: int, where: str) -> None:
         )
 
 
+def _base_bytes(base: Any) -> int | None:
+    """The bytes of weights the base named in surgery.json holds, found without building it (None for
+    the bundled MiniLM, whose size is fixed, and for a base that is not understood: building it says why).
+    """
+    from ..pretrained.llama import PRESETS, llama_kwargs
+    from ..pretrained.reading import checkpoint_files, shapes_only
+
+    if isinstance(base, dict) and isinstance(base.get("preset"), str) and base["preset"] in PRESETS:
+        with shapes_only():  # on the meta device: sizes, no memory
+            skeleton = TransformerLM(**llama_kwargs(PRESETS[base["preset"]]))
+        return sum(t.numel() * t.element_size() for t in skeleton.state_dict().values())
+    if isinstance(base, dict) and isinstance(base.get("hf"), str) and Path(base["hf"]).is_dir():
+        return sum(f.stat().st_size for f in checkpoint_files(Path(base["hf"])))
+    return None
+
+
+def _check_base_size(base: Any, weights: Path, where: str) -> None:
+    """Refuse a base far larger than the converted weights before it is built: surgery changes only the
+    attention, so a converted model keeps at least :data:`MIN_KEPT_FRACTION` of its base's bytes.
+
+    Raises:
+        ValueError: naming the surgery file, its base, both sizes and the fix.
+    """
+    need, have = _base_bytes(base), weights.stat().st_size
+    if need is not None and have < MIN_KEPT_FRACTION * need:
+        raise ValueError(
+            f"{where}: its base {base!r} holds {need} bytes of weights, but {str(weights)!r} holds {have}: "
+            f"a converted model keeps at least {MIN_KEPT_FRACTION:.0%} of its base (the embeddings and "
+            f"MLPs), so the weights and the base do not belong together; {_AGAIN}"
+        )
+
+
+def _check_fits(model: nn.Module, header: dict[str, tuple[Any, tuple[int, ...]]], weights: Path) -> None:
+    """Compare the rebuilt structure with the weights file's header before the weights are read: the
+    same names and shapes, and floating-point tensors exactly where the model has them (an int32
+    weight would otherwise be cast to float silently by ``load_state_dict``).
+
+    Raises:
+        ValueError: naming the weights file and the first tensors that differ.
+    """
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(header)), sorted(set(header) - set(own))
+    wrong = [f"{k}: file {header[k][1]} vs model {tuple(own[k].shape)}"
+             for k in own if k in header and header[k][1] != tuple(own[k].shape)]  # fmt: skip
+    kinds = [f"{k}: file {header[k][0]} vs model {t.dtype}" for k, t in own.items()
+             if k in header and header[k][0].is_floating_point != t.is_floating_point()]  # fmt: skip
+    if missing or extra or wrong or kinds:
+        raise ValueError(
+            f"{str(weights)!r} does not fit the structure surgery.json describes: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}, wrong shapes {wrong[:5]}, wrong dtypes {kinds[:5]}; {_AGAIN}"
+        )
+
+
 def _rebuild(meta: dict[str, Any], steps: list[dict[str, Any]], where: str) -> nn.Module:
     """The structure ``surgery.json`` describes: its base with its steps applied (weights to be loaded)."""
     try:
@@ -178,9 +291,16 @@ def load_converted(path: str | Path) -> SentenceEncoder | TransformerLM:
     where = f"surgery file {str(meta_file)!r}"
     steps = meta.get("steps")
     if not isinstance(steps, list):
-        raise ValueError(f"{where} has no 'steps' list (got {steps!r}); convert the model again")
+        raise ValueError(f"{where} has no 'steps' list (got {type(steps).__name__}); convert the model again")
+    if len(steps) > MAX_STEPS:
+        raise ValueError(
+            f"{where}: 'steps' lists {len(steps)} surgery steps, more than the {MAX_STEPS} a converted model "
+            f"is rebuilt from (each step copies the model); {_AGAIN}"
+        )
     for i, step in enumerate(steps):
         _check_step(step, i, where)
+    header = read_safetensors_header(weights, fix=_AGAIN)
+    _check_base_size(meta.get("base", MINILM), weights, where)
     pair = read_safetensors_metadata(weights, fix=_AGAIN).get("weights_id")
     if pair != meta.get("weights_id"):
         raise ValueError(
@@ -189,6 +309,7 @@ def load_converted(path: str | Path) -> SentenceEncoder | TransformerLM:
         )
     with rng.private(0):  # the structure's first weights are replaced by the file's: the caller's generator
         model = _rebuild(meta, steps, where)  # is neither reset nor advanced
+    _check_fits(model, header, weights)
     sd = read_safetensors(weights, fix=_AGAIN)
     try:
         model.load_state_dict(sd, strict=True)

@@ -41,29 +41,46 @@ def cfg(config: Any, name: str, default: Any = ...) -> Any:
 
 
 def rename(state_dict: Mapping[str, Tensor], rules: list[Rule], what: str) -> dict[str, Tensor]:
-    """Apply the first matching rule to every key; a key no rule matches raises.
+    """Apply the first matching rule to every key; a key no rule matches raises. Every tensor a rule
+    keeps must be floating point, checked here on the checkpoint's own names before any tensor is
+    fused with another (``torch.cat`` of an int32 q_proj with float k/v would cast it silently); the
+    buffers a rule drops (``position_ids``, old causal masks) may hold any dtype.
 
     Raises:
-        ValueError: naming the keys that no rule knows (a different architecture or a task head).
+        ValueError: naming the keys that no rule knows (a different architecture or a task head), or
+            the kept tensors that are not floating point with their dtypes.
     """
     compiled = [(re.compile(p), r, f) for p, r, f in rules]
     out: dict[str, Tensor] = {}
     unknown = []
+    not_float = []
     for key, value in state_dict.items():
         for pattern, repl, fn in compiled:
             if pattern.fullmatch(key):
                 if repl is not None:
+                    if not value.is_floating_point():
+                        not_float.append(f"{key} ({value.dtype})")
                     out[pattern.sub(repl, key)] = fn(value) if fn is not None else value
                 break
         else:
             unknown.append(key)
+    if not_float:
+        raise ValueError(
+            f"the {what} checkpoint holds tensors that are not floating point: {_few(not_float)}; multihead "
+            "loads float32/float16/bfloat16 weights (dequantize an integer checkpoint before loading)"
+        )
     if unknown:
-        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        shown = _few(unknown)
         raise ValueError(
             f"{len(unknown)} {what} checkpoint keys have no multihead counterpart: {shown}; "
             f"pass the bare {what} model's state dict (without task heads)"
         )
     return out
+
+
+def _few(names: list[str]) -> str:
+    """The first five of ``names``, and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def fuse_qkv(sd: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 from .config_checks import check_config, unify_dtypes
 from .files import read_json, read_safetensors, read_safetensors_header, shard_path
 
+_RESAVE = "re-save them with model.save_pretrained(DIR) or download the checkpoint again"
+
 __all__ = ["checkpoint_files", "convert_checked", "load_checked", "read_config", "shapes_only"]
 
 M = TypeVar("M")
@@ -42,12 +44,12 @@ def read_config(root: Path) -> dict[str, Any]:
         ValueError: no config.json, a file that is not a JSON object, a field of the wrong type or range
             (naming the file and the field).
     """
-    if not (root / "config.json").is_file():
+    if not (root / "config.json").exists() and not (root / "config.json").is_symlink():
         raise ValueError(
             f"{str(root)!r} is not a Hugging Face checkpoint directory: no config.json in it; "
             "save one with model.save_pretrained(DIR)"
         )
-    config = read_json(root / "config.json")
+    config = read_json(root / "config.json", root=root)
     check_config(config, f"config file {str(root / 'config.json')!r}")
     return config
 
@@ -59,12 +61,16 @@ def checkpoint_files(root: Path) -> list[Path]:
         ValueError: no weights, an index without a ``weight_map`` object, a shard named outside ``root``.
     """
     index = root / "model.safetensors.index.json"
-    if (root / "model.safetensors").is_file():
-        return [root / "model.safetensors"]
-    if index.is_file():
+    if (root / "model.safetensors").is_file() or (root / "model.safetensors").is_symlink():
+        return [root / "model.safetensors"]  # a link is checked by the readers (files.confined)
+    if index.is_file() or index.is_symlink():
         weight_map = read_json(index, "sharded index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"sharded index {str(index)!r} has no weight_map object; re-save the checkpoint")
+        if not isinstance(weight_map, dict) or not weight_map:
+            shown = "empty" if weight_map == {} else f"{type(weight_map).__name__}, not an object"
+            raise ValueError(
+                f"sharded index {str(index)!r}: its weight_map is {shown}; it must name the shard of "
+                "every tensor (re-save the checkpoint)"
+            )
         names = {shard_path(root, name, index) for name in weight_map.values()}
         return sorted(names)
     raise ValueError(
@@ -73,12 +79,19 @@ def checkpoint_files(root: Path) -> list[Path]:
     )
 
 
-def header_state(files: list[Path]) -> dict[str, Tensor]:
-    """Every tensor the files hold, as an empty ``meta`` tensor of its dtype and shape (headers only)."""
+def header_state(files: list[Path], root: Path | None = None) -> dict[str, Tensor]:
+    """Every tensor the files hold, as an empty ``meta`` tensor of its dtype and shape (headers only).
+
+    Raises:
+        ValueError: what :func:`~.files.read_safetensors_header` raises; files that hold no tensor.
+    """
     out: dict[str, Tensor] = {}
     for f in files:
-        for name, (dtype, shape) in read_safetensors_header(f).items():
+        for name, (dtype, shape) in read_safetensors_header(f, root=root).items():
             out[name] = torch.empty(shape, dtype=dtype, device="meta")
+    if not out:
+        names = ", ".join(repr(str(f)) for f in files[:3])
+        raise ValueError(f"the weights files {names} hold no tensors; {_RESAVE}")
     return out
 
 
@@ -146,8 +159,8 @@ def dry_run(convert: Callable[[Mapping[str, Tensor], Any], Any], shapes: Mapping
             convert(unify_dtypes(shapes, config, where, warn=False), config)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    except (RuntimeError, IndexError, TypeError) as e:
-        raise ValueError(f"{where}: the weights do not fit together or the config ({e})") from None
+    except (RuntimeError, IndexError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: the weights do not fit together or the config ({e!r})") from None
 
 
 def convert_checked(
@@ -180,10 +193,10 @@ def load_checked(path: str | Path, convert: Callable[[Mapping[str, Tensor], Any]
     config = read_config(root)
     files = checkpoint_files(root)
     where = _describe(root, files)
-    shapes = header_state(files)
+    shapes = header_state(files, root)
     check_layer_count(config, list(shapes), where)
     dry_run(convert, shapes, config, where)
     sd: dict[str, Tensor] = {}
     for f in files:
-        sd.update(read_safetensors(f))
+        sd.update(read_safetensors(f, root=root))
     return convert(unify_dtypes(sd, config, where), config)

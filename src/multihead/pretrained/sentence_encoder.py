@@ -139,13 +139,20 @@ class SentenceEncoder(nn.Module):
         root = Path(path)
         bert = load_checked(root, bert_from_state_dict)
         pooling = root / "1_Pooling" / "config.json"
-        mean = not pooling.is_file() or read_json(pooling, "pooling config").get("pooling_mode_mean_tokens")
+        there = pooling.exists() or pooling.is_symlink()
+        mean = not there or read_json(pooling, "pooling config", root=root).get("pooling_mode_mean_tokens")
         if not mean:
             raise ValueError(f"{pooling} is not mean pooling; SentenceEncoder implements mean pooling only")
         st_config = root / "sentence_bert_config.json"
-        st = read_json(st_config, "sentence-transformers config") if st_config.is_file() else {}
+        there = st_config.exists() or st_config.is_symlink()
+        st = read_json(st_config, "sentence-transformers config", root=root) if there else {}
         max_length = st.get("max_seq_length", 256)
-        return cls(bert, read_tokenizer(root / "tokenizer.json"), max_length)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 1 <= max_length <= 1 << 20:
+            raise ValueError(
+                f"sentence-transformers config file {str(st_config)!r}: max_seq_length must be an int in "
+                f"[1, {1 << 20}], got a {type(max_length).__name__}; write the model's token limit (e.g. 256)"
+            )
+        return cls(bert, read_tokenizer(root / "tokenizer.json", root=root), max_length)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, [CLS] ... [SEP], truncated to ``max_length``.

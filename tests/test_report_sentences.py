@@ -266,3 +266,32 @@ def test_the_minilm_packing_sentence_reads_the_speed_tables_timings(packed, padd
     note = packing_note({"multihead packed": _t(*packed), "multihead padded": _t(*padded)}, positions)
     assert note.startswith("Packing saves 10% of the positions here (1000 padded, 900 packed)")
     assert re.search(says, note), note
+
+
+def test_the_decode_note_says_why_designs_decode_slower_than_mha():
+    rows = [{"design": "mha", "decode_tok_s": 1100.0}, {"design": "gqa", "decode_tok_s": 1000.0},
+            {"design": "sinks", "decode_tok_s": 100.0}, {"design": "moh", "decode_tok_s": 200.0}]  # fmt: skip
+    paths = {
+        "mha": None, "gqa": None, "sinks": "layer 0's attention has sinks or a non-default score scale",
+        "moh": "layer 0's attention is a MixtureOfHeads, not the textbook MultiHeadAttention",
+    }  # fmt: skip
+    note = designs.decode_note(rows, paths)
+    assert "mha, gqa decode with native steps" in note
+    assert "sinks (its attention has sinks or a non-default score scale)" in note
+    assert "moh (its attention is not the textbook MultiHeadAttention)" in note
+    assert "Time a token against mha's: sinks 11.0x, moh 5.5x." in note and "gqa 1.1x" not in note
+
+
+def test_the_kv_note_says_why_the_two_tables_count_different_bytes():
+    from multihead.cost.designs import DesignCost
+
+    cfg = designs.TEXT_QUICK
+    rows = [{"design": "mha", "kv_bytes_per_token": 1024, "decode_cached": True},
+            {"design": "dcmha", "kv_bytes_per_token": designs.input_bytes_per_token(cfg),
+             "decode_cached": False}]  # fmt: skip
+    cost = [DesignCost("mha", 1, 1, 4096, True, 1), DesignCost("dcmha", 1, 1, 2048, False, 1)]
+    note = designs.kv_note(rows, cfg, cost)
+    assert f"{cfg.n_layers} layers at d_model {cfg.d_model} (mha 1,024)" in note
+    assert "one attention sub-layer at d_model 512 (mha 4,096)" in note
+    assert "dcmha cache no keys or values" in note and "marked (inputs)" in note
+    assert designs.input_bytes_per_token(cfg) == cfg.n_layers * cfg.d_model * 4

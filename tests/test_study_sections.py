@@ -294,8 +294,11 @@ def test_designs_section_trains_every_design(monkeypatch, tmp_path):
     assert cost_rows["mla"]["kv_bytes_per_token"] < cost_rows["mha"]["kv_bytes_per_token"]
     assert [row[0] for row in text.rows] == list(NAMES)
     assert all(0 < b < 16 for b in _numbers(text, "held-out bits/byte"))  # ~8 bits untrained (uniform)
-    kv = dict(zip(NAMES, _numbers(text, "KV bytes/token")))
+    kv_cells = dict(zip(NAMES, (row[text.columns.index("KV bytes/token")] for row in text.rows)))
+    assert kv_cells["dcmha"].endswith(" (inputs)") and kv_cells["collab"].endswith(" (inputs)")
+    kv = {k: float(v.split()[0].replace(",", "")) for k, v in kv_cells.items()}
     assert kv["mqa"] < kv["gqa"] < kv["mha"] == kv["sinks"] == kv["output_gated"]
+    assert kv["dcmha"] == TINY_TEXT.n_layers * TINY_TEXT.d_model * 4  # its inputs, as the cost table counts
     lm = {r["design"]: r for r in section.data["text_lm"]["rows"]}
     for name in ("mha", "sinks", "output_gated"):  # recorded, a weight in [0, 1]
         assert 0 <= lm[name]["first_token_share"] <= 1

@@ -36,7 +36,19 @@ from ...variants import NAMES
 if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
     from ..context import Section, StudyContext, Table
 
-__all__ = ["DESIGNS", "FULL", "QUICK", "design_style", "designs", "dodge", "error_floor"]
+__all__ = [
+    "DESIGNS",
+    "FULL",
+    "QUICK",
+    "decode_note",
+    "decode_paths",
+    "design_style",
+    "designs",
+    "dodge",
+    "error_floor",
+    "input_bytes_per_token",
+    "kv_note",
+]
 
 #: The designs trained, in table order.
 DESIGNS: tuple[str, ...] = NAMES
@@ -124,10 +136,89 @@ def _train_text(
     for i, name in enumerate(DESIGNS):
         step(f"language model: {name}", done + share * i / len(DESIGNS))
         res = train_text_lm(replace(base, attention=name))
-        rows.append(
-            {"design": name, **{k: v for k, v in res.as_dict().items() if k not in ("losses", "config")}}
-        )
+        row = {"design": name, **{k: v for k, v in res.as_dict().items() if k not in ("losses", "config")}}
+        if not row["decode_cached"]:  # it keeps each token's input instead, as the decode-cost table counts
+            row["kv_bytes_per_token"] = input_bytes_per_token(base)
+        rows.append(row)
     return rows
+
+
+def input_bytes_per_token(cfg: TextConfig) -> int:
+    """Bytes a design without a KV cache keeps per token: its input to every layer (d_model fp32 numbers
+    a layer), what it recomputes keys and values from; :func:`multihead.cost.design_costs` counts the same."""
+    return cfg.n_layers * cfg.d_model * 4
+
+
+def decode_paths(cfg: TextConfig) -> dict[str, str | None]:
+    """Per design: None where its decode steps run natively (one native call a token for every layer,
+    :mod:`multihead.models.native_step`), else why they run the PyTorch layers (the model's own
+    ``why_not_native_steps``), on an untrained copy of the language model's shape."""
+    import torch
+
+    from ...models.lm import TransformerLM
+    from ...train.text import VOCAB
+    from ...variants import swap
+
+    rng = torch.random.get_rng_state()  # building draws weights: leave the study's random state as it was
+    try:
+        base = TransformerLM(VOCAB, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, max_len=2 * cfg.seq_len)
+        models = {name: base if name == "mha" else swap(base, name) for name in DESIGNS}
+    finally:
+        torch.random.set_rng_state(rng)
+    return {name: getattr(m, "why_not_native_steps", "not a TransformerLM") for name, m in models.items()}
+
+
+def decode_note(rows: list[dict[str, Any]], paths: dict[str, str | None]) -> str:
+    """Why the designs decode at such different speeds, from the table's own rates: which designs run
+    native steps and which the PyTorch layers (with the reason), and each one's time against mha's."""
+    native = [r["design"] for r in rows if paths.get(r["design"]) is None]
+    eager: dict[str, list[str]] = {}
+    for r in rows:
+        why = paths.get(r["design"])
+        if why is not None:
+            reason = why.split(": ")[-1].replace("layer 0's attention", "its attention")
+            if reason.endswith("not the textbook MultiHeadAttention"):  # one group, not one per class
+                reason = "its attention is not the textbook MultiHeadAttention"
+            eager.setdefault(reason, []).append(r["design"])
+    line = "Decode tok/s: "
+    if native:
+        line += f"{', '.join(native)} decode with native steps (one native call a token for every layer); "
+    line += "the others run their PyTorch layers a token at a time: " + "; ".join(
+        f"{', '.join(names)} ({why})" for why, names in eager.items()
+    )
+    by = {r["design"]: r["decode_tok_s"] for r in rows}
+    if by.get("mha"):
+        slow = [
+            f"{d} {by['mha'] / v:.1f}x" for d, v in by.items() if d != "mha" and v and by["mha"] / v > 1.5
+        ]
+        if slow:
+            line += ". Time a token against mha's: " + ", ".join(slow)
+    return line + "."
+
+
+def kv_note(rows: list[dict[str, Any]], cfg: TextConfig, costs: list[DesignCost]) -> str:
+    """Why the two tables' KV bytes/token differ, from their own numbers: each counts its own model."""
+    lm = {r["design"]: r["kv_bytes_per_token"] for r in rows}
+    cost = {c.design: c.kv_bytes_per_token for c in costs}
+    d, _ = COST_SHAPE
+    line = (
+        f"KV bytes/token count what one token leaves in the caches of each table's own model: the language "
+        f"model's {cfg.n_layers} layers at d_model {cfg.d_model}"
+    )
+    if "mha" in lm:
+        line += f" (mha {lm['mha']:,})"
+    line += f", the decode-cost table's one attention sub-layer at d_model {d}"
+    if "mha" in cost:
+        line += f" (mha {cost['mha']:,})"
+    inputs = sorted(
+        {r["design"] for r in rows if not r["decode_cached"]} | {c.design for c in costs if not c.cached}
+    )
+    if inputs:
+        line += (
+            f". {', '.join(inputs)} cache no keys or values: both tables count the input each layer keeps "
+            f"instead ({cfg.d_model} and {d} fp32 numbers a layer), marked (inputs)"
+        )
+    return line + "."
 
 
 def _text_table(rows: list[dict[str, Any]], cfg: TextConfig) -> Table:
@@ -144,7 +235,7 @@ def _text_table(rows: list[dict[str, Any]], cfg: TextConfig) -> Table:
             r["design"],
             f"{r['bits_per_byte']:.3f}",
             rate(r["decode_tok_s"]) + ("" if r["decode_cached"] else " (no cache)"),
-            f"{r['kv_bytes_per_token']:,}",
+            f"{r['kv_bytes_per_token']:,}" + ("" if r["decode_cached"] else " (inputs)"),
             share(r),
             f"{r['params']:,}",
             f"{r['seconds']:.1f}",
@@ -395,7 +486,10 @@ def designs(ctx: StudyContext) -> Section:
         _text_table(text_rows, text_cfg),
         _cost_table(costs),
     ]
-    notes = [*_notes(tasks), _TEXT_NOTE, _text_finding(text_rows), _COST_NOTE]
+    notes = [
+        *_notes(tasks), _TEXT_NOTE, _text_finding(text_rows), decode_note(text_rows, decode_paths(text_cfg)),
+        _COST_NOTE, kv_note(text_rows, text_cfg, costs),
+    ]  # fmt: skip
     return Section(
         "designs", "Head designs on MQAR and on a small language model", data, tables, notes, figures
     )

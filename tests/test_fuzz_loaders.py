@@ -219,3 +219,29 @@ def test_the_intact_files_load_within_the_bound(tiny, converted):
     d, folder = _write(converted)
     with d:
         assert isinstance(mh.heads.load_converted(folder), mh.TransformerLM)
+
+
+#: Text spliced into a config.json or a safetensors header: deep nesting, huge numbers, JSON's missing
+#: numbers, strings full of brackets.
+HOSTILE = st.one_of(
+    st.integers(1, 5000).map(lambda n: "[" * n + "]" * n),
+    st.integers(1, 5000).map(lambda n: '{"a":' * n + "0" + "}" * n),
+    st.integers(15, 6000).map(lambda n: "9" * n),
+    st.sampled_from(["NaN", "-Infinity", "1e999", '"[[[[{{{{\\\\"', "[" * 70]),
+)
+
+
+@FUZZ
+@given(text=HOSTILE, field=FIELDS)
+def test_hostile_json_in_a_config(tiny, text, field):
+    raw = json.dumps({**CONFIG, field: 0})
+    _fuzz({**tiny, "config.json": raw.replace(f'"{field}": 0', f'"{field}": {text}').encode()})
+
+
+@FUZZ
+@given(text=HOSTILE)
+def test_hostile_json_in_a_safetensors_header(tiny, text):
+    header, payload = _split(tiny["model.safetensors"])
+    raw = json.dumps({**header, "__metadata__": 0}).replace('"__metadata__": 0', f'"__metadata__": {text}')
+    data = struct.pack("<Q", len(raw.encode())) + raw.encode() + payload
+    _fuzz({**tiny, "model.safetensors": data})

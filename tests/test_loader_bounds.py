@@ -208,7 +208,7 @@ def test_a_5000_digit_integer_is_refused_naming_the_file_and_field(tmp_path):
     (folder / "config.json").write_text(
         json.dumps(CONFIG).replace('"vocab_size": 32', '"vocab_size": ' + "9" * 5000)
     )
-    with pytest.raises(ValueError, match=r"config\.json': vocab_size holds an integer of 5000 characters"):
+    with pytest.raises(ValueError, match=r"config\.json': vocab_size holds an integer of 5000 digits"):
         mh.pretrained.load(folder)
 
 

@@ -58,10 +58,12 @@ def parse_json(raw: bytes, where: str, fix: str, *, max_values: int, max_depth: 
 
     _check_structure(raw, where, fix, max_values, max_depth)
     refused: list[_Refused] = []
+    unit = {int: "digits", float: "characters"}
 
     def number(kind: type, limit: int, what: str):
         def parse(text: str) -> Any:
-            value = kind(text) if len(text) <= limit else _Refused(f"{what} of {len(text)} characters")
+            size = len(text) - text.startswith("-")  # digits (an int), characters (a float)
+            value = kind(text) if size <= limit else _Refused(f"{what} of {size} {unit[kind]}")
             if isinstance(value, float) and not math.isfinite(value):
                 value = _Refused(f"the number {text[:24]} (out of float range)")
             if isinstance(value, _Refused):
@@ -77,7 +79,7 @@ def parse_json(raw: bytes, where: str, fix: str, *, max_values: int, max_depth: 
     try:
         value = json.loads(
             raw.decode("utf-8"),
-            parse_int=number(int, MAX_DIGITS + 1, "an integer"),
+            parse_int=number(int, MAX_DIGITS, "an integer"),
             parse_float=number(float, MAX_FLOAT_CHARS, "a number"),
             parse_constant=constant,
         )

@@ -47,6 +47,7 @@ class Result:
     note: str = ""
     ms_spread: list[float] | None = None
     vs_noise: dict[str, bool] = field(default_factory=dict)
+    matmul_gflops: float | None = None  # the machine's matmul rate in the case's dtype: gflops' limit
 
 
 def cases(kind: str = "quick") -> list[Case]:
@@ -117,7 +118,8 @@ def run_case(case: Case, repeats: int, rates: dict[str, float], flex: bool) -> l
         r.ms_spread = None if t.low is None or t.high is None else [t.low * 1e3, t.high * 1e3]
         r.peak_mib = peaks[name]
         r.gflops = t.rate(flops / 1e9)
-        r.matmul_frac, why = _fraction(r.gflops, rates[str(case.dtype)], "matmul rate")
+        r.matmul_gflops = rates[str(case.dtype)]
+        r.matmul_frac, why = _fraction(r.gflops, r.matmul_gflops, "matmul rate")
         if case.family == "decode":
             r.gbps = t.rate(bm.kv_bytes(inputs) / 1e9)
         r.note = "; ".join(x for x in (f"auto -> {chosen}" if name == "auto" else "", why, t.why) if x)
@@ -239,9 +241,26 @@ def _pct(x: float | None) -> str:
     return _fmt(None if x is None else 100 * x, ".0f")
 
 
-def _ms(r: dict) -> str:
-    spread = r.get("ms_spread")
-    return _fmt(r["ms"], ".1f") if not spread else f"{r['ms']:.1f} ({spread[0]:.1f}-{spread[1]:.1f})"
+#: what to pass for a time or rate of the suite that is refused
+MORE_REPEATS = "pass a larger --repeats, or run on an idle machine"
+
+
+def ms_text(r: dict) -> str:
+    """A result's milliseconds with their spread, checked (:func:`multihead.bench.timing.check_figure`):
+    "n/a (why; what to pass)" for a spread wider than 10x."""
+    low, high = r.get("ms_spread") or (None, None)
+    return timing.check_figure(r["ms"], low, high, fix=MORE_REPEATS).text()
+
+
+def gflops_text(r: dict) -> str:
+    """A result's useful GFLOP/s, checked against the machine's matmul rate in its dtype (``matmul_gflops``):
+    a rate above it means the probe or the FLOP count is wrong, and reads "n/a (why; what to pass)"."""
+    if r.get("gflops") is None:
+        return "-"
+    limit = r.get("matmul_gflops")
+    return timing.check_figure(
+        r["gflops"], limit=limit, limit_what="the matmul rate", fix=MORE_REPEATS
+    ).text()
 
 
 def table(doc: dict):
@@ -273,7 +292,7 @@ def table(doc: dict):
         vs = vs_text(r) if r["method"] in ("auto", "tiled", "decode") else ""
         note = f" ({r['note']})" if r["note"] else ""
         t.add_row(
-            r["case"], str(r["n"]), r["method"] + note, _ms(r), _fmt(r["gflops"], ".1f"),
+            r["case"], str(r["n"]), r["method"] + note, ms_text(r), gflops_text(r),
             _pct(r["matmul_frac"]), _fmt(r["gbps"], ".2f"), _fmt(r["peak_mib"], ".0f"), vs,
         )  # fmt: skip
     return t

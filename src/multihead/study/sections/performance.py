@@ -48,6 +48,7 @@ def one_rate(doc: dict) -> None:
     for r in doc["results"]:
         if r.get("matmul_frac") is not None:
             r["matmul_frac"] *= scale
+        r["matmul_gflops"] = rates["torch.float32"]
     doc["machine"] = {**machine(rates), "threads": doc["machine"]["threads"]}
     doc["goals"] = bench.check_goals(doc["results"])
 
@@ -100,7 +101,7 @@ def performance(ctx: StudyContext) -> Section:
         peers = bench.vs_text(r) if r["method"] == "auto" else ""
         method = r["method"] + (f" ({r['note']})" if r["note"] else "")
         frac = "-" if r["matmul_frac"] is None else f"{100 * r['matmul_frac']:.0f}"
-        rows.append([r["case"], str(r["n"]), method, f"{r['ms']:.1f}", f"{r['gflops']:.1f}", frac, peers])
+        rows.append([r["case"], str(r["n"]), method, bench.ms_text(r), bench.gflops_text(r), frac, peers])
     table = Table(
         f"attention speed, fp32, B=1, H=8, D=64 (decode: 32 q / 8 kv heads, D=128); {m['threads']} threads",
         ["case", "N", "method", "ms", "useful GFLOP/s", "% of matmul", "auto's time vs peers"],

@@ -111,7 +111,7 @@ def _text(renderable) -> str:
 def test_the_suites_cells_refuse_a_wide_spread_and_a_rate_above_the_matmul_rate():
     row = {"ms": 2.0, "ms_spread": [0.1, 3.0], "gflops": 900.0, "matmul_gflops": 300.0}
     assert bench.ms_text(row).startswith("n/a (its spread 0.1-3 is wider than 10x")
-    assert "pass a larger --repeats" in bench.ms_text(row)
+    assert "pass a larger `multihead bench --repeats`" in bench.ms_text(row)
     assert bench.gflops_text(row).startswith("n/a (900 is above the matmul rate 300")
     fine = {"ms": 2.0, "ms_spread": [1.9, 2.1], "gflops": 100.0, "matmul_gflops": 300.0}
     assert bench.ms_text(fine) == "2.0 (1.9-2.1)" and bench.gflops_text(fine) == "100.0"

@@ -242,7 +242,7 @@ def _pct(x: float | None) -> str:
 
 
 #: what to pass for a time or rate of the suite that is refused
-MORE_REPEATS = "pass a larger --repeats, or run on an idle machine"
+MORE_REPEATS = "pass a larger `multihead bench --repeats`, or run on an idle machine"
 
 
 def ms_text(r: dict) -> str:

@@ -172,7 +172,7 @@ def _decode_figure(decode: Timing, steps: int, args: argparse.Namespace) -> Chec
             None, why="one token: no decode step", fix="pass --max-new-tokens 2 or more"
         )
     more = max(4 * args.max_new_tokens, 64)
-    fix = f"pass --max-new-tokens {more}: more decode steps a timed call set them apart from the prefill"
+    fix = f"pass --max-new-tokens {more}: more decode steps per timed call set them apart from the prefill"
     return timing.rate_figure(decode, steps * args.batch, fix=fix)
 
 

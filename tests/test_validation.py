@@ -165,6 +165,21 @@ CONSTRUCTOR_CASES = {
     "softcap(inf)": (lambda: mh.softcap(math.inf), esc("got inf")),
     "softcap(nan)": (lambda: mh.softcap(math.nan), esc("got nan")),
     "custom_bias not callable": (lambda: mh.custom_bias("x"), esc("callable", "got str")),
+    "sliding_window(10**30)": (
+        lambda: mh.sliding_window(10**30),
+        esc("sliding_window size must be at most 2**62", "got 1000000000000000000000000000000"),
+    ),
+    "prefix_lm(2**63)": (lambda: mh.prefix_lm(2**63), esc("prefix_lm length must be at most 2**62")),
+    "alibi(10**30)": (lambda: mh.alibi(10**30), esc("alibi n_heads must be at most 65536")),
+    "padding past int64": (
+        lambda: mh.padding([10**30]),
+        esc("padding lengths must be a tensor or a list of ints that fit in int64"),
+    ),
+    "document ids past int64": (
+        lambda: mh.document([0, 2**64]),
+        esc("document ids must be a tensor or a list"),
+    ),
+    "ragged padding": (lambda: mh.padding([[1], [1, 2]]), esc("padding lengths must be a tensor or a list")),
 }
 
 

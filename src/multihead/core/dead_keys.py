@@ -50,7 +50,7 @@ __all__ = ["clear_dead_keys", "dead_keys", "seen_keys"]
 BLOCK = 64
 #: Key blocks evaluated together (their PARTIAL rows are evaluated as one span).
 SPAN = 4
-#: Most (b, h, q, k) elements one evaluation materialises (and never more than BLOCK rows).
+#: Most (b, h, q, k) elements one evaluation materialises (and never more than BLOCK rows of all keys).
 BUDGET = 1 << 22
 
 #: a mask's tile grid for this call (the Problem's own, kept for the kernel, for the whole mask)
@@ -116,7 +116,8 @@ def _first_row(mask: Mask, ctx: MaskContext, device: torch.device) -> Tensor:
 def _any_rows(mask: Mask, ctx: MaskContext, device, rows: tuple[int, int], keys: tuple[int, int]) -> Tensor:
     """(B|1, H|1, nk): the keys ``keys`` some row of ``rows`` may attend, a bounded chunk of rows at once."""
     k0, k1 = keys
-    step = max(1, min(BLOCK, BUDGET // max(1, ctx.B * ctx.H * (k1 - k0))))  # at most one block row
+    # never more than one block row over all keys (what classifying the tiles evaluates at once)
+    step = max(1, min(BUDGET, ctx.B * ctx.H * BLOCK * ctx.Nk) // max(1, ctx.B * ctx.H * (k1 - k0)))
     seen: Tensor | None = None
     for r0 in range(rows[0], rows[1], step):
         part = mask.block(ctx, (r0, min(r0 + step, rows[1])), keys, device).any(dim=-2)  # (B|1, H|1, nk|1)

@@ -73,8 +73,9 @@ def attention(
     Returns:
         out (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, weights, lse)`` when
         ``return_weights`` or ``return_lse`` is set. Keys that the mask hides from every query of their
-        (batch, head) (padding, key_padding, a bool tensor mask) never influence the output or the
-        gradients, whatever they hold (NaN and Inf included). A row with no allowed key gives zeros
+        (batch, head) never influence the output or the gradients, whatever they hold (NaN and Inf
+        included), however the mask is written: ``key_padding(real)``, ``~key_padding(pad)``,
+        ``~~padding(lengths)``, a bool tensor, any ``&`` / ``|`` / ``~`` of masks. A row with no allowed key gives zeros
         (lse = -inf); with a sink it also gives zeros (the sink takes all the mass) and lse = sink_h.
         With sinks the weights are the ``p_j`` above, so a row sums to ``1 - p_sink`` < 1.
 
@@ -84,8 +85,10 @@ def attention(
             the request (an approximation asked for weights or lse, or given a mask or bias it cannot
             apply, or given sinks), ``dropout_p`` outside [0, 1), ``sinks`` that is not a floating (Hq,)
             tensor on q's device, sinks forced onto ``backend="sdpa"``, a dense (B, Hq, Nq, Nk) score
-            matrix (``matrix``, ``reference``, ``return_weights``) over ``MULTIHEAD_MAX_SCORE_BYTES``
-            (default 4 GiB) or the free memory.
+            matrix (``matrix``, ``reference``, ``return_weights``) or a dense attn_mask (``sdpa`` with a
+            mask or bias) over ``MULTIHEAD_MAX_SCORE_BYTES`` (default 4 GiB) or the free memory
+            (``auto`` then takes ``tiled``), a ``custom`` mask or ``custom_bias`` whose function returns
+            a shape that does not broadcast to its index tensors.
     """
     chosen = registry.resolve(backend)
     p = make_problem(

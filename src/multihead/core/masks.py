@@ -81,7 +81,7 @@ def index_grid(
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-def check_predicate(out: Tensor, target: tuple[int, ...], who: str, kind: str = "mask") -> Tensor:
+def check_predicate(out: Tensor, target: tuple[int, ...], who: object, kind: str = "mask") -> Tensor:
     """``out`` right-aligned to 4 dims after checking it broadcasts to ``target`` (the shape of the index
     tensors it was computed from) without being broadcast itself.
 
@@ -92,8 +92,9 @@ def check_predicate(out: Tensor, target: tuple[int, ...], who: str, kind: str = 
         got in (1, want) for got, want in zip(reversed(out.shape), reversed(target))
     )
     if not ok:
+        name = who if isinstance(who, str) else repr(who)  # a mask's repr is only built for the message
         raise ValueError(
-            f"{kind} {who} returned shape {tuple(out.shape)} for index tensors of broadcast shape "
+            f"{kind} {name} returned shape {tuple(out.shape)} for index tensors of broadcast shape "
             f"{tuple(target)}; it must broadcast to that shape (each dim equal or 1): compute it "
             "elementwise from b, h, q_idx, kv_idx, e.g. `(q_idx - kv_idx).abs() < 4`"
         )
@@ -161,7 +162,7 @@ class Mask:
         b, h, q, k = index_grid(ctx, q_range, k_range, device)
         out = torch.as_tensor(self.evaluate(b, h, q, k, ctx), dtype=torch.bool, device=device)
         target = (b.shape[0], h.shape[1], q.shape[2], k.shape[3])
-        return check_predicate(out, target, repr(self))  # (B|1, H|1, nq|1, nk|1)
+        return check_predicate(out, target, self)  # (B|1, H|1, nq|1, nk|1)
 
     def natural(self, ctx: MaskContext, device=None) -> Tensor:
         """The whole mask at its natural (un-expanded) broadcast shape, e.g. ``(1, 1, Nq, Nk)``."""

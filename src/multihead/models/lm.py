@@ -351,9 +351,15 @@ class TransformerLM(nn.Module):
         tokens before each prompt (any pad id), 1 on the prompt; each row then generates exactly what its
         unpadded prompt alone would (see :func:`multihead.left_pad`).
 
+        Sampling is computed from ``logits - max(logits)`` in float64, so any finite temperature > 0
+        is exact: a tiny one picks the best token (ties shared), never NaN.
+
         Raises:
-            ValueError: bad ids, a negative max_new_tokens, sampling options without ``do_sample`` or
-                out of range, an attention_mask that is not left padding or leaves a row empty.
+            ValueError: bad ids (an empty batch included), a negative max_new_tokens or one past the
+                model's ``max_len``, sampling options without ``do_sample`` or out of range (temperature
+                finite and > 0, top_k >= 1, top_p in (0, 1]), an ``eos_token_id`` outside the
+                vocabulary, an attention_mask that is not left padding or leaves a row empty, an output
+                or a KV cache larger than the free memory (checked before anything is allocated).
         """
         return generate(
             self,

@@ -75,8 +75,9 @@ def attention(
         ``return_weights`` or ``return_lse`` is set. Keys that the mask hides from every query of their
         (batch, head) never influence the output or the gradients, whatever they hold (NaN and Inf
         included), however the mask is written: ``key_padding(real)``, ``~key_padding(pad)``,
-        ``~~padding(lengths)``, a bool tensor, any ``&`` / ``|`` / ``~`` of masks. A row with no allowed key gives zeros
-        (lse = -inf); with a sink it also gives zeros (the sink takes all the mass) and lse = sink_h.
+        ``~~padding(lengths)``, a bool tensor, any ``&`` / ``|`` / ``~`` of masks. A row with no
+        allowed key gives zeros (lse = -inf); with a sink it also gives zeros (the sink takes all the
+        mass) and lse = sink_h.
         With sinks the weights are the ``p_j`` above, so a row sums to ``1 - p_sink`` < 1.
 
     Raises:

@@ -451,3 +451,17 @@ def test_no_parser_accepts_a_prefix_of_an_option():
         assert parser.allow_abbrev is False, name
     with pytest.raises(SystemExit):
         PARSERS["generate"].parse_args(["--max-new", "3"])
+
+
+@pytest.mark.parametrize("option", ["--seq-len", "--batch", "--vocab"])
+def test_a_training_run_too_large_for_memory_is_refused_before_the_data(option, monkeypatch, capsys):
+    """`train --seq-len 2000000000` ran past a minute and 13 GB before anything refused it."""
+    from multihead.core import limits
+    from multihead.train import trainer
+
+    monkeypatch.setattr(limits, "available_bytes", lambda device=None: 8 << 30)
+    monkeypatch.setattr(trainer, "train_mqar", lambda *a, **k: pytest.fail("training started"))
+    assert main(["train", option, "2000000000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("multihead train: error: --batch ") and f"{option} 2000000000" in err, err
+    assert "but only 8.0 GiB is free on the CPU; lower --batch, --seq-len, --vocab or --d-model" in err, err

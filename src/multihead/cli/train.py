@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from .threads import threads_option
 
-__all__ = ["register"]
+if TYPE_CHECKING:
+    from ..train.trainer import TrainConfig
+
+__all__ = ["register", "training_bytes"]
 
 
 def _choices() -> list[str]:
@@ -59,6 +63,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         short_steps=args.short_steps,
         attention=args.attention if args.attention in NAMES else "mha",
     )
+    _check_memory(cfg)
     plain = args.attention == "exact" or args.attention in NAMES
     approx = None if plain else measure.make(args.attention, cfg.seq_len)
     with Progress(*progress_columns(count=True), console=Console(stderr=True), transient=True) as bar:
@@ -85,6 +90,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
         markup=False,
     )
     return 0
+
+
+def training_bytes(cfg: TrainConfig) -> int:
+    """A lower bound on the bytes a run of ``cfg`` holds at once: the weights with their gradients and
+    AdamW's two moments (fp32), the held-out set (inputs and targets, int64), and one batch's
+    activations (8 of width d_model a layer) and logits (fp32)."""
+    d, layers = cfg.d_model, cfg.n_layers
+    params = cfg.vocab * d + layers * (4 * d * d + 2 * d * cfg.d_ff)
+    held_out = cfg.eval_examples * cfg.seq_len * 16
+    batch = cfg.batch * cfg.seq_len * (8 * d * layers + cfg.vocab) * 4
+    return 16 * params + held_out + batch
+
+
+def _check_memory(cfg: TrainConfig) -> None:
+    """Refuse, before the data or the model is built, a run larger than the free memory.
+
+    Raises:
+        ValueError: :func:`training_bytes` over the free memory; the message names the options.
+    """
+    from ..core.limits import check_fits
+
+    check_fits(
+        training_bytes(cfg),
+        f"--batch {cfg.batch} x --seq-len {cfg.seq_len} with --vocab {cfg.vocab} and --d-model {cfg.d_model} "
+        "(the weights and their optimizer state, the held-out set, one batch's activations and logits)",
+        "lower --batch, --seq-len, --vocab or --d-model",
+    )
 
 
 #: the default of `multihead train` with no arguments: a quarter-size MQAR task that a CPU learns in

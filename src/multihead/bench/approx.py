@@ -14,6 +14,7 @@ Shape legend: N sequence length, H heads, D head dim.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 from collections.abc import Callable
@@ -164,17 +165,18 @@ def costs(approxes: dict[str, Approximation | None], n: int, *, seed: int = 0) -
     """
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, generator=g) for _ in range(3))  # (1, H, N, D)
-    calls, out = {}, {}
+    calls: dict[str, Callable[[], object]] = {}
+    out: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
         for name, approx in approxes.items():
-            backend = "tiled" if approx is None else approx
+            backend: str | Approximation = "tiled" if approx is None else approx
             extra = peak_rss_tracker()
             first = attention(q, k, v, backend=backend)
             assert isinstance(first, Tensor)
             out[name] = {"n": n, "peak_bytes": None if extra is None else extra(),
                          "finite": bool(torch.isfinite(first).all())}  # fmt: skip
             del first
-            calls[name] = lambda backend=backend: attention(q, k, v, backend=backend)
+            calls[name] = functools.partial(attention, q, k, v, backend=backend)
         times = timing.measure_all(calls, warmup=0, min_samples=5, max_seconds=3.0)
     for name, t in times.items():
         spread = None if t.low is None or t.high is None else [t.low, t.high]

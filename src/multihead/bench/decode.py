@@ -239,7 +239,7 @@ def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.
     rate = timing.rate_figure(step, new - 1, fix=fixes["rate"])
     kernels = timing.rate_figure(floor, 1.0, fix=fixes["floor"])
     limit_fig = timing.check_figure(
-        limit, at_least=max((f.value for f in (rate, kernels) if f.ok), default=None),
+        limit, at_least=max((f.value for f in (rate, kernels) if f.value is not None), default=None),
         at_least_what="a rate measured against it", fix=fixes["limit"],
     )  # fmt: skip
     if limit_fig.ok:  # a limit that holds: no spread may reach above it

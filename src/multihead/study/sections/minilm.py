@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,7 +52,7 @@ def _speeds(encoder: SentenceEncoder, texts: list[str]) -> dict[str, timing.Timi
     return timing.measure_all(calls, warmup=0, min_samples=5, max_seconds=3.0)
 
 
-def packing_note(times: dict[str, timing.Timing], positions: dict[str, int]) -> str:
+def packing_note(times: dict[str, timing.Timing], positions: dict[str, Any]) -> str:
     """What packing bought in this run, from the same timings the speed table shows: packed against
     padded (:func:`multihead.bench.timing.compare`), with the positions each computes."""
     packed, padded = times.get("multihead packed"), times.get("multihead padded")

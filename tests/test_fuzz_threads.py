@@ -166,3 +166,20 @@ def _nest(counts: list[int], ceiling: int) -> None:
     with threads.limited(counts[0]) as n:
         assert n == min(counts[0], ceiling) == torch.get_num_threads()
         _nest(counts[1:], n)
+
+
+def test_the_tile_plan_cache_serves_threads_that_plan_many_masks_at_once():
+    from multihead.backends.triton import plan as tplan
+    from multihead.core.problem import make_problem
+
+    q = torch.zeros(1, 1, 40, 16)
+    problems = [make_problem(q, q, q, mask=mh.sliding_window(w)) for w in range(1, 3 * tplan.CACHE_SIZE)]
+    tplan.clear_cache()
+
+    def use(i: int) -> int:
+        for p in problems[i::2] + problems:  # misses, hits and evictions interleaved across threads
+            assert isinstance(tplan.plan_for(p, 16, 16), tplan.TilePlan)
+        return len(tplan._CACHE)
+
+    assert all(n <= tplan.CACHE_SIZE for n in _together(use))
+    tplan.clear_cache()

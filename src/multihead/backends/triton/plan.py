@@ -25,6 +25,7 @@ tensor or an int, so a new mask never changes what the kernels are compiled for.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ CACHE_SIZE = 32
 # Mask positions evaluated at once when a mask without analytic tile kinds is classified (64 MiB bools).
 EVAL_CHUNK = 1 << 26
 _CACHE: OrderedDict[tuple, TilePlan] = OrderedDict()
+_LOCK = threading.Lock()  # threads share the cache: lookups, inserts and evictions under it
 
 
 @dataclass
@@ -81,20 +83,23 @@ def plan_for(p: Problem, bm: int, bn: int) -> TilePlan:
     """The plan of ``p``'s mask for (bm x bn) tiles, from a bounded cache when this mask object (with its
     tensors unchanged) was planned before at this shape and device."""
     key = _cache_key(p, bm, bn)
-    plan = _CACHE.get(key)
-    if plan is not None:
-        _CACHE.move_to_end(key)
-        return plan
-    plan = build_plan(p, bm, bn)
-    _CACHE[key] = plan
-    while len(_CACHE) > CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    with _LOCK:
+        plan = _CACHE.get(key)
+        if plan is not None:
+            _CACHE.move_to_end(key)
+            return plan
+    plan = build_plan(p, bm, bn)  # outside the lock: threads planning other masks do not wait
+    with _LOCK:
+        _CACHE[key] = plan
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
     return plan
 
 
 def clear_cache() -> None:
     """Forget every cached plan."""
-    _CACHE.clear()
+    with _LOCK:
+        _CACHE.clear()
 
 
 def _cache_key(p: Problem, bm: int, bn: int) -> tuple:

@@ -236,9 +236,9 @@ def test_a_bad_temperature_is_a_value_error(temperature):
 
 
 def test_a_huge_generation_is_refused_before_allocating(monkeypatch):
-    """max_len 10**30 (a config's max_position_embeddings) lets 10**12 new tokens past the position
+    """max_len 2**62 (a config's max_position_embeddings) lets 10**12 new tokens past the position
     check; the (B, N + new) output is then refused before it is allocated."""
-    lm = tiny_lm(max_len=10**30)
+    lm = tiny_lm(max_len=2**62)
     allocs: list[tuple] = []
     real_new_empty = torch.Tensor.new_empty
 
@@ -254,3 +254,23 @@ def test_a_huge_generation_is_refused_before_allocating(monkeypatch):
     assert not allocs
     with pytest.raises(ValueError, match=r"max_new_tokens must be at most 2\*\*62"):
         lm.generate(torch.tensor([[1, 2, 3]]), 10**30)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "pattern"),
+    [
+        (dict(positions="learned", max_len=10**30), r"TransformerLM max_len must be at most 2\*\*62"),
+        (
+            dict(positions="sinusoidal", max_len=10**12),
+            r"max_len=1000000000000\) has at least .* TiB, but only",
+        ),
+        (dict(vocab_size=10**12), r"vocab_size=1000000000000, .* TiB, but only .* lower vocab_size"),
+        (dict(d_ff=10**30), r"d_ff=10{30}\) has at least .* TiB, but only"),
+    ],
+)
+def test_model_sizes_past_memory_are_refused_before_building(sizes, pattern):
+    """An embedding, position table or feed-forward that cannot fit is refused with the sizes named,
+    not by torch's allocator (or an overflow) halfway through building the model."""
+    kw = dict(vocab_size=11, d_model=8, n_layers=1, n_heads=2, d_ff=16) | sizes
+    with pytest.raises(ValueError, match=pattern):
+        TransformerLM(**kw)

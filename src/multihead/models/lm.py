@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.checks import check_int
+from ..core.checks import check_int, check_size
 from ..core.limits import check_fits
 from ..core.masks import Mask, causal, sliding_window
 from ..nn.attention import MultiHeadAttention
@@ -39,6 +39,26 @@ from .padding import TrailingKeyPadding, as_real
 __all__ = ["POSITION_KINDS", "TransformerLM"]
 
 POSITION_KINDS = ("rotary", "learned", "sinusoidal", "none")
+
+
+def _check_weights_fit(vocab_size: int, d_model: int, n_layers: int, d_ff: Any, positions: int) -> None:
+    """Raise before building anything when the model's weights cannot fit in the free memory: counted
+    from below (the embedding, a position table of ``positions`` rows, and per layer the query and output
+    projections and a two-matrix feed-forward), so a model that fits is never refused.
+
+    Raises:
+        ValueError: naming the sizes, the bytes and the fix.
+    """
+    if not isinstance(d_ff, int) or isinstance(d_ff, bool):
+        return  # the feed-forward names its own bad argument
+    elt = torch.empty(0).element_size()  # the default dtype the weights are built in
+    count = (vocab_size + positions) * d_model + n_layers * (2 * d_model * d_model + 2 * d_model * d_ff)
+    what = (
+        f"TransformerLM(vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}, d_ff={d_ff}"
+        + (f", max_len={positions}" if positions else "")
+        + f") has at least {count} weights, which"
+    )
+    check_fits(count * elt, what, "lower vocab_size, d_model, d_ff, n_layers or max_len")
 
 
 class TransformerLM(nn.Module):
@@ -87,7 +107,7 @@ class TransformerLM(nn.Module):
     ):
         super().__init__()
         for name, val in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_len", max_len)):
-            check_int(name, val, 1)
+            check_size(name, val, 1, owner="TransformerLM")
         if positions not in POSITION_KINDS:
             raise ValueError(f"positions must be one of {list(POSITION_KINDS)}, got {positions!r}")
         if sliding_window is not None:
@@ -95,6 +115,9 @@ class TransformerLM(nn.Module):
         check_int("n_heads", n_heads, 1)
         if d_model % n_heads != 0:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}); change either")
+        _check_weights_fit(
+            vocab_size, d_model, n_layers, d_ff, max_len if positions in ("learned", "sinusoidal") else 0
+        )
         self.vocab_size, self.max_len, self.positions = vocab_size, max_len, positions
         self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.head_dim = d_model // n_heads

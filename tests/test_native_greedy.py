@@ -163,9 +163,9 @@ def test_the_run_picks_torch_argmax_of_every_shape_of_logits(spec, case, monkeyp
     assert torch.equal(run[0, 11:], torch.full((4,), want)) and torch.equal(run, steps)
 
 
-def test_an_avx2_build_s_run_picks_torch_argmax_too(tmp_path, monkeypatch):
+def test_an_avx2_build_s_run_picks_torch_argmax_too(monkeypatch):
     """The argmax without AVX-512 (one value at a time) on the same shapes of logits, fp32 and bf16 heads."""
-    with built_for("x86-64-v3", "avx2", monkeypatch, tmp_path):
+    with built_for("x86-64-v3", "avx2", monkeypatch):
         assert native.unavailable() is None
         for spec in (FP32, ("bf16", None, None)):
             lm = _lm()

@@ -167,10 +167,28 @@ def test_int8_native_model_within_tolerance_of_fp32_and_greedy_equal(lm, group, 
         assert torch.equal(q.generate(ids[:, :8], 16), lm.generate(ids[:, :8], 16))
 
 
+def _cached(c) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first 15 cached keys and values as floats (an int8 cache's dequantized)."""
+    if c.kind != "int8":
+        return c.k[:, :, :15].float(), c.v[:, :, :15].float()
+    k = c.k[:, :, :15].float() * c.k_scale[:, :, :15]  # (B, Hkv, 15, D): scales (B, Hkv, 15, 1)
+    v = c.v[:, :, :15].float() * c.v_scale[:, :, :15]  # (B, Hkv, 15, D)
+    return k, v
+
+
 @needs_native
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("kv", [None, "int8"])
 def test_int8_native_steps_follow_the_eager_steps_of_the_same_model(lm, group, kv, monkeypatch):
+    """The native steps against the eager layers of the same int8 model, both against the float model.
+
+    The two compute the same equations with sums in other orders (torch's GEMMs and attention against
+    the native kernels): values that differ in their last bits can round to neighbouring int8 steps
+    (an activation block's or a cached key's), and one such step then moves every later value by a
+    fraction of the int8 model's own error. So the rule is the numerics rule's: the native steps' error
+    against the float model at most twice the eager steps' (no worse than the eager int8 model), and
+    the two apart by at most the eager steps' error; the caches' values within twice the eager cache's
+    error."""
     fast = quant.quantize(lm, weights="int8", kv=kv, kernel="native", group_size=group)
     slow = copy.deepcopy(fast)
     slow.native_steps = False  # the eager layers; their linears still run the native int8 GEMV
@@ -182,21 +200,24 @@ def test_int8_native_steps_follow_the_eager_steps_of_the_same_model(lm, group, k
     caches = []
     hs = []
     with torch.no_grad():
-        for model in (fast, slow):
+        for model in (fast, slow, lm):
             cache = model.make_cache(1, 32)
-            assert cache[0].kind == ("int8" if kv else "dense")
+            assert cache[0].kind == ("int8" if kv and model is not lm else "dense")
             model.hidden_states(prompt, cache=cache)
             hs.append(torch.stack([model.hidden_states(t.view(1, 1), cache=cache)[0, 0] for t in tokens]))
             caches.append(cache)
-    assert len(calls) == 1 + 6  # the prompt in one native call, then the six steps
-    torch.testing.assert_close(hs[0], hs[1], rtol=1e-4, atol=1e-4)
-    for c, e in zip(*caches):  # the native layer wrote what the eager cache holds
+            if model is slow:
+                assert len(calls) == 1 + 6  # the prompt in one native call, then the six steps
+    native_err, eager_err, apart = (
+        float((a - b).abs().max()) for a, b in ((hs[0], hs[2]), (hs[1], hs[2]), (hs[0], hs[1]))
+    )
+    assert eager_err > 0  # the int8 model is not the float one
+    assert native_err <= 2 * eager_err and apart <= eager_err, (native_err, eager_err, apart)
+    for c, e, f in zip(*caches):  # the native layer wrote what the eager cache holds
         assert c.position == e.position == 15
-        if kv:
-            assert float((c.k[:, :, :15].int() - e.k[:, :, :15].int()).abs().max()) <= 1  # a rounding tie
-            torch.testing.assert_close(c.k_scale[:, :, :15], e.k_scale[:, :, :15], rtol=1e-4, atol=1e-6)
-        else:
-            torch.testing.assert_close(c.k[:, :, :15], e.k[:, :, :15], rtol=1e-4, atol=1e-4)
+        for got, eager, exact in zip(_cached(c), _cached(e), _cached(f)):
+            eager_err = float((eager - exact).abs().max())  # a cached value's rounding: up to half a step
+            assert float((got - exact).abs().max()) <= 2 * eager_err + 1e-6
 
 
 @needs_native
@@ -252,8 +273,8 @@ def test_gemv_q8_rejects_bad_inputs_with_the_fix():
     ("march", "flag", "isa"),
     [("x86-64", "sse2", "portable C"), ("x86-64-v3", "avx2", "AVX2")],
 )
-def test_the_portable_and_avx2_int8_paths_pass_the_self_check(march, flag, isa, tmp_path, monkeypatch):
-    with built_for(march, flag, monkeypatch, tmp_path):
+def test_the_portable_and_avx2_int8_paths_pass_the_self_check(march, flag, isa, monkeypatch):
+    with built_for(march, flag, monkeypatch):
         assert native.unavailable() is None  # the build for that target passed the int8 self-check too
         assert native_int8.isa() == isa
         w8, scale = quantize_groups(torch.randn(9, 200), 64)

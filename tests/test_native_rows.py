@@ -37,10 +37,10 @@ def test_rows_at_once_equal_the_one_row_product_bit_for_bit(dtype, rows, cols, n
 
 
 @needs_native
-def test_an_avx2_build_s_rows_at_once_equal_its_one_row_products(tmp_path, monkeypatch):
+def test_an_avx2_build_s_rows_at_once_equal_its_one_row_products(monkeypatch):
     """The build for AVX2 + F16C (no AVX-512: the generic vector kernels; bf16 without VDPBF16PS, fp16
     widened once and run row by row): each row's bits those of its one-row product, as above."""
-    with built_for("x86-64-v3", "avx2", monkeypatch, tmp_path):
+    with built_for("x86-64-v3", "avx2", monkeypatch):
         assert native.unavailable() is None and not native.has_dpbf16()
         lib = native.library()
         g = torch.Generator().manual_seed(3)

@@ -5,6 +5,8 @@ thread none, and for the greedy runs built on them."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -49,19 +51,38 @@ def _model(d: int, n_heads: int, n_kv_heads: int, interleaved: bool, kind: str) 
     return q
 
 
-def _run(model: torch.nn.Module, kind: str, threads: int) -> list[torch.Tensor]:
-    """Prefill 40 tokens, then 4 one-token steps: the final hidden states, the layers' caches (and int8
-    scales), and 8 greedy tokens after another prompt."""
+def _prefilled(model: torch.nn.Module, kind: str) -> list:
+    """The caches after a 40-token prompt, prefilled on one thread.
+
+    A float prompt longer than native_step.ROWS_FLOAT runs the eager layers, whose products are torch's
+    (MKL's GEMM for fp32): on Intel CPUs MKL splits the sums of some shapes (a reduction of 864 or 1024
+    values over 40 rows) across the threads, so their last bits depend on the thread count. That is
+    torch's, not the team's: every run below starts from the same prefilled caches."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cache = model.make_cache(1, 64, KINDS[kind][1])
+        prompt = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            model.hidden_states(prompt, cache=cache)
+        return cache
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(model: torch.nn.Module, prefilled: list, threads: int) -> list[torch.Tensor]:
+    """From a copy of the prefilled caches, 4 one-token steps: the final hidden states, the layers' caches
+    (and int8 scales); and 8 greedy tokens after a 9-token prompt (its prefill native: the multi-row
+    products, each row with the bits of its one-row product)."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        cache = model.make_cache(1, 64, KINDS[kind][1])
-        prompt = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+        cache = copy.deepcopy(prefilled)
+        prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(1))
         tokens = torch.randint(0, 300, (4,), generator=torch.Generator().manual_seed(2))
         with torch.inference_mode():
-            model.hidden_states(prompt, cache=cache)
             hs = [model.hidden_states(t.view(1, 1), cache=cache)[0, 0] for t in tokens]  # (d,) each
-            out = [torch.stack(hs), model.generate(prompt[:, :9], 8)]
+            out = [torch.stack(hs), model.generate(prompt, 8)]
         for c in cache:
             out += [c.k[:, :, :44], c.v[:, :, :44]]
             if getattr(c, "k_scale", None) is not None:  # an int8 cache's scales
@@ -79,7 +100,8 @@ def test_a_step_on_one_team_gives_the_bits_of_one_thread(d, n_heads, n_kv_heads,
     head_dim = d // n_heads
     assert (n_heads + 2 * n_kv_heads) * head_dim * d >= TEAM_MIN  # the team's case, not the one-thread one
     model = _model(d, n_heads, n_kv_heads, interleaved, kind)
-    one = _run(model, kind, 1)
+    prefilled = _prefilled(model, kind)
+    one = _run(model, prefilled, 1)
     for threads in (2, 3):  # 3 on a 2-core machine: more threads than cores, the same bits
-        got = _run(model, kind, threads)
+        got = _run(model, prefilled, threads)
         assert all(torch.equal(a, b) for a, b in zip(one, got, strict=True)), f"{threads} threads"

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from . import build, cache, first_load, layout
+from . import build, cache, first_load, layout, step_check
 from .probes import round_trip_ns
 
 __all__ = [
@@ -252,7 +252,9 @@ def _declare_q8(lib: ctypes.CDLL) -> None:
 
 
 def _self_check(lib: ctypes.CDLL) -> str | None:
-    """Run both kernels on odd shapes (every tail of the loops) and compare with torch; a reason or None."""
+    """Run the kernels on odd shapes (every tail of the loops) and compare with torch, then the decode
+    layers' step (:func:`_self_check_steps`: on a team of threads where this process has two or more);
+    a reason or None."""
     mirrors = (("layer", LayerArgs, "args_"), ("greedy", GreedyArgs, "args_"), ("product", Product, ""))
     for name, mirror, infix in mirrors:  # a mismatch would pass wrong addresses
         built = getattr(lib, f"mh_{name}_{infix}bytes")()
@@ -283,7 +285,14 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
             lib.mh_gemv_rows(KIND[dtype], *pointers, 3, rows, cols, w.stride(0))
             if not torch.equal(ys[0], y):
                 return f"the built kernel's rows at once disagree with its one row ({dtype}, {rows}x{cols})"
-    return _self_check_q8(lib, g)
+    return _self_check_q8(lib, g) or _self_check_steps(lib)
+
+
+def _self_check_steps(lib: ctypes.CDLL) -> str | None:
+    """The decode layers' step on a team of threads against their one-row loop, and the fp32 step against
+    float64 torch (:mod:`.step_check`), in every storage dtype and int8 row layout the build has."""
+    layouts = (0, 1, 2) if lib.mh_q8_blocked() else (0,)
+    return step_check.check_steps(lib, LayerArgs, KIND, bool(lib.mh_gemv_has_f16()), layouts)
 
 
 def _self_check_q8(lib: ctypes.CDLL, g: torch.Generator) -> str | None:
@@ -330,8 +339,8 @@ def _self_check_q8(lib: ctypes.CDLL, g: torch.Generator) -> str | None:
 
 def _probe(library: str, digest: str) -> int:
     """The separate process's side of a build's first load (:func:`.first_load.check_apart`): load
-    ``library`` if its bytes still have ``digest``, run :func:`_self_check`; 0 when it passed, else
-    prints why and returns 1."""
+    ``library`` if its bytes still have ``digest``, run :func:`_self_check` with two threads or more;
+    0 when it passed, else prints why and returns 1."""
     path = Path(library)
     try:
         if cache.file_digest(path) != digest:
@@ -340,6 +349,8 @@ def _probe(library: str, digest: str) -> int:
     except OSError as e:
         print(f"it cannot be read: {e}")
         return 1
+    # at least two threads (this process is the check's own), so that the decode layers' team step runs
+    torch.set_num_threads(max(2, torch.get_num_threads()))
     reason = _self_check(open_library(path))
     if reason is not None:
         print(reason)

@@ -96,3 +96,9 @@ def test_one_new_token_names_the_option():
         Timing(None, None, None, 0, 0), 0, argparse.Namespace(max_new_tokens=1, batch=1)
     )
     assert fig.text() == "n/a (one token: no decode step; pass --max-new-tokens 2 or more)"
+
+
+def test_the_suggested_tokens_fit_in_the_models_positions():
+    noise = Timing(None, None, None, 0, 0, "too short to measure: inside the noise")
+    fig = generate._decode_figure(noise, 99, argparse.Namespace(max_new_tokens=100, batch=1), room=240)
+    assert "pass --max-new-tokens 240" in fig.text()

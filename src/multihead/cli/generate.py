@@ -161,10 +161,11 @@ def _timed(
     return last[0], t["prefill"], timing.difference(t["all"], t["prefill"])
 
 
-def _decode_figure(decode: Timing, steps: int, args: argparse.Namespace) -> Checked:
+def _decode_figure(decode: Timing, steps: int, args: argparse.Namespace, room: int | None = None) -> Checked:
     """Decode tokens/s of ``steps`` steps after the first token (for every row of the batch), checked
     (:func:`multihead.bench.timing.rate_figure`): "n/a (why; the option that gives a figure)" for one
-    token, a difference inside the noise or a spread wider than 10x."""
+    token, a difference inside the noise or a spread wider than 10x; the tokens it suggests fit in
+    ``room`` (the model's positions after the prompt) when given."""
     from ..bench import timing
 
     if steps <= 0:
@@ -172,6 +173,8 @@ def _decode_figure(decode: Timing, steps: int, args: argparse.Namespace) -> Chec
             None, why="one token: no decode step", fix="pass --max-new-tokens 2 or more"
         )
     more = max(4 * args.max_new_tokens, 64)
+    if room is not None and room > args.max_new_tokens:  # no more than the model's positions hold
+        more = min(more, room)
     fix = f"pass --max-new-tokens {more}: more decode steps per timed call set them apart from the prefill"
     return timing.rate_figure(decode, steps * args.batch, fix=fix)
 
@@ -210,7 +213,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with Console(stderr=True).status(f"generating {args.max_new_tokens} tokens with {what}"):
         out, prefill, decode = _timed(lm, ids, args)
     new = out[:, ids.shape[1] :]  # (batch, new)
-    rate = _decode_figure(decode, new.shape[1] - 1, args)
+    limit = getattr(lm, "max_len", None)
+    room = limit - ids.shape[1] if isinstance(limit, int) else None
+    rate = _decode_figure(decode, new.shape[1] - 1, args, room)
     doc: dict[str, Any] = {
         "model": what,
         "params": params,

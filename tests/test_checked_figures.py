@@ -64,3 +64,10 @@ def test_a_printed_figure_is_never_impossible(value, a, b, limit, least):
         assert least is None or value >= least
     else:
         assert got.text().startswith("n/a (") and got.value is None
+
+
+def test_bench_hf_prefill_seconds_are_checked():
+    from multihead.bench import hf
+
+    assert hf._seconds({"seconds": 0.5, "seconds_spread": [0.01, 0.9]}).startswith("n/a (its spread")
+    assert hf._seconds({"seconds": 0.5, "seconds_spread": [0.45, 0.55]}) == "0.500 (0.450-0.550)"

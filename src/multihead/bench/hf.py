@@ -477,7 +477,7 @@ def tables(doc: dict[str, Any]) -> list[Any]:
         pre.add_row(
             str(r["n"]),
             "floor (no attention)" if r["impl"] == FLOOR else r["impl"],
-            _num(r["seconds"], ".3f"),
+            _seconds(r),
             _vs(r, "speed_vs_sdpa", "speed_within_noise"),
             _num(r["peak_mib"], ".0f"),
             _num(r["memory_vs_sdpa"], ".2f"),
@@ -502,6 +502,14 @@ def tables(doc: dict[str, Any]) -> list[Any]:
                 )
         out.append(dec)
     return out
+
+
+def _seconds(r: dict[str, Any]) -> str:
+    """A prefill's seconds, checked (:func:`multihead.bench.timing.check_figure`): "n/a (why; what to
+    pass)" for a spread wider than 10x."""
+    low, high = r.get("seconds_spread") or (None, None)
+    fix = "pass a larger `multihead bench hf --repeats`, or run on an idle machine"
+    return timing.check_figure(r["seconds"], low, high, fix=fix).text(".3f")
 
 
 def to_json(doc: dict[str, Any]) -> str:

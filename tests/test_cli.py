@@ -260,7 +260,7 @@ def test_explain_roof_measure_uses_the_bench_probes(monkeypatch, capsys):
         (["explain", "--cached", "3"], r"--cached, --roof and --plot need a model: add --preset"),
         (["explain", "--hf", "/nonexistent/dir"], r"'/nonexistent/dir' does not exist"),
         (["explain", "--preset", "gpt2", "--hf", "x"], r"argument --hf: not allowed with argument --preset"),
-        (["explain", "--preset", "gpt2", "--cached", "-1"], r"cached must be >= 0 tokens, got -1"),
+        (["explain", "--preset", "gpt2", "--cached", "-1"], r"argument --cached: expected an integer >= 0"),
     ],
 )
 def test_explain_model_errors_exit_2(argv, match, capsys):

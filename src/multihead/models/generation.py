@@ -69,7 +69,7 @@ def generate(
     Raises:
         ValueError: bad ids (an empty batch included), a negative max_new_tokens or one that takes the
             sequence past the model's ``max_len``, sampling options without ``do_sample`` or out of
-            range, an ``eos_token_id`` outside the vocabulary, an attention_mask that is not left
+            range, an ``eos_token_id`` that is not an int >= 0, an attention_mask that is not left
             padding or leaves a row empty, an output or a KV cache larger than the free memory. Every
             size is checked before anything is allocated.
     """
@@ -179,12 +179,20 @@ def check_output_fits(ids: Tensor, max_new_tokens: int, masked: bool) -> None:
     check_fits(nbytes, what, "lower max_new_tokens or the batch", ids.device)
 
 
+#: the largest id ``eos_token_id`` may be (the native greedy run compares it as a 64-bit integer)
+MAX_EOS = 2**62
+
+
 def check_eos(eos_token_id: Any, vocab_size: int | None) -> None:
-    """Raise ValueError unless ``eos_token_id`` is None or a token id in [0, vocab_size)."""
+    """Raise ValueError unless ``eos_token_id`` is None or an int in [0, 2**62]. An id past the vocabulary
+    (``vocab_size`` is accepted for the callers' symmetry) is allowed, as transformers allows it: it is
+    never picked, so the run goes on to ``max_new_tokens``."""
+    del vocab_size
     if eos_token_id is None:
         return
-    high = None if not isinstance(vocab_size, int) else vocab_size - 1
-    check_int("eos_token_id", eos_token_id, 0, high, fix="pass the id of the end-of-sequence token, or None")
+    check_int(
+        "eos_token_id", eos_token_id, 0, MAX_EOS, fix="pass the id of the end-of-sequence token, or None"
+    )
 
 
 def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -5,12 +5,17 @@ so the model does not know how it is sampled. Greedy by default; sampling from
 ``softmax(logits / temperature)`` restricted to the ``top_k`` best tokens and to the smallest set of
 probability >= ``top_p`` (nucleus sampling, Holtzman et al., 2020).
 
+Generation stops at the model's end-of-sequence / end-of-turn ids (``model.eos_token_ids``, set by the
+loaders that know them, e.g. :func:`multihead.pretrained.from_gguf`) unless ``eos_token_id`` names
+others; a ``streamer`` callback sees each new token as soon as it is picked.
+
 Shape legend: B batch, N prompt tokens, T = N + new tokens, V vocabulary, d model width.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -59,12 +64,17 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     cache: str | None = "dense",
     attention_mask: Tensor | None = None,
+    streamer: Callable[[Tensor], Any] | None = None,
 ) -> Tensor:
     """Extend ids (B, N) by up to ``max_new_tokens`` tokens -> (B, N + new); see
     :meth:`multihead.TransformerLM.generate` for the options. Runs in eval mode and restores the mode.
+
+    ``eos_token_id`` None stops at ``model.eos_token_ids`` (when the model has them); an id or a list of
+    ids stops at those instead, and ``()`` never stops early. ``streamer(tokens)`` is called with each
+    new token column (B,) as soon as it is picked.
 
     Raises:
         ValueError: bad ids (an empty batch included), a negative max_new_tokens or one that takes the
@@ -85,20 +95,42 @@ def generate(
             f"max_position_embeddings); ask for at most {max(limit - ids.shape[1], 0)} new tokens"
         )
     check_sampling(do_sample, temperature, top_k, top_p)
-    check_eos(eos_token_id, getattr(model, "vocab_size", None))
+    stops = stop_ids(model, eos_token_id)
+    if streamer is not None and not callable(streamer):
+        raise ValueError(
+            f"streamer must be a callable taking the new tokens (B,), got {type(streamer).__name__}"
+        )
     real = None if attention_mask is None else check_left_padding(attention_mask, *ids.shape)
     check_output_fits(ids, max_new_tokens, attention_mask is not None)
     was_training = model.training
     model.train(False)
     try:
         sampling = (do_sample, temperature, top_k, top_p)
-        return _loop(model, ids, max_new_tokens, sampling, eos_token_id, cache, real)
+        return _loop(model, ids, max_new_tokens, sampling, (stops, streamer), cache, real)
     finally:
         model.train(was_training)
 
 
-def _loop(model: CausalLM, ids, max_new_tokens, sampling, eos_token_id, cache, real) -> Tensor:
-    """Prefill, then one decode step per new token; stops early once every row emitted ``eos_token_id``."""
+def stop_ids(model: Any, eos_token_id: Any) -> tuple[int, ...]:
+    """The ids generation stops at: ``eos_token_id`` (an id or a sequence of ids) when given, else the
+    model's ``eos_token_ids`` (none for a model without them).
+
+    Raises:
+        ValueError: an id that :func:`check_eos` refuses, or a sequence that is not of ids.
+    """
+    if eos_token_id is None:
+        return tuple(int(i) for i in getattr(model, "eos_token_ids", None) or ())
+    if isinstance(eos_token_id, Sequence) and not isinstance(eos_token_id, (str, bytes)):
+        for i in eos_token_id:
+            check_eos(i, None)
+        return tuple(eos_token_id)
+    check_eos(eos_token_id, None)
+    return (eos_token_id,)
+
+
+def _loop(model: CausalLM, ids, max_new_tokens, sampling, stop, cache, real) -> Tensor:
+    """Prefill, then one decode step per new token; stops early once every row emitted a stop id
+    (``stop`` is (stop ids, streamer))."""
     B, N = ids.shape
     total = N + max_new_tokens
     out = ids.new_empty(B, total)  # (B, T), preallocated and written by index
@@ -117,7 +149,7 @@ def _loop(model: CausalLM, ids, max_new_tokens, sampling, eos_token_id, cache, r
     # step fastest on one thread
     step_tokens = B if caches is not None else B * total
     with threads.limited(threads.threads_for(2.0 * params * step_tokens, nbytes)):
-        return _steps(model, out, h, N, sampling, eos_token_id, caches, am)
+        return _steps(model, out, h, N, sampling, stop, caches, am)
 
 
 def _size(model: CausalLM) -> tuple[int, int]:
@@ -128,13 +160,18 @@ def _size(model: CausalLM) -> tuple[int, int]:
     return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _steps(model: CausalLM, out: Tensor, h: Tensor, N: int, sampling, eos_token_id, caches, am) -> Tensor:
+def _steps(model: CausalLM, out: Tensor, h: Tensor, N: int, sampling, stop, caches, am) -> Tensor:
     """The decode loop after the prefill: pick a token from the last hidden state, then step on it; fills
     ``out`` (B, T). A model with ``greedy_steps`` (a :class:`~multihead.TransformerLM` whose steps run
     natively) picks greedy batch-1 tokens :data:`GREEDY_CHUNK` at a time in one native call; where it
-    declines (None), the step below runs."""
+    declines (None), the step below runs. A row that emitted a stop id keeps emitting that id."""
+    stops, streamer = stop
     B, total = out.shape
     finished = torch.zeros(B, dtype=torch.bool, device=out.device)
+    stop_t = torch.tensor(stops, dtype=out.dtype, device=out.device)  # (S,)
+    fill = out.new_zeros(B)  # the stop id each finished row repeats
+    # the native run stops at one id; with several it runs its chunk and the stop is found after it
+    native_eos = stops[0] if len(stops) == 1 else None
     greedy = getattr(model, "greedy_steps", None)
     if caches is None or B != 1 or sampling[0] or (am is not None and not bool(am.all())):
         greedy = None
@@ -142,19 +179,30 @@ def _steps(model: CausalLM, out: Tensor, h: Tensor, N: int, sampling, eos_token_
     while t < total:
         if greedy is not None:
             n = min(GREEDY_CHUNK, total - t)
-            ran = greedy(h, out, t, n, t + n == total, eos_token_id, caches)
+            ran = greedy(h, out, t, n, t + n == total, native_eos, caches)
             if ran is not None:  # tokens out[:, t : t + picked], the caches advanced past the last one
                 picked, h = ran
+                new = out[0, t : t + picked].tolist()
+                end = next((j + 1 for j, tok in enumerate(new) if tok in stops), None)
+                for j in range(picked if end is None else end):
+                    if streamer is not None:
+                        streamer(out[:, t + j])
+                if end is not None:
+                    return out[:, : t + end]
                 t += picked
-                if t == total or (eos_token_id is not None and int(out[0, t - 1]) == eos_token_id):
+                if t == total:
                     return out[:, :t]
                 continue
         nxt = pick_next(model.lm_head(h[:, -1]), *sampling)  # (B,) from the last position's logits
-        if eos_token_id is not None:
-            nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
-            finished |= nxt == eos_token_id
+        if stops:
+            nxt = torch.where(finished, fill, nxt)
+            hit = torch.isin(nxt, stop_t) & ~finished
+            fill = torch.where(hit, nxt, fill)
+            finished |= hit
         out[:, t] = nxt
-        if t == total - 1 or (eos_token_id is not None and bool(finished.all())):
+        if streamer is not None:
+            streamer(out[:, t])
+        if t == total - 1 or (stops and bool(finished.all())):
             return out[:, : t + 1]
         seen = None if am is None else am[:, : t + 1]  # (B, t + 1)
         if caches is None:  # a full recompute of the sequence so far

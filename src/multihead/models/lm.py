@@ -17,7 +17,7 @@ attends (T, or fewer with a sliding cache), d = d_model, V = vocab size.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -227,6 +227,12 @@ class TransformerLM(nn.Module):
     #: first such step asks Linux to back the streamed weights with 2 MiB pages where they lie
     #: (:func:`multihead.native.hugepages.collapse`: same addresses, about 3 ms per MiB once)
     native_steps: bool = True
+    #: ids :meth:`generate` stops at by default (end of sequence, end of turn); () for a model that has
+    #: none. Loaders that know them set it (:func:`multihead.pretrained.from_gguf`).
+    eos_token_ids: tuple[int, ...] = ()
+    #: the model's tokenizer where its loader has one (:class:`multihead.pretrained.GGUFTokenizer`:
+    #: ``encode``, ``decode``, ``apply_chat_template``), else None
+    tokenizer: Any = None
 
     @property
     def why_not_native_steps(self) -> str | None:
@@ -357,9 +363,10 @@ class TransformerLM(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         cache: str | None = "dense",
         attention_mask: Tensor | None = None,
+        streamer: Callable[[Tensor], Any] | None = None,
     ) -> Tensor:
         """Extend ids (B, N) by up to ``max_new_tokens`` tokens -> (B, N + new).
 
@@ -367,8 +374,17 @@ class TransformerLM(nn.Module):
         names its kind, "dense" | "sliding" | "int8", preallocated for N + max_new_tokens positions; None
         recomputes the whole sequence every step). Greedy unless ``do_sample``, which samples from
         ``softmax(logits / temperature)`` restricted to the ``top_k`` best and the smallest set of
-        probability >= ``top_p``. A row that emitted ``eos_token_id`` keeps emitting it; generation stops
-        early once every row has. Runs in eval mode (no dropout) and restores the previous mode.
+        probability >= ``top_p``. Runs in eval mode (no dropout) and restores the previous mode.
+
+        Stops: ``eos_token_id=None`` (the default) stops at the model's :attr:`eos_token_ids` (a model
+        read by :func:`multihead.pretrained.from_gguf` knows its end-of-sequence and end-of-turn ids,
+        e.g. SmolLM2's ``<|im_end|>`` and ``<|endoftext|>``; other models have none and run to
+        ``max_new_tokens``). An id or a list of ids given here stops at those instead; ``()`` never
+        stops early. A row that emitted a stop id keeps emitting it; generation ends once every row has.
+
+        Streaming: ``streamer(tokens)`` is called with each new token column, a (B,) tensor, as soon as
+        it is picked (before the next step), e.g. ``streamer=lambda t: print(tok.decode(t.tolist()))``;
+        the returned ids are the same as without it.
 
         Prompts of different lengths go in one batch left-padded: ``attention_mask`` (B, N), 0 on the pad
         tokens before each prompt (any pad id), 1 on the prompt; each row then generates exactly what its
@@ -380,9 +396,10 @@ class TransformerLM(nn.Module):
         Raises:
             ValueError: bad ids (an empty batch included), a negative max_new_tokens or one past the
                 model's ``max_len``, sampling options without ``do_sample`` or out of range (temperature
-                finite and > 0, top_k >= 1, top_p in (0, 1]), an ``eos_token_id`` outside the
-                vocabulary, an attention_mask that is not left padding or leaves a row empty, an output
-                or a KV cache larger than the free memory (checked before anything is allocated).
+                finite and > 0, top_k >= 1, top_p in (0, 1]), an ``eos_token_id`` that is not an id
+                >= 0 or a list of them, a ``streamer`` that is not callable, an attention_mask that is
+                not left padding or leaves a row empty, an output or a KV cache larger than the free
+                memory (checked before anything is allocated).
         """
         return generate(
             self,
@@ -395,4 +412,5 @@ class TransformerLM(nn.Module):
             eos_token_id=eos_token_id,
             cache=cache,
             attention_mask=attention_mask,
+            streamer=streamer,
         )

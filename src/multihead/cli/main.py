@@ -9,6 +9,7 @@ Commands::
                       a whole model's shape walk, cost table, memory and roofline (cli/explain.py)
     multihead heads convert --to gqa|mla|prune [--recover-minutes M] [--out DIR]   (cli/heads.py)
     multihead eval    [--model DIR] [--bootstrap N] [--json]   human-judged scores (cli/eval.py)
+    multihead chat    [--prompt TEXT] [--system TEXT] [--model smollm2|FILE.gguf]   (cli/chat.py)
 
 Every command has ``--help``, runs with no arguments, and prints a machine-readable result with
 ``--json``. :func:`main` returns the exit code: 0 on success; 2 on bad arguments or an error a user can
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from .. import __version__, startup
 from . import approx as approx_cli
 from . import bench as bench_cli
+from . import chat as chat_cli
 from . import encode as encode_cli
 from . import eval as eval_cli
 from . import explain as explain_cli
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     encode_cli.register(sub)
     eval_cli.register(sub)
     generate_cli.register(sub)
+    chat_cli.register(sub)
     bench_cli.register(sub)
     approx_cli.register(sub)
     heads_cli.register(sub)

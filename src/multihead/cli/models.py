@@ -1,11 +1,19 @@
-"""The ``--model DIR`` of the commands: a saved sentence encoder or language model, including the folders
-``multihead heads convert`` writes (surgery.json + model.safetensors), read by ``mh.pretrained.load``."""
+"""The ``--model`` of the commands: a saved sentence encoder or language model, including the folders
+``multihead heads convert`` writes (surgery.json + model.safetensors), read by ``mh.pretrained.load``;
+for the language-model commands also ``smollm2`` (the packaged SmolLM2-135M-Instruct) or a .gguf file."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ENCODER_DIR", "load_encoder"]
+__all__ = ["ENCODER_DIR", "LM_MODEL", "load_encoder", "load_lm"]
+
+#: what ``--model`` of ``generate`` and ``chat`` takes
+LM_MODEL = (
+    "smollm2 (the packaged SmolLM2-135M-Instruct), a .gguf file, or a save_pretrained() / `heads convert` "
+    "folder"
+)
 
 #: what ``--model`` of ``encode`` and ``eval`` takes
 ENCODER_DIR = (
@@ -36,3 +44,42 @@ def load_encoder(path: str) -> Any:
             "use multihead generate --model for it"
         )
     return model
+
+
+def load_lm(spec: str) -> tuple[Any, Any, str]:
+    """``(TransformerLM, tokenizer or None, description)`` for ``--model spec``: ``smollm2``, a .gguf file
+    (:func:`multihead.pretrained.from_gguf`, with its tokenizer) or a folder (its tokenizer.json when it
+    has one; a folder named smollm2 is ``./smollm2``).
+
+    Raises:
+        ImportError: ``smollm2`` or a .gguf file without the packages they need (says what to install).
+        ValueError: a path that does not exist, a file that is not .gguf, a folder holding an encoder,
+            and what the loaders raise.
+    """
+    from .. import pretrained
+    from ..models.lm import TransformerLM
+    from .console import check_input_dir
+
+    if spec == "smollm2":
+        model = pretrained.smollm2()
+        return model, model.tokenizer, "SmolLM2-135M-Instruct"
+    p = Path(spec)
+    if p.is_file() or p.suffix.lower() == ".gguf":
+        if not p.exists():
+            raise ValueError(f"--model {spec!r} does not exist; give {LM_MODEL}")
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(f"--model {spec!r} is a file, not a folder or a .gguf file; give {LM_MODEL}")
+        model = pretrained.from_gguf(p)
+        return model, model.tokenizer, p.name
+    check_input_dir(spec, "--model", LM_MODEL)
+    loaded = pretrained.load(p)
+    if not isinstance(loaded, TransformerLM):
+        raise ValueError(
+            f"{spec!r} holds an encoder ({type(loaded).__name__}), not a language model; use multihead encode"
+        )
+    tokenizer = None
+    if (p / "tokenizer.json").is_file():
+        from ..pretrained.files import read_tokenizer
+
+        tokenizer = read_tokenizer(p / "tokenizer.json", root=p)
+    return loaded, tokenizer, spec

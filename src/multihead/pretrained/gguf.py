@@ -26,7 +26,7 @@ from ..models.lm import TransformerLM
 from .gguf_file import GGUFTensorInfo, open_gguf
 from .gguf_tokenizer import GGUFTokenizer, field_value
 from .llama import llama_from_state_dict
-from .reading import dry_run, uninitialised
+from .reading import check_layer_count, dry_run, uninitialised
 
 __all__ = ["SMOLLM2_FILE", "SMOLLM2_PACKAGE", "from_gguf", "smollm2", "smollm2_path"]
 
@@ -193,6 +193,7 @@ def from_gguf(path: str | Path, *, dequantize: bool = False) -> TransformerLM:
     reader, infos, where = open_gguf(path)
     config = _config(reader, infos, where)
     shapes = {_hf_name(t.name, where): torch.empty(tuple(reversed(t.dims)), device="meta") for t in infos}
+    check_layer_count(config, list(shapes), where, "its block_count")  # before a meta build of them all
     dry_run(llama_from_state_dict, shapes, config, where)  # names, shapes and config agree: no memory yet
     tokenizer = GGUFTokenizer.from_reader(reader, where, config["vocab_size"])
     n = sum(int(np.prod(t.dims)) for t in infos)

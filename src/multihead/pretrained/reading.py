@@ -28,6 +28,7 @@ from .files import read_json, read_safetensors, read_safetensors_header, shard_p
 _RESAVE = "re-save them with model.save_pretrained(DIR) or download the checkpoint again"
 
 __all__ = [
+    "check_layer_count",
     "checkpoint_files",
     "convert_checked",
     "dry_run",
@@ -103,7 +104,9 @@ def header_state(files: list[Path], root: Path | None = None) -> dict[str, Tenso
     return out
 
 
-def check_layer_count(config: Mapping[str, Any], keys: list[str], where: str) -> None:
+def check_layer_count(
+    config: Mapping[str, Any], keys: list[str], where: str, source: str = "config.json"
+) -> None:
     """Refuse a config that asks for more layers than the checkpoint's keys hold (before any build).
 
     Raises:
@@ -114,7 +117,7 @@ def check_layer_count(config: Mapping[str, Any], keys: list[str], where: str) ->
         want = config.get(field)
         if isinstance(want, int) and held and want > len(held):
             raise ValueError(
-                f"{where}: config.json says {field}={want} but the weights hold {len(held)} layers "
+                f"{where}: {source} says {field}={want} but the weights hold {len(held)} layers "
                 f"(indices {min(held)}..{max(held)}); config and weights do not belong together"
             )
 

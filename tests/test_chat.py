@@ -160,3 +160,12 @@ def test_chat_names_paris(smollm2, capsys, monkeypatch):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Paris" in out and "<|im_end|>" not in out and "<|im_start|>" not in out
+
+
+def test_without_gguf_the_loader_and_the_command_say_what_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # as if it were not installed
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ImportError, match=r'pip install "multihead\[lm\]"'):
+        mh.pretrained.from_gguf(tmp_path / "m.gguf")
+    assert main(["chat", "--model", str(tmp_path / "m.gguf"), "--prompt", "hi"]) == 2
+    assert 'pip install "multihead[lm]"' in capsys.readouterr().err

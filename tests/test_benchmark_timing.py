@@ -230,8 +230,10 @@ def test_compare_commits_child_times_through_the_helper(monkeypatch):
     import compare_commits
 
     src = str(Path(__file__).resolve().parents[1] / "src")
-    monkeypatch.setattr(compare_commits, "CHILD", compare_commits.CHILD.split("g = torch.Generator")[0]
-                        + 'print(json.dumps({"sum": timing.measure(lambda: sum(range(20000))).median}))')  # fmt: skip
+    line = 'print(json.dumps({"sum": timing.measure(lambda: sum(range(20000))).median}))'
+    monkeypatch.setattr(
+        compare_commits, "CHILD", compare_commits.CHILD.split("g = torch.Generator")[0] + line
+    )
     res = compare_commits.run(src)
     # the helper loaded by path ran in the child (a call of ~0.2 ms: measurable on a busy machine, where
     # an empty call's spread can exceed what the helper accepts)

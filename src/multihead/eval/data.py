@@ -17,6 +17,7 @@ gensim is only used to find these files; it is imported when a loader is first c
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -29,21 +30,25 @@ EXTRA = "pip install multihead[eval]"
 _FILES = ("lee.cor", "similarities0-1.txt", "wordsim353.tsv", "pang_lee_polarity.cor")
 
 
-def data_dir() -> Path:
+def data_dir(files: Sequence[str] = _FILES) -> Path:
     """The folder of gensim's bundled test data.
+
+    Args:
+        files: the file names the caller reads (default: the human-judged sets').
 
     Raises:
         ImportError: gensim is not installed; the message gives the pip command.
-        ValueError: the installed gensim lacks one of the files (a trimmed install).
+        ValueError: the installed gensim lacks one of ``files`` (a trimmed install).
     """
     spec = importlib.util.find_spec("gensim")
     if spec is None or spec.origin is None:
         raise ImportError(
-            f"the human-judged sets ship inside the gensim package, which is not installed: run `{EXTRA}` "
+            f"the human-judged sets and the Wikipedia text ship inside the gensim package, which is not "
+            f"installed: run `{EXTRA}` "
             "(or `pip install gensim`); nothing is downloaded at run time"
         )
     folder = Path(spec.origin).parent / "test" / "test_data"
-    missing = [f for f in _FILES if not (folder / f).is_file()]
+    missing = [f for f in files if not (folder / f).is_file()]
     if missing:
         raise ValueError(
             f"gensim at {Path(spec.origin).parent} lacks {missing} in test/test_data; reinstall it with "

@@ -297,3 +297,20 @@ def test_cli_perplexity_json(tmp_path, capsys):
     assert out["low"] < out["perplexity"] < out["high"] and out["windows"] == s.tokens.numel() > 1
     assert main([*argv, "--context", "64", "--stride", "65"]) == 2
     assert "--stride (65) must be at most --context (64)" in capsys.readouterr().err
+
+
+def test_a_gguf_model_copies_with_its_tokenizer_for_quantize(tmp_path):
+    """Regression: quantize (a deep copy) of a GGUF-loaded model failed on the compiled chat template."""
+    pytest.importorskip("gguf", reason="a .gguf model needs the gguf package: pip install multihead[lm]")
+    pytest.importorskip("jinja2", reason="the chat template needs jinja2: pip install multihead[lm]")
+    import pickle
+
+    from .gguf_files import write_gguf
+
+    write_gguf(tmp_path / "tiny.gguf")
+    model = mh.pretrained.from_gguf(tmp_path / "tiny.gguf")
+    messages = [{"role": "user", "content": "the cat"}]
+    q = mh.quant.quantize(model, weights="bf16", kv=None)
+    for tok in (q.tokenizer, pickle.loads(pickle.dumps(model.tokenizer))):
+        assert tok.apply_chat_template(messages) == model.tokenizer.apply_chat_template(messages)
+    assert mh.eval.perplexity(q, ["the cat sat on the mat"], context=8, stride=4) > 1

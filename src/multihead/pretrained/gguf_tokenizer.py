@@ -154,6 +154,12 @@ class GGUFTokenizer:
                 return
             self._template = _compile(chat_template, where)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The state to copy or pickle: all but the compiled chat template (a Jinja object that can be
+        neither), which the copy compiles again at its first ``apply_chat_template``; so a model that
+        holds this tokenizer can be deep-copied (``mh.quant.quantize``, ``mh.heads.to_mla``)."""
+        return {**self.__dict__, "_template": None}
+
     @classmethod
     def from_reader(cls, reader: Any, where: str, vocab_size: int) -> GGUFTokenizer:
         """The tokenizer of a ``gguf.GGUFReader`` whose model has ``vocab_size`` embedding rows.

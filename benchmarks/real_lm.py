@@ -1,7 +1,7 @@
 """What each precision, cache and head-surgery choice costs a real language model: SmolLM2-135M-Instruct
 (Q4_1 GGUF dequantized to fp32) on held-out English Wikipedia.
 
-    nice -n 10 python benchmarks/real_lm.py                   # markdown table on stdout (~10 min, 2 cores)
+    nice -n 10 python benchmarks/real_lm.py                   # markdown table on stdout (5-20 min on 2 cores)
     python benchmarks/real_lm.py --rows fp32,int8-g32 --json out.json
 
 Rows: the fp32 model; ``mh.quant.quantize`` with weights bf16 / fp16 / int8 per output channel / int8

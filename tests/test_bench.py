@@ -27,7 +27,8 @@ def test_tiny_run_reports_ratios_and_rates():
     assert doc["machine"]["bandwidth_gbps"] > 0 and doc["machine"]["matmul_gflops"]
     rows = {r["method"]: r for r in doc["results"]}
     assert {"auto", "decode", "sdpa"} <= set(rows)
-    assert rows["auto"]["note"] == "auto -> decode"
+    # the choice first; a busy machine may add the timing's own remark after it
+    assert rows["auto"]["note"].split("; ")[0] == "auto -> decode"
     assert rows["auto"]["ms"] > 0 and rows["auto"]["gbps"] > 0 and rows["auto"]["bw_frac"] > 0
     assert set(rows["auto"]["vs"]) >= {"sdpa", "decode"}
     with pytest.raises(ValueError, match="no case matches 'nothing'"):

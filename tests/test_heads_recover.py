@@ -173,38 +173,6 @@ def test_encoder_loss_is_the_layers_term_plus_the_sentence_embeddings_cosine():
     torch.testing.assert_close(layered, 1 / scale)  # every real value off by 1: the mean square over scale
 
 
-def test_surgery_recipe_embedding_weight_experiment_adds_k_minus_one_cosines(monkeypatch):
-    """benchmarks/surgery_recipe.py --embedding-weight K: recover's loss and its held-out check both count the
-    embedding term K times; LMs are left alone."""
-    import importlib
-    from pathlib import Path
-
-    distill = importlib.import_module("multihead.heads.distill")
-    plain = distill.loss_part
-    monkeypatch.setattr(distill, "loss_part", plain)  # restored after the test
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import surgery_recipe
-
-    surgery_recipe.weight_embedding_term(3.0)
-    assert distill.loss_part is not plain
-    g = torch.Generator().manual_seed(1)
-    real = torch.ones(2, 3, dtype=torch.bool)  # (B, N)
-    t_out, s_out = torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g)  # (B, N, d)
-    layers = [torch.randn(2, 3, 6, generator=g)]
-    cos = torch.nn.functional.cosine_similarity(s_out.mean(1), t_out.mean(1), dim=-1)  # (B,)
-    got = distill.distillation_loss(layers, layers, s_out, t_out, real, lm=False)  # through loss_part
-    torch.testing.assert_close(got, 3 * (1 - cos).mean())
-    totals = distill.Totals(distill.layer_norms(layers, real), 6.0, 2)
-    half = distill.loss_part(layers, layers, s_out[:1], t_out[:1], real[:1], totals, lm=False)  # one input
-    torch.testing.assert_close(half, 3 * (1 - cos[0]) / 2)
-    logits = torch.randn(2, 3, 5, generator=g)  # (B, N, V)
-    torch.testing.assert_close(
-        distill.distillation_loss(layers, layers, logits, logits, real, lm=True),
-        plain(layers, layers, logits, logits, real, distill.Totals(distill.layer_norms(layers, real), 6.0, 2),
-              lm=True),
-    )  # fmt: skip
-
-
 def test_length_groups_partition_the_batch_at_the_cheapest_cuts():
     """length_groups: every index once, each part a run of the lengths in sorted order, and the total cost
     (overhead + count x longest per part) no more than any other split of the sorted order (all 2^(n-1)

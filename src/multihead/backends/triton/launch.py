@@ -165,7 +165,7 @@ def _blocks(d: int, interpret: bool, fp32: bool) -> dict:
             fwd_warps=4, fwd_stages=1, bwd_warps=4, bwd_stages=1,
         )  # fmt: skip
     if d <= 128 and not fp32:
-        # Chosen on an H200 (benchmarks/gpu_blocks.py, N=16384, D=128, bf16; BENCHMARKS.md): 64 x 64
+        # Chosen on an H200 (a sweep of block settings, N=16384, D=128, bf16; BENCHMARKS.md): 64 x 64
         # forward tiles with 4 warps were 1.00x / 1.22x / 1.09x the 128 x 64, 8-warp tiles on causal /
         # window 1024 / 8 documents, and a 4-warp backward 1.70x / 1.51x / 1.45x the 8-warp one.
         fwd, warps, stages, bwd, bwd_warps = (64, 64), 4, 3, (64, 64), 4

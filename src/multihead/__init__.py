@@ -15,6 +15,7 @@ from . import approx, cost, data, eval, heads, parallel, pretrained, variants
 from .core.biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .core.functional import AttentionOutput, attention, backends, explain
 from .core.masks import Mask, causal, custom, document, key_padding, padding, prefix_lm, sliding_window
+from .core.varlen import varlen_attention
 from .models import quant
 from .models.lm import TransformerLM
 from .models.padding import left_pad
@@ -68,4 +69,5 @@ __all__ = [
     "sliding_window",
     "softcap",
     "variants",
+    "varlen_attention",
 ]

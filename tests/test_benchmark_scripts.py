@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import types
 from pathlib import Path
 
@@ -114,3 +115,68 @@ def test_no_test_imports_a_benchmark_script(path):
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
     onto_path = [ast.get_source_segment(text, c) or "" for c in calls if c.func.attr in PATH_CALLS]
     assert not [c for c in onto_path if "benchmarks" in c], f"{path.name} puts benchmarks/ on sys.path"
+
+
+DOCS = [
+    *(ROOT / name for name in ("README.md", "BENCHMARKS.md", "ARCHITECTURE.md", "SECURITY.md")),
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "benchmarks").glob("*.md")),
+    *SCRIPTS,
+    *sorted((ROOT / "src" / "multihead").rglob("*.py")),
+]
+
+
+def _text(path: Path) -> str:
+    """The file with line breaks, comment marks and indentation folded to single spaces."""
+    return re.sub(r"\s*\n\s*(#:?\s*)?", " ", path.read_text())
+
+
+def _expand(pattern: str) -> list[str]:
+    """``a-{x,y}.json`` -> ``a-x.json``, ``a-y.json``."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if m is None:
+        return [pattern]
+    return [e for alt in m[1].split(",") for e in _expand(pattern[: m.start()] + alt + pattern[m.end() :])]
+
+
+def test_every_benchmark_path_the_docs_name_exists():
+    missing = []
+    for path in DOCS:
+        for found in re.findall(r"benchmarks/[\w./{},*-]+", path.read_text()):
+            for name in _expand(found.rstrip(".,")):
+                if not list(ROOT.glob(name)):
+                    missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, missing
+
+
+def test_every_result_file_is_cited_by_benchmarks_md():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    cited = {p for found in re.findall(r"benchmarks/results/[\w./{},*-]+", text) for p in _expand(found)}
+    kept = {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks" / "results").iterdir()}
+    uncited = {k for k in kept if not any(Path(k).match(c) for c in cited)}
+    assert not uncited, f"result files no table cites (git rm them): {sorted(uncited)}"
+
+
+def test_every_benchmarks_md_section_the_docs_quote_exists():
+    headings = [
+        line.lstrip("#").strip()
+        for line in (ROOT / "BENCHMARKS.md").read_text().splitlines()
+        if line[:1] == "#"
+    ]
+    anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+    missing = []
+    for path in DOCS:
+        text = _text(path)
+        for quoted in re.findall(r'BENCHMARKS\.md, "([^"]+)"', text):
+            if not any(h.startswith(quoted) for h in headings):
+                missing.append(f"{path.relative_to(ROOT)}: {quoted!r}")
+        missing += [
+            f"{path.relative_to(ROOT)}: #{a}"
+            for a in re.findall(r"BENCHMARKS\.md#([\w-]+)", text)
+            if a not in anchors
+        ]
+        if path.name == "BENCHMARKS.md":
+            missing += [
+                f"BENCHMARKS.md: #{a}" for a in re.findall(r"\]\(#([\w-]+)\)", text) if a not in anchors
+            ]
+    assert not missing, missing

@@ -33,7 +33,7 @@ Kernels (the first three library ones):
   prefill, a batch's step) run the native multi-row product, each row as the one-row GEMV gives it
   (:func:`multihead.native.int8.gemm_q8`); training calls are ``F.linear`` on the dequantized weight.
   On the 155M LLaMA shape, one thread, about 2.4x the fbgemm kernel's decode rate (BENCHMARKS.md,
-  "int8 native decoding") and prompts level with llama.cpp's q8_0 ("int8 prompts and batches").
+  "Decoding by dtype") and prompts level with llama.cpp's q8_0 ("int8 prompts and batches").
 
 ``"auto"`` takes native for a TransformerLM where the native kernels build (and whenever ``group_size`` is
 given); else fbgemm for fp32, bf16 and fp16 activations on a CPU with that engine (speed first: the

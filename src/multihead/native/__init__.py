@@ -5,7 +5,7 @@ A decode step multiplies every weight matrix of the model by one vector: a singl
 weights, so its speed is the memory's read bandwidth. torch's own CPU kernels for that case read well
 below it on some CPUs (measured on a 2-core AVX-512 machine, one thread, 40 out-of-cache 2816 x 1024
 weights: ``F.linear`` 22 GB/s in fp32 and 16 GB/s in bf16, oneDNN's packed products 28 and 34 GB/s,
-against about 40 GB/s for a plain ``sum``; BENCHMARKS.md, "Native GEMV"). :func:`gemv` runs a small C
+against about 40 GB/s for a plain ``sum``; BENCHMARKS.md, "Native decoding"). :func:`gemv` runs a small C
 kernel (``gemv.c`` next to this file) that streams one row at a time with four independent accumulators
 and reads at the speed of the ``sum``; in bf16 it uses the AVX512-BF16 dot-product instruction where the
 CPU has it.

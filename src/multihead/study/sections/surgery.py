@@ -339,7 +339,8 @@ def surgery_notes(rows: list[dict[str, Any]], sizes: SurgerySizes, seconds: floa
         f"lengths, lr {'2e-5' if sizes.lr is None else f'{sizes.lr:g}'} warmed up then cosine-decayed, "
         f"the best of its held-out checks on {sizes.holdout} inputs), {sizes.recover_steps} AdamW steps of "
         f"{sizes.batch_size} texts of at most {sizes.max_tokens} tokens, training what the surgery "
-        f"changed; this part took {seconds:.0f} s. Longer runs: `python benchmarks/surgery_quality.py --recipe`.",
+        f"changed; this part took {seconds:.0f} s. Longer runs: "
+        "`python benchmarks/surgery_quality.py --recipe`.",
     ]
     pairs = equal_bytes_pairs(rows)
     if pairs:

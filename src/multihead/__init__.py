@@ -11,7 +11,7 @@ Quick tour::
 from . import startup  # noqa: F401  (first: Ctrl-C while `multihead` starts, see startup.py)
 
 # isort: split
-from . import approx, cost, data, eval, heads, parallel, pretrained, variants
+from . import approx, cost, data, eval, heads, parallel, pretrained, serve, variants
 from .core.biases import Bias, alibi, alibi_slopes, custom_bias, softcap
 from .core.functional import AttentionOutput, attention, backends, explain
 from .core.masks import Mask, causal, custom, document, key_padding, padding, prefix_lm, sliding_window
@@ -66,6 +66,7 @@ __all__ = [
     "prefix_lm",
     "pretrained",
     "quant",
+    "serve",
     "sliding_window",
     "softcap",
     "variants",

@@ -266,8 +266,16 @@ def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}; None (or 1.0) keeps every token")
 
 
-def pick_next(logits: Tensor, do_sample: bool, temperature: float, top_k, top_p) -> Tensor:
-    """Next token per row (B,) from last-position logits (B, V): argmax, or a sample."""
+def pick_next(
+    logits: Tensor,
+    do_sample: bool,
+    temperature: float,
+    top_k,
+    top_p,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next token per row (B,) from last-position logits (B, V): argmax, or a sample drawn from
+    ``generator`` (torch's global generator when None)."""
     if not do_sample:  # torch's argmax over bf16 / fp16 is scalar code: widen first (exact, same ties)
         return (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(dim=-1)
     # Shifted so the best token scores 0, then divided in float64 (where every positive float is a
@@ -284,4 +292,4 @@ def pick_next(logits: Tensor, do_sample: bool, temperature: float, top_k, top_p)
         drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)  # (B, V)
-    return torch.multinomial(F.softmax(logits, dim=-1), 1).squeeze(-1)  # (B,)
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)  # (B,)

@@ -178,3 +178,13 @@ def test_smollm2_many_chats_at_once_answer_as_each_alone():
         assert o.text == tok.decode([t for t in want if t not in model.eos_token_ids])
     assert "Paris" in outs[0].text
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
+
+
+def test_importing_multihead_imports_no_server_package():
+    import subprocess
+    import sys
+
+    servers = "('fastapi', 'uvicorn', 'starlette')"
+    code = f"import sys, multihead; print(sorted(m for m in sys.modules if m.split('.')[0] in {servers}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

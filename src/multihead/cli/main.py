@@ -10,6 +10,7 @@ Commands::
     multihead heads convert --to gqa|mla|prune [--recover-minutes M] [--out DIR]   (cli/heads.py)
     multihead eval    [--model DIR] [--bootstrap N] [--json]   human-judged scores (cli/eval.py)
     multihead chat    [--prompt TEXT] [--system TEXT] [--model smollm2|FILE.gguf]   (cli/chat.py)
+    multihead serve   [--model M] [--host 127.0.0.1] [--port 8000]   OpenAI-compatible server (cli/serve.py)
 
 Every command has ``--help``, runs with no arguments, and prints a machine-readable result with
 ``--json``. :func:`main` returns the exit code: 0 on success; 2 on bad arguments or an error a user can
@@ -35,6 +36,7 @@ from . import eval as eval_cli
 from . import explain as explain_cli
 from . import generate as generate_cli
 from . import heads as heads_cli
+from . import serve as serve_cli
 from . import study as study_cli
 from . import train as train_cli
 from .args import Parser
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     eval_cli.register(sub)
     generate_cli.register(sub)
     chat_cli.register(sub)
+    serve_cli.register(sub)
     bench_cli.register(sub)
     approx_cli.register(sub)
     heads_cli.register(sub)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.masks import Mask, padding
+from ..core.masks import Mask, causal, document, padding
 from ..nn.attention import MultiHeadAttention
 from .paged_attention import paged_slots
 from .paged_cache import PagedKVCache
@@ -135,9 +135,13 @@ def forward_packed(
     q_seq, k_seq = which.repeat_interleave(ns), which.repeat_interleave(ls)  # (T,), (K,)
     q_pos = torch.cat([torch.arange(a, a + len(c), device=dev) for a, c in zip(starts, chunks)])  # (T,)
     k_pos = torch.cat([torch.arange(int(n), device=dev) for n in ls])  # (K,)
-    allowed = (q_seq[:, None] == k_seq[None]) & (k_pos[None] <= q_pos[:, None])  # (T, K)
+    mask: Mask | Tensor
+    if all(a == 0 for a in starts):  # fresh prompts: keys in the queries' order, a block-sparse mask
+        mask = document(q_seq) & causal()  # the kernels skip the tiles between sequences
+    else:  # cached prefixes: each token's keys are its own sequence's, cached ones first
+        mask = ((q_seq[:, None] == k_seq[None]) & (k_pos[None] <= q_pos[:, None]))[None, None]  # (1, 1, T, K)
     tok = torch.tensor([t for c in chunks for t in c], device=dev)[None]  # (1, T)
     pos = q_pos[None]  # (1, T)
-    h = _layers(model, cache, _embed(model, tok, pos), allowed[None, None], pos, (write, read[None]))
+    h = _layers(model, cache, _embed(model, tok, pos), mask, pos, (write, read[None]))
     last = ns.cumsum(0) - 1  # (n,) the last token of each chunk
     return model.lm_head(h[0, last])  # (n, V)

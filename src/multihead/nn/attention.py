@@ -9,7 +9,8 @@ are ``[q | k | v]``: ``Hq*D`` query rows, then ``Hkv*D`` key rows, then ``Hkv*D`
 ordered head by head. Self-attention runs the whole fused matmul on ``x``; cross-attention uses the q rows
 on ``x`` and the k/v rows on ``context``. State dicts with separate ``q_proj`` / ``k_proj`` / ``v_proj``
 keys (Hugging Face LLaMA style) load through a pre-hook that fuses them, and
-:meth:`MultiHeadAttention.split_state_dict` exports that form back.
+:meth:`MultiHeadAttention.split_state_dict` exports that form back (both in :mod:`multihead.nn.qkv_state`;
+the argument checks are :mod:`multihead.nn.attention_checks`).
 
 GQA / MQA: ``n_kv_heads`` kv heads shared by groups of ``G = Hq // Hkv`` query heads; query head i reads
 kv head ``i // G``. K/V are never repeated here, the core handles the grouping.
@@ -59,57 +60,17 @@ from torch import Tensor, nn
 
 from ..backends import registry
 from ..core.biases import Bias
-from ..core.checks import check_int
 from ..core.functional import attention
 from ..core.masks import Mask
+from .attention_checks import check_call_arguments, check_model_input, check_sinks, head_shape
 from .feed_forward import check_dropout
 from .positions import RotaryEmbedding
+from .qkv_state import fuse_split_qkv, split_qkv
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
 
 __all__ = ["MultiHeadAttention", "check_model_input"]
-
-
-def check_model_input(x: Any, d_model: int, name: str = "x", dtype: torch.dtype | None = None) -> None:
-    """Raise ValueError unless ``x`` is a float tensor of shape (B, N, d_model) (and of ``dtype``, the
-    module's weights, when given; under autocast any float dtype passes)."""
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise ValueError(f"{name} must be a float tensor of shape (B, N, d_model), got {type(x).__name__}")
-    if x.dim() != 3:
-        fix = (
-            f"add a batch dim with {name}.unsqueeze(0)"
-            if x.dim() == 2
-            else f"modules take (B, N, d_model): fold the extra dims into B, e.g. "
-            f"{name}.reshape(-1, {name}.shape[-2], {name}.shape[-1])"
-        )
-        raise ValueError(
-            f"{name} must have 3 dims (B, N, d_model), got {x.dim()} dims {tuple(x.shape)}; {fix}"
-        )
-    if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
-        raise ValueError(
-            f"{name} is {x.dtype} but the module's weights are {dtype}; convert one to the other: "
-            f"{name}.to({dtype}) or module.to({x.dtype})"
-        )
-    if x.shape[-1] != d_model:
-        raise ValueError(
-            f"{name} has width {x.shape[-1]} but the module was built with d_model={d_model}; "
-            "project the input to d_model first or build the module with the input width"
-        )
-
-
-def _fuse_split_qkv(module, state_dict, prefix, *_args) -> None:
-    """load_state_dict pre-hook: replace ``q_proj/k_proj/v_proj.{weight,bias}`` by ``qkv_proj.*``.
-
-    Only for modules with the fused layout: a design with its own ``q_proj`` / ``k_proj`` / ``v_proj``
-    (and no ``qkv_proj``) loads them as they are.
-    """
-    if not isinstance(getattr(module, "qkv_proj", None), nn.Linear):
-        return
-    for kind in ("weight", "bias"):
-        keys = [f"{prefix}{p}_proj.{kind}" for p in "qkv"]
-        if all(k in state_dict for k in keys):
-            state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
 
 
 class MultiHeadAttention(nn.Module):
@@ -164,32 +125,8 @@ class MultiHeadAttention(nn.Module):
     ):
         super().__init__()
         owner = type(self).__name__
-        if not isinstance(sinks, bool):
-            raise ValueError(
-                f"{owner} sinks must be True or False (learn one attention-sink logit per head), got "
-                f"{sinks!r}; load pretrained values into module.sinks after building with sinks=True"
-            )
-        if sinks and type(self).attend is not MultiHeadAttention.attend:
-            raise ValueError(
-                f"{owner} overrides attend() and computes its own attention weights, which have no sink "
-                "term; build it with sinks=False (sinks=True is for the textbook attend step)"
-            )
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        for name, val in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-            check_int(name, val, 1, owner=owner)
-        if n_heads % n_kv_heads != 0:
-            raise ValueError(
-                f"{owner} n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); "
-                "pick n_kv_heads among the divisors of n_heads (1 = MQA, n_heads = MHA)"
-            )
-        if head_dim is None:
-            if d_model % n_heads != 0:
-                raise ValueError(
-                    f"{owner} d_model ({d_model}) is not divisible by n_heads ({n_heads}); "
-                    "change one of them or pass head_dim explicitly"
-                )
-            head_dim = d_model // n_heads
-        check_int("head_dim", head_dim, 1, owner=owner, fix="or None for d_model // n_heads (the default)")
+        check_sinks(owner, sinks, overrides_attend=type(self).attend is not MultiHeadAttention.attend)
+        n_kv_heads, head_dim = head_shape(owner, d_model, n_heads, n_kv_heads, head_dim)
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.dropout = check_dropout(dropout)
         self.backend = backend  # validated by the setter; an nn.Module backend becomes ``self.approx``
@@ -206,7 +143,7 @@ class MultiHeadAttention(nn.Module):
             nn.Parameter(torch.zeros(n_heads, device=device, dtype=dtype)) if sinks else None
         )  # (Hq,) attention-sink logits
         self.out_dropout = nn.Dropout(self.dropout)
-        self.register_load_state_dict_pre_hook(_fuse_split_qkv)
+        self.register_load_state_dict_pre_hook(fuse_split_qkv)
 
     # -- the fused projection ----------------------------------------------------------------------
     def _slices(self) -> tuple[slice, slice, slice]:
@@ -257,13 +194,7 @@ class MultiHeadAttention(nn.Module):
         The inverse of the loading hook: ``other.load_state_dict(m.split_state_dict())`` round-trips, and
         the keys match separate-projection models (Hugging Face LLaMA ``self_attn.{q,k,v,o}_proj``).
         """
-        sd = self.state_dict()
-        for kind in ("weight", "bias"):
-            fused = sd.pop(f"qkv_proj.{kind}", None)
-            if fused is not None:
-                for p, s in zip("qkv", self._slices()):
-                    sd[f"{p}_proj.{kind}"] = fused[s].clone()
-        return sd
+        return split_qkv(self.state_dict(), self._slices())
 
     # -- forward: the steps in the order of eq. (3)-(5) ---------------------------------------------
     def forward(
@@ -327,29 +258,17 @@ class MultiHeadAttention(nn.Module):
                 with cross-attention, positions without rotary self-attention, a head_mask that is not
                 a float (Hq,) or (B, Hq) tensor.
         """
-        dtype = self.weight_dtype()
-        check_model_input(x, self.d_model, "x", dtype)
-        if context is not None:
-            check_model_input(context, self.d_model, "context", dtype)
-            if context.shape[0] != x.shape[0]:
-                raise ValueError(f"context batch {context.shape[0]} differs from x batch {x.shape[0]}")
-            if cache is not None:
-                raise ValueError("cache is for self-attention; pass context=None or cache=None")
-        if positions is not None and (self.rotary is None or context is not None):
-            raise ValueError(
-                "positions are only used by rotary self-attention; this call has "
-                f"rotary={'set' if self.rotary is not None else 'None'}, "
-                f"context={'set' if context is not None else 'None'}: drop positions"
-            )
-        if head_mask is not None:
-            B, H = x.shape[0], self.n_heads
-            ok = isinstance(head_mask, Tensor) and head_mask.is_floating_point()
-            if not ok or tuple(head_mask.shape) not in ((H,), (B, H)):
-                shape = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else type(head_mask).__name__
-                raise ValueError(
-                    f"head_mask must be a float tensor of shape (Hq,) = ({H},) or (B, Hq) = ({B}, {H}), "
-                    f"got {shape}; use 1.0 to keep a head and 0.0 to prune it"
-                )
+        check_call_arguments(
+            x,
+            context,
+            cache,
+            positions,
+            head_mask,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            dtype=self.weight_dtype(),
+            has_rotary=self.rotary is not None,
+        )
 
     def heads(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from multihead.bench import hf
+from multihead.bench import hf, hf_tables
 
 
 class FakeWorker:
@@ -40,8 +40,8 @@ def test_tiny_durations_take_rounds_until_long_enough():
     rows, workers = _rows([1e-3], [1e-3], repeats=1)
     assert workers["sdpa"].asked == 200  # 200 x 1 ms: the 0.2 s of samples every timing needs
     assert rows["multihead"]["vs_sdpa_within_noise"]
-    assert hf._vs(rows["multihead"], "vs_sdpa", "vs_sdpa_within_noise") == "same within noise"
-    assert hf._vs(rows["sdpa"], "vs_sdpa", "vs_sdpa_within_noise") == "1.00x"  # the reference
+    assert hf_tables.vs_text(rows["multihead"], "vs_sdpa", "vs_sdpa_within_noise") == "same within noise"
+    assert hf_tables.vs_text(rows["sdpa"], "vs_sdpa", "vs_sdpa_within_noise") == "1.00x"  # the reference
 
 
 def test_a_call_too_short_for_the_clock_is_a_note_not_a_rate():

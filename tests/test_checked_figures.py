@@ -67,7 +67,9 @@ def test_a_printed_figure_is_never_impossible(value, a, b, limit, least):
 
 
 def test_bench_hf_prefill_seconds_are_checked():
-    from multihead.bench import hf
+    from multihead.bench import hf_tables
 
-    assert hf._seconds({"seconds": 0.5, "seconds_spread": [0.01, 0.9]}).startswith("n/a (its spread")
-    assert hf._seconds({"seconds": 0.5, "seconds_spread": [0.45, 0.55]}) == "0.500 (0.450-0.550)"
+    assert hf_tables.seconds_text({"seconds": 0.5, "seconds_spread": [0.01, 0.9]}).startswith(
+        "n/a (its spread"
+    )
+    assert hf_tables.seconds_text({"seconds": 0.5, "seconds_spread": [0.45, 0.55]}) == "0.500 (0.450-0.550)"

@@ -2,7 +2,8 @@
 
 A Mistral-shaped model (transformers ``MistralConfig``: 2 layers, d=512, 8 heads, sliding window 1024,
 random weights, fp32, batch 1) built offline, once per attention implementation, each in its own worker
-process (``python -m multihead.bench.hf --worker IMPL``), so that one implementation's peak memory never
+process (``python -m multihead.bench.hf_worker --worker IMPL``,
+:mod:`multihead.bench.hf_worker`), so that one implementation's peak memory never
 hides behind another's freed pages:
 
 * prefill at every N of ``lengths``: wall time of ``model.model(input_ids)`` (median and spread of at
@@ -16,177 +17,43 @@ hides behind another's freed pages:
   ``prompt``-token prompt, "multihead" against "sdpa", interleaved, and whether the tokens are identical.
 
 Ratios are against "sdpa" measured in the same run: ``speed`` = sdpa seconds / impl seconds (> 1: faster),
-``memory`` = impl peak / sdpa peak (< 1: less).
+``memory`` = impl peak / sdpa peak (< 1: less). The tables are :mod:`multihead.bench.hf_tables`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import functools
-import gc
 import json
-import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
 from . import timing
+from .hf_tables import tables, to_json
+from .hf_worker import D_MODEL, FLOOR, HEADS, LAYERS, VOCAB, WARM, WINDOW, build_model
 
-__all__ = ["FLOOR", "IMPLS", "WINDOW", "build_model", "run", "tables", "to_json"]
+__all__ = [
+    "D_MODEL",
+    "FLOOR",
+    "HEADS",
+    "IMPLS",
+    "LAYERS",
+    "VOCAB",
+    "WARM",
+    "WINDOW",
+    "build_model",
+    "run",
+    "tables",
+    "to_json",
+]
 
 IMPLS = ("multihead", "sdpa", "eager", "flex_attention")
-FLOOR = "floor"  # an attention that computes nothing: the model's own activations, the floor of any impl
-WINDOW = 1024
-VOCAB = 1024
-LAYERS, D_MODEL, HEADS = 2, 512, 8
-WARM = 256  # tokens of the warm-up prefill each worker runs before its first measurement
-
-
-def build_model(max_len: int) -> Any:
-    """The benchmark's Mistral-shaped random-weight causal LM (attn_implementation "sdpa"; switch it with
-    ``model.set_attn_implementation``), with multihead registered as "multihead".
-
-    Raises:
-        ImportError: when transformers is not installed.
-    """
-    import transformers
-
-    from ..hf import register
-
-    register()
-    cfg = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=D_MODEL,
-        intermediate_size=1408,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        sliding_window=WINDOW,
-        max_position_embeddings=max_len,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-
-
-def _ids(n: int, seed: int, low: int = 0) -> torch.Tensor:
-    return torch.randint(low, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))  # (1, n)
-
-
-# -- the worker: one implementation, one loaded model, requests as JSON lines -------------------------
-def _worker(impl: str, max_len: int, threads: int) -> None:
-    """Serve ``{"op": "prefill" | "decode", ...}`` requests on stdin, one JSON answer per line on the real
-    stdout (anything else the libraries print goes to stderr)."""
-    from .approx import peak_rss_tracker
-
-    answer: TextIO = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # library chatter on fd 1 must not corrupt the answers
-    torch.set_num_threads(threads)
-    model = build_model(max_len)
-    if impl == FLOOR:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-
-        from ..hf import mask_interface
-
-        AttentionInterface.register(FLOOR, _no_attention)
-        AttentionMaskInterface.register(FLOOR, mask_interface)
-    model.set_attn_implementation(impl)
-    from ..hf import register
-
-    counter = register()  # the function "multihead" runs: its calls prove our backend ran
-    warmed: set[int] = set()  # prefill lengths warmed up
-    decode_warm = False
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            with torch.no_grad():
-                if req["op"] == "prefill":
-                    n = int(req["n"])
-                    warm = n if impl == "flex_attention" else WARM  # flex compiles per shape
-                    if warm not in warmed:
-                        model.model(input_ids=_ids(min(warm, n), 3), use_cache=False)
-                        warmed.add(warm)
-                    ids = _ids(n, 1)
-                    gc.collect()
-                    extra = peak_rss_tracker()
-                    forward = _counted(counter, functools.partial(_hidden, model, ids))  # (1, n, d)
-                    h, t = timing.first_call(forward)
-                    peak = None if extra is None else extra()
-                    if req.get("save"):
-                        torch.save(h, req["save"])
-                    res: dict[str, Any] = {
-                        "seconds": t.median,
-                        "why": t.why,
-                        "peak_bytes": peak,
-                        "finite": bool(torch.isfinite(h).all()),
-                        "calls": forward.first_calls,  # type: ignore[attr-defined]
-                    }
-                    del h
-                else:
-                    prompt, new = int(req["prompt"]), int(req["new"])
-                    if not decode_warm:
-                        _generate(model, _ids(16, 2, low=1), 4)
-                        decode_warm = True
-                    gen = _counted(counter, functools.partial(_generate, model, _ids(prompt, 2, low=1), new))
-                    tokens, t = timing.first_call(gen)
-                    res = {
-                        "seconds": t.median,
-                        "why": t.why,
-                        "tokens": tokens,
-                        "calls": gen.first_calls,  # type: ignore[attr-defined]
-                    }
-        except Exception as e:  # reported in the table: flex refusing CPU shapes, out of memory, ...
-            res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"}
-        answer.write(json.dumps(res) + "\n")
-        answer.flush()
-
-
-def _hidden(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """The last hidden state (1, n, d) of a prefill of ``ids`` (1, n), without a cache."""
-    return model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, n, d)
-
-
-def _counted(counter: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` that keeps, as ``first_calls``, how many calls ``counter`` (our attention function) saw
-    during its first call: :func:`timing.first_call` may call it again where one call is too short."""
-
-    def call() -> Any:
-        before = counter.calls
-        out = fn()
-        if not hasattr(call, "first_calls"):
-            call.first_calls = counter.calls - before  # type: ignore[attr-defined]
-        return out
-
-    return call
-
-
-def _no_attention(
-    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any
-) -> tuple[torch.Tensor, None]:
-    """The floor row's attention: only the (B, Sq, Hq, Dv) output buffer every implementation returns."""
-    B, H, S, _ = query.shape
-    return query.new_zeros(B, S, H, value.shape[-1]), None  # (B, Sq, Hq, Dv)
-
-
-def _generate(model: Any, prompt: torch.Tensor, new: int) -> list[int]:
-    """The tokens of a greedy ``generate`` of exactly ``new`` tokens after ``prompt`` (1, P). Token 0 is
-    the pad id handed to generate, so prompts draw from 1..VOCAB-1."""
-    out = model.generate(
-        input_ids=prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        pad_token_id=0,
-    )  # (1, P + new)
-    return list(out[0, prompt.shape[1] :].tolist())
 
 
 class _Worker:
@@ -195,7 +62,15 @@ class _Worker:
     def __init__(self, impl: str, max_len: int, threads: int):
         self.impl = impl
         self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the worker
-        cmd = [sys.executable, "-m", "multihead.bench.hf", "--worker", impl, str(max_len), str(threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "multihead.bench.hf_worker",
+            "--worker",
+            impl,
+            str(max_len),
+            str(threads),
+        ]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, bufsize=1
         )
@@ -443,87 +318,3 @@ def _decode(
         )
     seqs = [tuple(x["tokens"]) for i in impls for x in runs[i]]
     return {"prompt": prompt, "new_tokens": new, "rows": rows, "tokens_identical": len(set(seqs)) == 1}
-
-
-# -- output -----------------------------------------------------------------------------------------
-def _num(x: float | None, fmt: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
-def _vs(row: dict[str, Any], key: str, same: str) -> str:
-    """A ratio against sdpa: "1.23x", or "same within noise" where the spreads overlap (never a gain)."""
-    if row["impl"] != "sdpa" and row.get(same) and row[key] is not None:
-        return timing.SAME
-    return _num(row[key], ".2f") + "x"
-
-
-def tables(doc: dict[str, Any]) -> list[Any]:
-    """The prefill table and the decode table as ``rich`` tables (a note under a row that did not run)."""
-    from rich.table import Table
-
-    s = doc["setup"]
-    pre = Table(
-        title="prefill: multihead inside a Hugging Face model vs transformers' own attention",
-        caption=f"{s['model']}; torch {s['torch']}, transformers {s['transformers']}, {s['threads']} "
-        f"thread(s), median of >= {s['repeats']} interleaved rounds (more while under 0.2 s), "
-        "peak = resident set above the loaded model",
-    )
-    for col in ("N", "impl", "prefill s", "speed vs sdpa", "peak extra MiB", "memory vs sdpa", "max |diff|"):
-        pre.add_column(col, justify="left" if col == "impl" else "right")
-    for r in doc["prefill"]:
-        if r["seconds"] is None:
-            pre.add_row(str(r["n"]), r["impl"], r["note"] or "did not run", "", "", "", "")
-            continue
-        pre.add_row(
-            str(r["n"]),
-            "floor (no attention)" if r["impl"] == FLOOR else r["impl"],
-            _seconds(r),
-            _vs(r, "speed_vs_sdpa", "speed_within_noise"),
-            _num(r["peak_mib"], ".0f"),
-            _num(r["memory_vs_sdpa"], ".2f"),
-            _num(r["max_abs_diff"], ".1e"),
-        )
-    out = [pre]
-    d = doc["decode"]
-    if d is not None:
-        dec = Table(
-            title=f"decode: generate {d['new_tokens']} tokens after a {d['prompt']}-token prompt",
-            caption=f"greedy, dynamic cache; tokens identical: {'yes' if d['tokens_identical'] else 'NO'}",
-        )
-        for col in ("impl", "tok/s", "vs sdpa", "runs tok/s"):
-            dec.add_column(col, justify="left" if col == "impl" else "right")
-        for r in d["rows"]:
-            runs = " ".join(f"{x:.1f}" for x in r["all_tok_s"])
-            if r["tok_s"] is None:
-                dec.add_row(r["impl"], r["note"] or "did not run", "", "")
-            else:
-                dec.add_row(
-                    r["impl"], _num(r["tok_s"], ".1f"), _vs(r, "vs_sdpa", "vs_sdpa_within_noise"), runs
-                )
-        out.append(dec)
-    return out
-
-
-def _seconds(r: dict[str, Any]) -> str:
-    """A prefill's seconds, checked (:func:`multihead.bench.timing.check_figure`): "n/a (why; what to
-    pass)" for a spread wider than 10x."""
-    low, high = r.get("seconds_spread") or (None, None)
-    fix = "pass a larger `multihead bench hf --repeats`, or run on an idle machine"
-    return timing.check_figure(r["seconds"], low, high, fix=fix).text(".3f")
-
-
-def to_json(doc: dict[str, Any]) -> str:
-    """The results as indented JSON."""
-    return json.dumps(doc, indent=1)
-
-
-def _main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="worker of multihead bench hf (not for direct use)")
-    ap.add_argument("--worker", nargs=3, metavar=("IMPL", "MAX_LEN", "THREADS"), required=True)
-    args = ap.parse_args(argv)
-    impl, max_len, threads = args.worker
-    _worker(impl, int(max_len), int(threads))
-
-
-if __name__ == "__main__":
-    _main()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from multihead import native, pretrained
-from multihead.bench import decode, timing, tokens
+from multihead.bench import decode, decode_rows, timing, tokens
 from multihead.cli.main import main
 from multihead.models import quant
 from multihead.models.gemv_linear import GemvLinear
@@ -164,7 +164,7 @@ def test_a_rate_above_its_limit_is_refused_and_noise_is_no_gain():
     floor = timing.Timing(0.0005, 0.0005, 0.0005, 9, 1)
     peer = timing.Timing(0.0032, 0.0028, 0.0036, 9, 1)  # overlapping spread: no gain to report
     steps = {"multihead fp32": step, "HF fp32": peer}
-    r = decode._row("multihead fp32", "multihead", "fp32", 10**6, steps, 4, floor, 0.5e9)
+    r = decode_rows.row("multihead fp32", "multihead", "fp32", 10**6, steps, 4, floor, 0.5e9)
     assert r["tok_s"] == pytest.approx(1000.0)
     assert r["fraction_of_limit"] == "above limit: probe or byte count wrong"
     # GEMVs alone at 2000 tok/s were once printed as 400% of this limit ("776.7 (460%)"): refused too
@@ -172,7 +172,7 @@ def test_a_rate_above_its_limit_is_refused_and_noise_is_no_gain():
     assert r["kernels_fraction_of_limit"] == "above limit: probe or byte count wrong"
     assert r["fraction_of_kernels"] == pytest.approx(0.5)
     noisy_floor = timing.Timing(0.00101, 0.00095, 0.00105, 9, 1)  # a hair slower: inside the step's noise
-    r2 = decode._row("multihead fp32", "multihead", "fp32", 10**6, steps, 4, noisy_floor, 10e9)
+    r2 = decode_rows.row("multihead fp32", "multihead", "fp32", 10**6, steps, 4, noisy_floor, 10e9)
     assert r2["fraction_of_kernels"] == decode.ABOVE_FLOOR == "above its GEMVs alone: inside the noise"
     # the limit refused: 500 tok/s is below the 1000 tok/s measured against it (a probe under load)
     assert r["why_no_limit"].startswith("n/a (500 is below a rate measured against it 2000")
@@ -190,7 +190,7 @@ def test_a_rate_above_its_limit_is_refused_and_noise_is_no_gain():
 
 
 def _one_row(step, floor, bandwidth, rounds=3):
-    return decode._row("multihead fp32", "multihead", "fp32", 10**6, {"multihead fp32": step}, 4, floor,
+    return decode_rows.row("multihead fp32", "multihead", "fp32", 10**6, {"multihead fp32": step}, 4, floor,
                        bandwidth, rounds)  # fmt: skip
 
 

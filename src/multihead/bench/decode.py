@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -63,13 +61,19 @@ from ..core.checks import check_int
 from ..models import quant
 from ..models.lm import TransformerLM
 from . import timing
+from .decode_quality import int8_quality
+from .decode_report import render, summary_lines, to_json
+from .decode_rows import ABOVE_FLOOR, ACTIVATIONS, FLOATS, INT8_NATIVE, ROWS, row
 from .floors import kernels_alone, read_bandwidth, step_bytes
-from .tokens import parting, parting_text
+from .tokens import parting
 
 __all__ = [
     "ABOVE_FLOOR",
     "DEFAULT_PRESET",
+    "FLOATS",
+    "INT8_NATIVE",
     "ROWS",
+    "int8_quality",
     "kernels_alone",
     "read_bandwidth",
     "render",
@@ -81,36 +85,7 @@ __all__ = [
 
 DEFAULT_PRESET = "llama-20m"
 
-#: (row name, implementation, dtype) in print order; int8 rows have no transformers peer of their dtype
-ROWS: tuple[tuple[str, str, str], ...] = (
-    ("HF fp32", "transformers", "fp32"),
-    ("multihead fp32", "multihead", "fp32"),
-    ("multihead fp32 prepacked", "multihead", "fp32"),
-    ("multihead fp32 native", "multihead", "fp32"),
-    ("HF bf16", "transformers", "bf16"),
-    ("multihead bf16", "multihead", "bf16"),
-    ("multihead bf16 prepacked", "multihead", "bf16"),
-    ("multihead bf16 native", "multihead", "bf16"),
-    ("HF fp16", "transformers", "fp16"),
-    ("multihead fp16", "multihead", "fp16"),
-    ("multihead fp16 native", "multihead", "fp16"),
-    ("multihead int8 (fp32 activations)", "multihead", "int8"),
-    ("multihead int8 (bf16 activations)", "multihead", "int8+bf16"),
-    ("multihead int8 native per-channel", "multihead", "int8"),
-    ("multihead int8 native group 64", "multihead", "int8"),
-    ("multihead int8 native group 32", "multihead", "int8"),
-)
-#: the native int8 rows' group sizes (None: one scale per output channel)
-INT8_NATIVE = {
-    "multihead int8 native per-channel": None,
-    "multihead int8 native group 64": 64,
-    "multihead int8 native group 32": 32,
-}
-
 Generate = Callable[[int], Tensor]
-
-FLOATS = ("fp32", "bf16", "fp16")  # the float dtypes with a transformers row
-_ACTIVATIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a row's activations; fp32 otherwise
 
 
 def _hf_models(preset: str) -> tuple[nn.Module, TransformerLM, str]:
@@ -204,7 +179,7 @@ def _measure(
     say(f"timing generate(1) and generate({new_tokens}) of {len(contestants)} contestants, interleaved")
     t = timing.measure_all(calls, min_samples=rounds, warmup=0, max_seconds=2.0, progress=say)
     steps = {k: timing.difference(t[f"{k}|n"], t[f"{k}|1"]) for k in contestants}
-    acts = {name: _ACTIVATIONS.get(dtype.split("+")[-1], torch.float32) for name, _, dtype in ROWS}
+    acts = {name: ACTIVATIONS.get(dtype.split("+")[-1], torch.float32) for name, _, dtype in ROWS}
     floors = {}
     for name in contestants:
         say(f"GEMVs alone: {name}")
@@ -228,121 +203,6 @@ def _size_groups(sizes: list[int]) -> list[list[int]]:
         else:
             groups.append([n])
     return groups
-
-
-def _row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.Timing], new: int,
-         floor: timing.Timing, bandwidth: float, rounds: int = 3) -> dict[str, Any]:  # fmt: skip
-    """One row of the report (see :func:`run`); every figure checked (:func:`timing.check_figure`)."""
-    step = steps[name]
-    limit = bandwidth / nbytes
-    fixes = _fixes(new, rounds)
-    rate = timing.rate_figure(step, new - 1, fix=fixes["rate"])
-    kernels = timing.rate_figure(floor, 1.0, fix=fixes["floor"])
-    limit_fig = timing.check_figure(
-        limit, at_least=max((f.value for f in (rate, kernels) if f.value is not None), default=None),
-        at_least_what="a rate measured against it", fix=fixes["limit"],
-    )  # fmt: skip
-    if limit_fig.ok:  # a limit that holds: no spread may reach above it
-        rate = timing.rate_figure(
-            step, new - 1, limit=limit, limit_what="the bandwidth limit", fix=fixes["rate"]
-        )
-    if rate.ok and kernels.ok and rate.low is not None and kernels.value is not None:
-        # the products alone are part of the step: a floor below the step's slowest rate is no floor
-        kernels = timing.check_figure(
-            kernels.value, kernels.low, kernels.high, at_least=rate.low,
-            at_least_what="the whole step's slowest rate", fix=fixes["floor"],
-        )  # fmt: skip
-    tok_s, kern = rate.value, kernels.value
-    peer = f"HF {dtype}"
-
-    def vs(other: str) -> timing.Comparison | None:
-        return timing.compare(steps[other], step) if other in steps else None  # their time / ours
-
-    same, fp32 = vs(peer), vs("HF fp32")
-    return {
-        "name": name,
-        "impl": impl,
-        "dtype": dtype,
-        "bytes_per_token": nbytes,
-        "tok_s": tok_s,
-        "tok_s_spread": None if rate.low is None else [rate.low, rate.high],
-        "why_no_rate": None if rate.ok else rate.text(),
-        "limit_tok_s": limit,
-        "why_no_limit": None if limit_fig.ok else limit_fig.text(),
-        "fraction_of_limit": _fraction(tok_s, limit),
-        "kernels_tok_s": kern,
-        "kernels_tok_s_spread": None if kernels.low is None else [kernels.low, kernels.high],
-        "why_no_kernels": None if kernels.ok else kernels.text(),
-        "kernels_fraction_of_limit": _fraction(kern, limit),
-        "fraction_of_kernels": _fraction(tok_s, kern, ABOVE_FLOOR),
-        "vs_hf_fp32": None if fp32 is None else fp32.ratio,
-        "vs_hf_fp32_within_noise": None if fp32 is None else fp32.same,
-        "vs_hf_same_dtype": None if same is None else same.ratio,
-        "vs_hf_same_dtype_within_noise": None if same is None else same.same,
-    }
-
-
-def _fixes(new: int, rounds: int) -> dict[str, str]:
-    """What to pass for a figure that is refused, per figure: the options of ``multihead bench decode``."""
-    more = f"--rounds {2 * rounds}"
-    return {
-        "rate": f"pass --new-tokens {4 * new} (more steps a timed call) or {more}",
-        "floor": f"it is part of the step, so the two were timed under different load: pass {more} or run "
-        "on an idle machine",
-        "limit": f"the probe ran under load: run on an idle machine, or pass {more} (its fastest of more "
-        "samples counts)",
-    }
-
-
-#: "of GEMVs" where a step reads faster than its products alone: the noise of two measurements (or, for
-#: a row whose products run through their modules, the floor's own Python)
-ABOVE_FLOOR = "above its GEMVs alone: inside the noise"
-
-
-def _fraction(rate: float | None, limit: float | None, refusal: str = timing.ABOVE) -> float | str | None:
-    """rate / limit, or the refusal text where it would pass 100% (see :func:`timing.limit_text`)."""
-    text = timing.limit_text(rate, limit, refusal)
-    return timing.fraction_of_limit(rate, limit) if text[-1] == "%" else (None if text == "-" else text)
-
-
-def _step_logits(model: Any, seq: Tensor, n_prompt: int) -> Tensor:
-    """Logits (n, V) that predict tokens n_prompt .. N-1 of ``seq`` (1, N): the prompt's prefill, then one
-    decode step per token (the decode path: native steps, int8 activations and cache where the model has
-    them)."""
-    cache = model.make_cache(1, seq.shape[1])
-    out = [model(seq[:, :n_prompt], cache=cache)[0, -1]]  # (V,)
-    out += [model(seq[:, t : t + 1], cache=cache)[0, -1] for t in range(n_prompt, seq.shape[1] - 1)]
-    return torch.stack(out).float()  # (n, V)
-
-
-def int8_quality(reference: nn.Module, models: dict[str, nn.Module], seq: Tensor, n_prompt: int) -> dict:
-    """How far each model's decode steps are from ``reference``'s (the fp32 model) along ``seq`` (1, N):
-    the reference's greedy tokens after ``n_prompt`` prompt tokens, fed to every model one step at a time.
-
-    Returns:
-        ``{name: {"logit_error", "first_difference", "margin"}}``: the largest logit error as a fraction of
-        the reference logits' range (tests/test_quant.py's measure); the first step whose greedy token
-        differs from the reference's (None: none does) and the reference's margin there (its best logit
-        minus the model's choice).
-    """
-    with torch.inference_mode():
-        ref = _step_logits(reference, seq, n_prompt)  # (n, V)
-        span = float(ref.max() - ref.min())
-        out = {}
-        for name, m in models.items():
-            got = _step_logits(m, seq, n_prompt)  # (n, V)
-            differ = (got.argmax(-1) != ref.argmax(-1)).nonzero()
-            first = int(differ[0, 0]) if len(differ) else None
-            margin = None
-            if first is not None:
-                row = ref[first]
-                margin = float(row.max() - row[got[first].argmax()])
-            out[name] = {
-                "logit_error": float((got - ref).abs().max()) / span,
-                "first_difference": first,
-                "margin": margin,
-            }
-        return out
 
 
 def run(
@@ -435,7 +295,7 @@ def run(
     finally:
         torch.set_num_threads(before)
     rows = [
-        _row(name, impl, dtype, contestants[name][1], steps, new_tokens, floors[name],
+        row(name, impl, dtype, contestants[name][1], steps, new_tokens, floors[name],
              bandwidth[contestants[name][1]], rounds)
         for name, impl, dtype in ROWS
         if name in contestants
@@ -456,96 +316,3 @@ def run(
         "int8_native": int8_error,
         "rows": rows,
     }
-
-
-def to_json(doc: dict[str, Any]) -> str:
-    """The report as indented JSON."""
-    return json.dumps(doc, indent=2)
-
-
-def _ratio(x: float | None, same: bool | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return timing.SAME if same else f"{x:.2f}x"
-
-
-def _rate(r: dict[str, Any]) -> str:
-    """A checked rate with its spread, or the refusal of :func:`_row` ("n/a (why; what to pass)")."""
-    if r["tok_s"] is None:
-        return r["why_no_rate"] or timing.TOO_SHORT
-    lo, hi = r["tok_s_spread"]
-    return f"{r['tok_s']:.1f} ({lo:.0f}-{hi:.0f})"
-
-
-def _frac(x: float | str | None) -> str:
-    return "-" if x is None else x if isinstance(x, str) else f"{x:.0%}"
-
-
-def render(doc: dict[str, Any]) -> Any:
-    """The report as a rich Table (title: the workload and the measured read bandwidth)."""
-    from rich.table import Table
-
-    title = (
-        f"{doc['preset']} decode: prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, "
-        f"{doc['threads']} torch thread(s), the median of >= {doc['rounds']} interleaved sample(s) a "
-        "call (spread: the rates its quartiles allow); read bandwidth (the probe's fastest sample) "
-        f"{doc['read_bandwidth_GBps']:.1f} GB/s from memory, more from the caches for a small step"
-    )
-    table = Table(title=title)
-    cols = ("contestant", "MB/token", "tok/s", "bandwidth limit", "of limit", "GEMVs alone", "of GEMVs")
-    for col in (*cols, "vs HF fp32", "vs HF same"):
-        table.add_column(col, justify="left" if col == "contestant" else "right", no_wrap=col == "contestant")
-    for r in doc["rows"]:
-        kern = r.get("why_no_kernels") or "-"
-        if r["kernels_tok_s"] is not None:
-            kern = f"{r['kernels_tok_s']:.1f} ({_frac(r['kernels_fraction_of_limit'])})"
-        limit = r.get("why_no_limit") or f"{r['limit_tok_s']:.1f}"
-        differs = doc.get(f"tokens_identical_{r['dtype']}") is False
-        table.add_row(
-            r["name"] + (" (*)" if differs else ""),
-            f"{r['bytes_per_token'] / 1e6:.1f}",
-            _rate(r),
-            limit,
-            _frac(r["fraction_of_limit"]),
-            kern,
-            _frac(r["fraction_of_kernels"]),
-            _ratio(r["vs_hf_fp32"], r["vs_hf_fp32_within_noise"]),
-            _ratio(r["vs_hf_same_dtype"], r["vs_hf_same_dtype_within_noise"]),
-        )
-    return table
-
-
-def summary_lines(doc: dict[str, Any]) -> list[str]:
-    """The lines printed under the table: the token check (where the tokens part, and the logit margin
-    there), or why transformers' rows are missing; the kernel of the prepacked and native rows and
-    whether their tokens equal plain multihead's."""
-    yes = {True: "yes", False: "no", None: "-"}
-    packed = [
-        f"bf16 prepacked: {doc['bf16_prepacked']}; greedy 8 tokens identical to multihead bf16: "
-        f"{'yes' if doc['tokens_identical_prepacked'] else 'NO'}; fp32 prepacked's to multihead fp32: "
-        f"{yes[doc['tokens_identical_fp32_prepacked']]}",
-        f"native: {doc['native']}; greedy 8 tokens identical to multihead fp32: "
-        f"{yes[doc['tokens_identical_native_fp32']]}, to multihead bf16: "
-        f"{yes[doc['tokens_identical_native_bf16']]}, to multihead fp16: "
-        f"{yes[doc['tokens_identical_native_fp16']]}",
-    ]
-    for k, v in doc.get("int8_native", {}).items():
-        where = (
-            "greedy 8 tokens identical"
-            if v["first_difference"] is None
-            else f"greedy tokens part at step {v['first_difference']} (fp32 margin there {v['margin']:.3g})"
-        )
-        packed.append(
-            f"{k} vs multihead fp32, decode steps: logit error {v['logit_error']:.2%} of the range, {where}"
-        )
-    short = [f"{r['name']}: {r['why_no_rate']}" for r in doc["rows"] if r["tok_s"] is None]
-    if doc["skipped"]:
-        return [doc["skipped"], *packed, *short]
-    lines = [f"greedy 8 tokens identical to transformers {doc['transformers']}:"]
-    lines += [f"  {d}: {parting_text(doc[f'tokens_part_{d}'])}" for d in FLOATS]
-    if any(doc[f"tokens_identical_{d}"] is False for d in FLOATS):
-        lines.append(
-            "(*) transformers does not reproduce these tokens: its rows time the same weights, not the "
-            "same output"
-        )
-    return [*lines, *packed, *short]

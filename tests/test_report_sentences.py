@@ -10,7 +10,7 @@ import pytest
 from multihead.study.context import Section, Table
 from multihead.study.references import REFERENCES, named_works, references
 from multihead.study.sections import approximations as approx
-from multihead.study.sections import designs, performance
+from multihead.study.sections import designs, designs_figures, performance
 from multihead.study.sections.distributed import memory_note
 from multihead.study.sections.heads import pruning_orders
 
@@ -171,7 +171,7 @@ def test_text_plot_draws_every_design_apart_in_its_own_style():
     kv = [1024.0] * 10 + [256.0, 512.0, 2048.0]
     rows = [{"design": d, "kv_bytes_per_token": x, "bits_per_byte": 2.5} for d, x in zip(designs.DESIGNS, kv)]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    designs._text_plot(rows, ax)
+    designs_figures.text_plot(rows, ax)
     fig.canvas.draw()
     centres = [tuple(ax.transData.transform(c.get_offsets())[0].round(1)) for c in ax.collections]
     shapes = {tuple(map(tuple, c.get_paths()[0].vertices.round(3))) for c in ax.collections}
@@ -191,7 +191,7 @@ def test_mqar_plot_states_its_floor():
     cfg = TrainConfig(eval_examples=1000, n_pairs=16)
     rows = [{"design": d, "accuracy": 1.0, "params": 1000} for d in ("mha", "gqa")]
     fig, ax = plt.subplots()
-    designs._plot(rows, cfg, ax)
+    designs_figures.mqar_plot(rows, cfg, ax)
     floor = designs.error_floor(cfg)
     labels = ax.get_legend_handles_labels()[1]
     plt.close(fig)

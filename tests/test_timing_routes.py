@@ -25,7 +25,7 @@ def _clock(per_call: float, tick: float = 0.0) -> FakeClock:
 
 @ZERO_TINY_HUGE
 def test_text_lm_decode_rate_or_too_short(per_call, tick, ok, monkeypatch):
-    from multihead.study.sections import designs
+    from multihead.study.sections import designs_text
     from multihead.train import text
 
     c = _clock(per_call, tick)
@@ -38,7 +38,7 @@ def test_text_lm_decode_rate_or_too_short(per_call, tick, ok, monkeypatch):
         assert rate is None and t.why.startswith("too short to measure")
     row = {"design": "mha", "bits_per_byte": 2.0, "decode_tok_s": rate, "decode_cached": True,
            "kv_bytes_per_token": 8, "first_token_share": None, "params": 10, "seconds": 1.0}  # fmt: skip
-    cell = designs._text_table([row], text.TextConfig()).rows[0][2]
+    cell = designs_text.text_table([row], text.TextConfig()).rows[0][2]
     assert cell == (f"{32 / per_call:,.0f}" if ok else "too short to measure")
 
 

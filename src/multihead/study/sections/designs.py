@@ -9,15 +9,20 @@ time.
 
 Two tasks, both with 4 query heads (so that "gqa", 2 kv heads, differs from "mqa", 1):
 
-    QUICK  seq_len 16, 2 pairs, vocab 64: exact attention gets past MQAR's plateau after ~200-250 steps,
-           so 300 steps separate the designs by how soon they learn it (10-15 s per design)
-    FULL   seq_len 64, 4 pairs, vocab 256, 500 steps: a harder task (exact attention learns it after
-           ~300 steps) at a few minutes in all. Zoology's size (seq_len 256, 16 pairs, vocab 8192)
-           takes the trainer's recipe ~25 CPU minutes per design: ``multihead train --attention NAME``.
-           The full study runs QUICK first.
+    QUICK  seq_len 16, 2 pairs, vocab 64, 300 steps: enough for exact attention to get past MQAR's
+           plateau, so the designs separate by how soon they learn it (seconds per design)
+    FULL   seq_len 64, 4 pairs, vocab 256, 500 steps: a harder task, minutes in all. Zoology's size
+           (seq_len 256, 16 pairs, vocab 8192) takes the trainer's recipe tens of CPU minutes per
+           design: ``multihead train --attention NAME``. The full study runs QUICK first.
+
+What the designs score, and how long Zoology's size trains: BENCHMARKS.md, "Head designs" and
+BENCHMARKS.md, "MQAR (multi-query associative recall)".
 
 Training runs on one intra-op thread: the model is small, and on a busy machine a second thread's
 spin-waiting costs more than it gives.
+
+The figures are :mod:`.designs_figures`; the language model's table, finding and notes
+:mod:`.designs_text`.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ...cost.designs import DesignCost, design_costs
-from ...cost.timing import TOO_SHORT
 from ...train.text import TextConfig, train_text_lm
 from ...train.trainer import TrainConfig, train_mqar
 from ...variants import NAMES
+from .designs_figures import design_style, dodge, error_floor, mqar_plot, text_plot
+from .designs_text import TEXT_NOTE, decode_note, input_bytes_per_token, text_finding, text_table
 
 if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
     from ..context import Section, StudyContext, Table
@@ -64,9 +70,8 @@ QUICK = TrainConfig(
     eval_examples=500,
     short_steps=0,
 )
-#: The full study's second task: 4x longer, 2x the pairs, 4x the vocabulary (about 30 s per design; the
-#: Zoology's size, seq_len 256 with 16 pairs, takes the trainer's recipe ~25 CPU minutes per design:
-#: ``multihead train --attention NAME``).
+#: The full study's second task: 4x longer, 2x the pairs, 4x the vocabulary (Zoology's size, seq_len 256
+#: with 16 pairs, is ``multihead train --attention NAME``: tens of CPU minutes per design).
 FULL = TrainConfig(
     seq_len=64,
     n_pairs=4,
@@ -143,12 +148,6 @@ def _train_text(
     return rows
 
 
-def input_bytes_per_token(cfg: TextConfig) -> int:
-    """Bytes a design without a KV cache keeps per token: its input to every layer (d_model fp32 numbers
-    a layer), what it recomputes keys and values from; :func:`multihead.cost.design_costs` counts the same."""
-    return cfg.n_layers * cfg.d_model * 4
-
-
 def decode_paths(cfg: TextConfig) -> dict[str, str | None]:
     """Per design: None where its decode steps run natively (one native call a token for every layer,
     :mod:`multihead.models.native_step`), else why they run the PyTorch layers (the model's own
@@ -166,34 +165,6 @@ def decode_paths(cfg: TextConfig) -> dict[str, str | None]:
     finally:
         torch.random.set_rng_state(rng)
     return {name: getattr(m, "why_not_native_steps", "not a TransformerLM") for name, m in models.items()}
-
-
-def decode_note(rows: list[dict[str, Any]], paths: dict[str, str | None]) -> str:
-    """Why the designs decode at such different speeds, from the table's own rates: which designs run
-    native steps and which the PyTorch layers (with the reason), and each one's time against mha's."""
-    native = [r["design"] for r in rows if paths.get(r["design"]) is None]
-    eager: dict[str, list[str]] = {}
-    for r in rows:
-        why = paths.get(r["design"])
-        if why is not None:
-            reason = why.split(": ")[-1].replace("layer 0's attention", "its attention")
-            if reason.endswith("not the textbook MultiHeadAttention"):  # one group, not one per class
-                reason = "its attention is not the textbook MultiHeadAttention"
-            eager.setdefault(reason, []).append(r["design"])
-    line = "Decode tok/s: "
-    if native:
-        line += f"{', '.join(native)} decode with native steps (one native call a token for every layer); "
-    line += "the others run their PyTorch layers a token at a time: " + "; ".join(
-        f"{', '.join(names)} ({why})" for why, names in eager.items()
-    )
-    by = {r["design"]: r["decode_tok_s"] for r in rows}
-    if by.get("mha"):
-        slow = [
-            f"{d} {by['mha'] / v:.1f}x" for d, v in by.items() if d != "mha" and v and by["mha"] / v > 1.5
-        ]
-        if slow:
-            line += ". Time a token against mha's: " + ", ".join(slow)
-    return line + "."
 
 
 def kv_note(rows: list[dict[str, Any]], cfg: TextConfig, costs: list[DesignCost]) -> str:
@@ -218,100 +189,6 @@ def kv_note(rows: list[dict[str, Any]], cfg: TextConfig, costs: list[DesignCost]
             f". {', '.join(inputs)} cache no keys or values: both tables count the input each layer keeps "
             f"instead ({cfg.d_model} and {d} fp32 numbers a layer), marked (inputs)"
         )
-    return line + "."
-
-
-def _text_table(rows: list[dict[str, Any]], cfg: TextConfig) -> Table:
-    from ..context import Table
-
-    def rate(tok_s: float | None) -> str:
-        return TOO_SHORT if tok_s is None else f"{tok_s:,.0f}"
-
-    def share(r: dict[str, Any]) -> str:
-        return "n/a" if r["first_token_share"] is None else f"{100 * r['first_token_share']:.2f}%"
-
-    cells = [
-        [
-            r["design"],
-            f"{r['bits_per_byte']:.3f}",
-            rate(r["decode_tok_s"]) + ("" if r["decode_cached"] else " (no cache)"),
-            f"{r['kv_bytes_per_token']:,}" + ("" if r["decode_cached"] else " (inputs)"),
-            share(r),
-            f"{r['params']:,}",
-            f"{r['seconds']:.1f}",
-        ]
-        for r in rows
-    ]
-    return Table(
-        f"byte-level LM on standard-library docstrings: {cfg.steps} steps of {cfg.batch} x {cfg.seq_len} "
-        f"bytes, d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads",
-        [
-            "design",
-            "held-out bits/byte",
-            "decode tok/s",
-            "KV bytes/token",
-            "on 1st token",
-            "parameters",
-            "train s",
-        ],
-        cells,
-        align="lrrrrrr",
-    )
-
-
-#: one marker and one colour per design (15 x 20 distinct pairs; the index is the design's place in a plot)
-MARKERS = "os^vDPX*<>phH8d"
-
-
-def design_style(i: int) -> tuple[str, str]:
-    """(marker, colour) of the i-th design: no two of the first 15 designs share either."""
-    import matplotlib
-
-    colour = matplotlib.colormaps["tab20"](i % 20)
-    return MARKERS[i % len(MARKERS)], matplotlib.colors.to_hex(colour)
-
-
-def _place(design: str, i: int) -> int:
-    """A design's index in :data:`DESIGNS` (so it looks the same in every plot), else ``i``."""
-    return DESIGNS.index(design) if design in DESIGNS else i
-
-
-def dodge(xs: list[float], spread: float = 0.07) -> list[float]:
-    """Spread points that share an x sideways on a log axis (factor ``2**spread`` apart), centred on
-    the shared x, so that no point hides another; a point alone keeps its x."""
-    out = list(xs)
-    for x in set(xs):
-        same = [i for i, v in enumerate(xs) if v == x]
-        for j, i in enumerate(same):
-            out[i] = x * 2 ** (spread * (j - (len(same) - 1) / 2))
-    return out
-
-
-def _text_plot(rows: list[dict[str, Any]], ax: Any) -> None:
-    """Held-out bits/byte against KV-cache bytes per token, one point per design; designs with the same
-    KV bytes are spread sideways (:func:`dodge`)."""
-    xs = dodge([r["kv_bytes_per_token"] for r in rows])
-    for i, (r, x) in enumerate(zip(rows, xs)):
-        marker, colour = design_style(_place(r["design"], i))
-        label = f"{r['design']} ({r['bits_per_byte']:.2f})"
-        ax.scatter(x, r["bits_per_byte"], s=40, marker=marker, color=colour, label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("KV-cache bytes per token (all layers, log scale)")
-    ax.set_ylabel("held-out bits per byte (lower is better)")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-
-
-def _text_finding(rows: list[dict[str, Any]]) -> str:
-    """One line on the language-model task, from its numbers."""
-    ranked = sorted(rows, key=lambda r: r["bits_per_byte"])
-    top = ", ".join(f"{r['design']} ({r['bits_per_byte']:.3f})" for r in ranked[:3])
-    by = {r["design"]: r for r in rows}
-    line = f"Language model: lowest held-out bits/byte {top}"
-    if "mha" in by:
-        line += f"; mha {by['mha']['bits_per_byte']:.3f}"
-    shares = {n: by[n]["first_token_share"] for n in ("mha", "sinks", "output_gated") if n in by}
-    if all(v is not None for v in shares.values()) and shares:
-        line += "; weight on the first token " + ", ".join(f"{n} {100 * v:.2f}%" for n, v in shares.items())
     return line + "."
 
 
@@ -368,30 +245,6 @@ def _table(rows: list[dict[str, Any]], cfg: TrainConfig) -> Table:
     )
 
 
-def error_floor(cfg: TrainConfig) -> float:
-    """Where the log axis draws an error of 0: half of one queried key's share of the eval, in percent."""
-    return 50 / (cfg.eval_examples * cfg.n_pairs)
-
-
-def _plot(rows: list[dict[str, Any]], cfg: TrainConfig, ax: Any) -> None:
-    """Held-out error (log scale, lower is better) against parameters: one point and legend entry per
-    design; an error of 0 is drawn at half of one example's share, the smallest error the eval could see."""
-    floor = error_floor(cfg)
-    xs = dodge([r["params"] for r in rows])
-    for i, (r, x) in enumerate(zip(rows, xs)):
-        err = max(100 * (1 - r["accuracy"]), floor)
-        marker, colour = design_style(_place(r["design"], i))
-        label = f"{r['design']} ({100 * r['accuracy']:.1f}%)"
-        ax.scatter(x, err, s=40, marker=marker, color=colour, label=label)
-    chance = 100 * (1 - 1 / cfg.n_pairs)
-    ax.axhline(chance, color="grey", linestyle=":", label=f"a random one of the {cfg.n_pairs} values")
-    ax.axhline(floor, color="grey", linestyle="--", linewidth=0.8, label=f"error 0 drawn here ({floor:.4g}%)")
-    ax.set_yscale("log")
-    ax.set_xlabel("parameters (whole model)")
-    ax.set_ylabel("held-out error (%), log scale")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-
-
 def _finding(rows: list[dict[str, Any]], cfg: TrainConfig) -> str:
     """One line on a task's outcome, from its numbers."""
     task = f"seq_len {cfg.seq_len}, {cfg.n_pairs} pairs, {cfg.steps} steps"
@@ -424,8 +277,8 @@ def _notes(tasks: list[tuple[TrainConfig, list[dict[str, Any]]]]) -> list[str]:
         "MQAR is learned through a plateau and a sudden drop (an induction head forms): at a fixed step "
         "budget a table ranks how soon each design gets there, not what it reaches in the end, and a design "
         "near the drop can land either side of it with another seed. Zoology's size (seq_len 256, 16 "
-        "pairs) needs thousands of steps (BENCHMARKS.md); `multihead train --attention NAME --steps N` "
-        "trains longer.",
+        'pairs) needs thousands of steps (BENCHMARKS.md, "MQAR (multi-query associative recall)"); '
+        "`multihead train --attention NAME --steps N` trains longer.",
         *(_finding(rows, c) for c, rows in tasks),
     ]
 
@@ -434,7 +287,7 @@ def designs(ctx: StudyContext) -> Section:
     """Every head design of multihead.variants trained on MQAR: accuracy, loss, params, FLOPs.
 
     Quick: the :data:`QUICK` task (seconds per design); full: :data:`QUICK`, then :data:`FULL` (a
-    harder task, about half a minute per design).
+    harder task, longer per design).
     """
     from ..context import Section, one_thread
 
@@ -459,7 +312,7 @@ def designs(ctx: StudyContext) -> Section:
             f"An error of 0 (100% accuracy) cannot sit on a log axis: it is drawn on the dashed line at "
             f"{error_floor(cfg):.4g}%, half of one queried key's share of the {cfg.eval_examples} held-out "
             "examples. Designs with equal parameter counts are spread sideways.",
-            partial(_plot, rows, cfg),
+            partial(mqar_plot, rows, cfg),
             size=(7.5, 3.8),
         )
     figures += ctx.figure(
@@ -467,7 +320,7 @@ def designs(ctx: StudyContext) -> Section:
         "Byte-level language model on standard-library docstrings: held-out bits per byte against the "
         "KV-cache bytes one token costs, one point per head design; designs with the same KV bytes are "
         "spread sideways around it (the legend gives each value) so that none hides another.",
-        partial(_text_plot, text_rows),
+        partial(text_plot, text_rows),
         size=(7.5, 3.8),
     )
     ctx.step("decode cost of each design", 0.99)
@@ -483,11 +336,11 @@ def designs(ctx: StudyContext) -> Section:
         },
     }
     tables = [_table(rows, cfg) for cfg, rows in tasks] + [
-        _text_table(text_rows, text_cfg),
+        text_table(text_rows, text_cfg),
         _cost_table(costs),
     ]
     notes = [
-        *_notes(tasks), _TEXT_NOTE, _text_finding(text_rows), decode_note(text_rows, decode_paths(text_cfg)),
+        *_notes(tasks), TEXT_NOTE, text_finding(text_rows), decode_note(text_rows, decode_paths(text_cfg)),
         _COST_NOTE, kv_note(text_rows, text_cfg, costs),
     ]  # fmt: skip
     return Section(
@@ -502,17 +355,4 @@ _COST_NOTE = (
     'memory, so KV bytes per token decide its speed at long context. "(inputs)": the design cannot use a '
     "KV cache and recomputes keys and values from every token's input at each step (its FLOPs are the "
     "whole recompute)."
-)
-
-_TEXT_NOTE = (
-    "Language model: every design replaces the attention of the same byte-level TransformerLM (vocabulary "
-    "256, no tokenizer) trained on the UTF-8 bytes of the standard library's docstrings (90% train, the "
-    "last 10% held out) with the same batches and schedule. Decode tok/s: greedy KV-cached generation at "
-    'batch 1 after a full window of prompt, one thread ("no cache": the design needs every key\'s input '
-    "and recomputes the prefix each step). KV bytes/token: what one token adds to every "
-    "layer's cache. On 1st token: mean attention weight on each window's first byte over layers, heads and "
-    "the query rows past the first quarter - where a softmax that must sum to one parks unused mass "
-    '(an "attention sink"); a learned sink logit or an output gate gives that mass somewhere else to go. '
-    "n/a: the design forms its weights outside the attention call the recorder watches (talking heads and "
-    "DCMHA mix them across heads, differential attention subtracts two maps)."
 )

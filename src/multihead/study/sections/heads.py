@@ -15,7 +15,7 @@ importance, calibration (the rotations of "aligned", the MLA factorisation) and 
 distillation's batches). :data:`QUICK` and :data:`FULL` fix the sizes (``FULL`` is bench_heads'
 default), ``surgery.QUICK`` and ``surgery.FULL`` those of the surgery part. Everything runs on one
 intra-op thread: the calls are small, and on a busy machine a second thread's spin-waiting costs far more
-than it gives.
+than it gives. The tables are :mod:`.heads_tables`, the figures :mod:`.heads_figures`.
 
 Shape legend: L layers, H heads per layer, n texts.
 """
@@ -27,26 +27,24 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...cli.heads import DEFAULT_TEXT
-from ...heads import plots
 from ...heads.access import layers_of, token_strings
 from ...heads.gqa import kv_cache_bytes_per_token, to_gqa
-from ...heads.labels import ABBREV, BROAD, DOMINANT, HeadRole, roles
+from ...heads.labels import BROAD, DOMINANT, roles
 from ...heads.maps import attention_maps
 from ...heads.pruning import prune
 from ...heads.scoring import importance
 from . import surgery
+from .heads_figures import section_figures
+from .heads_tables import gqa_table, grid_table, pruning_table, role_tables
 
 if TYPE_CHECKING:  # study.py imports this module to register the section: import it at call time
     from ...pretrained import SentenceEncoder
-    from ..context import Section, StudyContext, Table
-    from ..figures import Figure
+    from ..context import Section, StudyContext
 
 __all__ = ["FULL", "QUICK", "HeadsSizes", "heads", "pruning_orders"]
 
@@ -67,18 +65,6 @@ class HeadsSizes:
 
 QUICK = HeadsSizes(24, 16, 16, 24, 400, (0.0, 1 / 3, 2 / 3), (12, 4, 1))
 FULL = HeadsSizes(300, 128, 64, 64, 800, (0.0, 1 / 6, 1 / 3, 1 / 2, 2 / 3), (12, 6, 4, 3, 2, 1))
-
-#: What each role means (labels.py decides them; DOMINANT and BROAD are its thresholds).
-_MEANING = {
-    "previous": "attends to the token before",
-    "next": "attends to the token after",
-    "self": "attends to itself",
-    "[CLS]": "attends to [CLS]",
-    "[SEP]": "attends to [SEP] (a no-op: Clark et al.)",
-    "punctuation": "attends to punctuation",
-    "broad": "spreads its attention (high entropy)",
-    "mixed": "no single pattern (often the syntactic heads)",
-}
 
 
 # -- measurements --------------------------------------------------------------------------------------
@@ -156,166 +142,6 @@ def _gqa_rows(
                 }
             )
     return rows
-
-
-# -- tables --------------------------------------------------------------------------------------------
-def _grid_table(title: str, cells: list[list[str]]) -> Table:
-    """A layer x head grid (one row per layer)."""
-    from ..context import Table
-
-    H = len(cells[0])
-    rows = [[str(layer), *row] for layer, row in enumerate(cells)]
-    return Table(title, ["layer", *(f"h{h}" for h in range(H))], rows, align="r" * (H + 1))
-
-
-def _role_tables(table: list[HeadRole], n_texts: int) -> list[Table]:
-    from ..context import Table
-
-    L, H = 1 + max(r.layer for r in table), 1 + max(r.head for r in table)
-    cells = [["" for _ in range(H)] for _ in range(L)]
-    counts: dict[str, int] = {}
-    for r in table:
-        cells[r.layer][r.head] = ABBREV.get(r.role, r.role)
-        counts[r.role] = counts.get(r.role, 0) + 1
-    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
-    return [
-        _grid_table(f"role of each head ({n_texts} texts; Clark et al.'s statistics)", cells),
-        Table(
-            "heads per role",
-            ["role", "heads", "meaning"],
-            [[role, str(n), _MEANING.get(role, "")] for role, n in ranked],
-            align="lrl",
-        ),
-    ]
-
-
-def _pruning_table(rows: list[dict[str, Any]]) -> Table:
-    from ..context import Table
-
-    cells = [
-        [
-            str(r["removed"]),
-            f"{r['fraction']:.2f}",
-            r["order"],
-            f"{r['mean_cos']:.4f}",
-            f"{r['min_cos']:.4f}",
-            f"{r['attention_params']:.2f}",
-            " ".join(map(str, r["heads_left"])),
-        ]
-        for r in rows
-    ]
-    return Table(
-        "pruning: heads removed least important first (random order for comparison), no retraining",
-        [
-            "heads removed",
-            "fraction",
-            "order",
-            "mean cos",
-            "min cos",
-            "attention params",
-            "heads left per layer",
-        ],
-        cells,
-        align="rrlrrrl",
-    )
-
-
-def _gqa_table(rows: list[dict[str, Any]]) -> Table:
-    from ..context import Table
-
-    cells = [
-        [
-            str(r["n_kv"]),
-            r["method"],
-            f"{r['mean_cos']:.4f}",
-            f"{r['min_cos']:.4f}",
-            f"{r['kv_bytes']:,}",
-            f"{r['saved']:.0%}",
-        ]
-        for r in rows
-    ]
-    return Table(
-        "MHA -> GQA: kv heads per layer, merged by mean or Procrustes-aligned mean (no retraining)",
-        ["kv heads", "method", "mean cos", "min cos", "KV bytes/token (fp32)", "KV saved"],
-        cells,
-        align="rlrrrr",
-    )
-
-
-# -- figures -------------------------------------------------------------------------------------------
-def _plot_gqa(rows: list[dict[str, Any]], ax: Any) -> None:
-    for i, method in enumerate(("mean", "aligned")):
-        pts = [(r["n_kv"], r["mean_cos"], r["min_cos"]) for r in rows if r["method"] == method]
-        ks = [p[0] for p in pts]
-        ax.plot(ks, [p[1] for p in pts], "o-", color=f"C{i}", label=f"{method}: mean cos")
-        ax.plot(ks, [p[2] for p in pts], "v:", color=f"C{i}", alpha=0.6, label=f"{method}: min cos")
-    ax.set_xscale("log", base=2)
-    ks = sorted({r["n_kv"] for r in rows})
-    ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("kv heads per layer (12 = the original MHA)")
-    ax.set_ylabel("cosine with the original embedding")
-    ax.legend(fontsize=7)
-
-
-def _plot_pruning(rows: list[dict[str, Any]], ax: Any) -> None:
-    for i, order in enumerate(("importance", "random")):
-        pts = [
-            (r["fraction"], r["mean_cos"], r["min_cos"])
-            for r in rows
-            if r["order"] == order or not r["removed"]
-        ]
-        fracs = [p[0] for p in pts]
-        ax.plot(fracs, [p[1] for p in pts], "o-", color=f"C{i}", label=f"{order} order: mean cos")
-        ax.plot(fracs, [p[2] for p in pts], "v:", color=f"C{i}", alpha=0.6, label=f"{order} order: min cos")
-    ax.set_xlabel("fraction of the 72 heads removed")
-    ax.set_ylabel("cosine with the original embedding")
-    ax.legend(fontsize=7)
-
-
-def _figures(
-    ctx: StudyContext,
-    maps: torch.Tensor,
-    table: list[HeadRole],
-    pruning: list[dict],
-    gqa: list[dict],
-    surgery_rows: list[dict],
-) -> list[Figure]:
-    """The role grid and one text's maps (heads.plots), the GQA and pruning curves and the surgery's KV
-    bytes vs human-judged score (ctx.figure)."""
-    from ..figures import Figure
-
-    if ctx.out_dir is None:
-        return []
-    out = Path(ctx.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    roles_png = plots.plot_roles(table, out / "heads-roles.png")
-    maps_png = plots.plot_maps(maps, out / "heads-maps.png", table, title=DEFAULT_TEXT)
-    return [
-        Figure(roles_png.name, "Role of each of the 72 heads and the statistic that named it."),
-        Figure(
-            maps_png.name, f"Attention maps of every head (rows: layers, columns: heads) of “{DEFAULT_TEXT}”"
-        ),
-        *ctx.figure(
-            "heads-gqa",
-            "MHA -> GQA without retraining: embedding cosine vs kv heads per layer, mean vs aligned merge.",
-            partial(_plot_gqa, gqa),
-        ),
-        *ctx.figure(
-            "heads-pruning",
-            "Pruning: embedding cosine vs fraction of heads removed, by importance vs in random order.",
-            partial(_plot_pruning, pruning),
-        ),
-        *(
-            ctx.figure(
-                "heads-surgery",
-                "Head surgery: lowest % of the original's human-judged score vs KV bytes per token; hollow "
-                "markers before recovery, arrows to filled markers after it.",
-                partial(surgery.plot_surgery, surgery_rows),
-            )
-            if surgery_rows
-            else []
-        ),
-    ]
 
 
 # -- the section ---------------------------------------------------------------------------------------
@@ -438,15 +264,15 @@ def heads(ctx: StudyContext) -> Section:
             )  # fmt: skip
         seconds = time.perf_counter() - start
     ctx.step("figures", 0.95)
-    figures = _figures(ctx, maps[0], table, pruning, gqa, surgery_rows)
+    figures = section_figures(ctx, maps[0], table, pruning, gqa, surgery_rows)
     tables = [
-        *_role_tables(table, len(role_texts)),
-        _grid_table(
+        *role_tables(table, len(role_texts)),
+        grid_table(
             "head importance (Michel et al., l2-normalised per layer; larger = more important)",
             [[f"{float(v):.2f}" for v in row] for row in scores],
         ),
-        _pruning_table(pruning),
-        _gqa_table(gqa),
+        pruning_table(pruning),
+        gqa_table(gqa),
         *([surgery.surgery_table(surgery_rows)] if surgery_rows else []),
     ]
     data = {

@@ -38,10 +38,10 @@ from typing import Any
 import gpu_hf
 import gpu_speed
 import torch
-from gpu_timing import Budget
 
 import multihead as mh
 from multihead.backends import registry
+from multihead.bench.gpu_timing import Budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.numerics
 from tests.numerics import allowed, max_err

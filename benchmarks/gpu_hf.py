@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from gpu_timing import Budget, first_and_warm, time_ratio
 
 import multihead.hf
 from multihead.backends import registry
+from multihead.bench.gpu_timing import Budget, first_and_warm, time_ratio
 
 
 def vocab(small: bool) -> int:

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from gpu_timing import Budget, first_and_warm, once_ms, time_ratio, warm_ms
 
 import multihead as mh
 from multihead.backends.auto import choose
+from multihead.bench.gpu_timing import Budget, first_and_warm, once_ms, peer_ratios, warm_ms
 from multihead.core.biases import alibi_slopes
 from multihead.core.problem import make_problem
 
@@ -222,13 +222,7 @@ def _ms(x: float | None, spec: str) -> str:
 def ratios(cells: dict[str, dict]) -> dict[str, float | str]:
     """``"ours vs peer"``: the peer's warm time over ours (above 1 = ours faster), or "same within
     noise" where the spreads overlap."""
-    out = {}
-    for ours in ("auto", *FUSED):
-        for peer in ("sdpa", "torch flex"):
-            r = time_ratio(cells.get(peer, {}), cells.get(ours, {}))
-            if r is not None:
-                out[f"{ours} vs {peer}"] = r
-    return out
+    return peer_ratios(cells, ("auto", *FUSED), ("sdpa", "torch flex"))
 
 
 def new_masks(device: torch.device, small: bool, repeats: int, budget: Budget) -> list[dict]:

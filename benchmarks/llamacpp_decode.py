@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -63,6 +62,7 @@ import torch
 import multihead as mh
 from multihead import native
 from multihead.bench import decode, timing, tokens
+from multihead.bench.runs import median_rate, meet_text, paired_limit_text
 from multihead.models import quant
 from multihead.native import hugepages
 
@@ -225,34 +225,11 @@ def streamed_in_huge_pages(model: torch.nn.Module) -> str:
     return "-" if share is None else f"{share:.0%}"
 
 
-def paired_limit_text(rates: list[float], limits: list[float], refusal: str = timing.ABOVE) -> str:
-    """The median over runs of each run's rate over the limit probed in that run, as text ("73%"; "-"
-    when no run was measurable; ``refusal`` (by default that of :func:`multihead.bench.timing.limit_text`)
-    when the median is above 100%)."""
-    pairs = zip(rates, limits, strict=True)
-    fractions = [r / lim for r, lim in pairs if math.isfinite(r) and math.isfinite(lim) and lim > 0]
-    if not fractions:
-        return "-"
-    return timing.limit_text(statistics.median(fractions), 1.0, refusal)
-
-
-def meet_text(meets: list[float | None]) -> str:
-    """The range of the runs' thread round trips as text ("52-410"; "-" with one thread)."""
-    ok = [m for m in meets if m is not None]
-    return "-" if not ok else f"{min(ok):.0f}-{max(ok):.0f}" if len(ok) > 1 else f"{ok[0]:.0f}"
-
-
 def gemvs_rate(model: torch.nn.Module, activations: torch.dtype) -> float:
     """Tokens/s of ``model``'s products alone (:func:`multihead.bench.decode.kernels_alone`, the fastest
     of 3 samples); NaN when too short to measure."""
     best = decode.kernels_alone(model, activations, reps=3).best
     return 1.0 / best if best else float("nan")
-
-
-def _median_rate(rates: list[float]) -> float | None:
-    """The median of the measurable rates (NaN: too short to measure), None when there is none."""
-    ok = [r for r in rates if math.isfinite(r)]
-    return statistics.median(ok) if ok else None
 
 
 def _cell(x: float | None, spec: str, unit: str = "") -> str:
@@ -303,7 +280,7 @@ def run(args: argparse.Namespace) -> dict:
                     meets.append((meet, None if lib is None else native.round_trip_ns(lib)))
                     gemvs.append(gemvs_rate(ours, ACTIVATIONS[outtype]))
                     limits.append(max(before, decode.read_bandwidth(nbytes, reps=3) / nbytes))
-            ours_tok_s = _median_rate(mine)  # None: too short to measure
+            ours_tok_s = median_rate(mine)  # None: too short to measure
             doc["rows"].append(
                 {
                     "gguf": outtype,

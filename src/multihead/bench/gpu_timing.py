@@ -1,4 +1,5 @@
-"""Timing and time budgets shared by the parts of ``gpu_check.py``.
+"""Timing and time budgets shared by the parts of ``benchmarks/gpu_check.py`` (its speed and Hugging Face
+parts, ``benchmarks/gpu_speed.py`` and ``benchmarks/gpu_hf.py``).
 
 A part gets a :class:`Budget` of seconds; each row asks it before starting and is recorded as skipped
 once it is spent, so the whole check stays bounded (a row already running - a compilation - finishes).
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from multihead.bench import timing
+from . import timing
 
 
 class Budget:
@@ -97,7 +98,7 @@ def first_and_warm(
     repeats: int,
     slow_ms: float = 1000.0,
     clock: Callable[[], float] | None = None,
-) -> dict[str, float | bool | str | None]:
+) -> dict[str, float | bool | str | list[float] | None]:
     """``{"first_ms", "ms"}``: the first call, then the median warm call after one more warm-up.
 
     A method whose second call still takes over ``slow_ms`` is reported from that call alone
@@ -127,3 +128,17 @@ def time_ratio(slow: dict, fast: dict) -> float | str | None:
 
     c = timing.compare(back(slow), back(fast))
     return None if c.ratio is None else timing.SAME if c.same else round(c.ratio, 3)
+
+
+def peer_ratios(
+    cells: dict[str, dict], ours: tuple[str, ...], peers: tuple[str, ...]
+) -> dict[str, float | str]:
+    """``"ours vs peer"`` for every pair with two times: the peer's warm time over ours (above 1 = ours
+    faster, :func:`time_ratio`), or "same within noise" where the spreads overlap."""
+    out = {}
+    for mine in ours:
+        for peer in peers:
+            r = time_ratio(cells.get(peer, {}), cells.get(mine, {}))
+            if r is not None:
+                out[f"{mine} vs {peer}"] = r
+    return out

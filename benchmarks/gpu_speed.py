@@ -200,8 +200,7 @@ def _cell(name: str, fn: Callable | str, device: torch.device, repeats: int, bud
         return {"skipped": fn}
     # Compiling flex costs seconds per case: once the budget is spent only the methods that do not
     # compile per mask keep running, up to half the budget again, so the table stays complete for them.
-    compiles = name in COMPILES_PER_MASK
-    if (compiles and budget.over()) or budget.left() < -0.5 * budget.seconds:
+    if not budget.allows(compiles=name in COMPILES_PER_MASK):
         return {"skipped": f"speed budget of {budget.seconds:.0f} s spent"}
     try:
         return first_and_warm(fn, device, repeats)

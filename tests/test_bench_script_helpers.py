@@ -129,6 +129,13 @@ def test_budget_counts_down():
     spent = gpu_timing.Budget(0.0)
     time.sleep(0.001)
     assert spent.over() and spent.left() < 0
+    assert b.allows(compiles=True) and b.allows(compiles=False)
+    over = gpu_timing.Budget(10.0)
+    over.start -= 11.0  # 1 s over: the methods that do not compile per case go on, up to half again
+    assert over.over() and not over.allows(compiles=True) and over.allows(compiles=False)
+    gone = gpu_timing.Budget(10.0)
+    gone.start -= 16.0  # 6 s over: more than half the budget again
+    assert not gone.allows(compiles=False) and not gone.allows(compiles=True)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,11 @@ class Budget:
     def over(self) -> bool:
         return self.left() <= 0
 
+    def allows(self, compiles: bool) -> bool:
+        """Whether a row may still start: a method that compiles per case (seconds each) only while the
+        budget lasts, the others up to half the budget again, so a table stays complete for them."""
+        return not ((compiles and self.over()) or self.left() < -0.5 * self.seconds)
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":

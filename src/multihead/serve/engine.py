@@ -45,7 +45,8 @@ class Engine:
 
     Args:
         model: a :class:`~multihead.TransformerLM` (plain multi-head / grouped-query attention layers).
-        num_blocks: blocks of the pool; default: as many as :data:`DEFAULT_KV_BYTES` (256 MiB) hold.
+        num_blocks: blocks of the pool; default: as many as :data:`DEFAULT_KV_BYTES` (256 MiB) hold, or
+            fewer when ``max_seqs`` sequences of the model's whole context fit in less.
         block_size: tokens per block.
         max_seqs: the most sequences decoded in one step.
         max_prefill_tokens: the most prompt tokens fed in one step (longer prompts go in chunks).
@@ -85,8 +86,9 @@ class Engine:
             dtype=p.dtype,
             device=p.device,
         )
-        if num_blocks is None:
-            num_blocks = max(1, DEFAULT_KV_BYTES // make(1).block_bytes)
+        if num_blocks is None:  # 256 MiB, or less when max_seqs sequences of the whole context fit in less
+            whole = max_seqs * -(-model.max_len // block_size)
+            num_blocks = max(1, min(DEFAULT_KV_BYTES // make(1).block_bytes, whole))
         self.model, self.cache = model, make(num_blocks)
         self.tokenizer = getattr(model, "tokenizer", None) if tokenizer is None else tokenizer
         self.scheduler = Scheduler(self.cache, max_seqs, max_prefill_tokens)

@@ -29,6 +29,7 @@ import torch
 from multihead import native
 from multihead.native import build
 from multihead.native import int8 as native_int8
+from multihead.native import q4 as native_q4
 from tests.native_builds import built_for
 from tests.test_native_team import _model, _prefilled, _run
 
@@ -58,6 +59,7 @@ def test_each_target_passes_the_self_check_and_its_team_gives_the_bits_of_one_th
     with built_for(march, flag, monkeypatch):
         assert native.unavailable() is None  # the first load's check (two threads) passed
         assert native_int8.isa() == isa and native.has_dpbf16() == dpbf16
+        assert native_q4.isa() == isa  # the GGUF-block products: the same instructions (self-checked)
         lib = native.library()
         before = _threads(2)
         try:

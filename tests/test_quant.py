@@ -91,10 +91,14 @@ def test_encoder_quantizes_too():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"weights": "int4"}, r"quantize weights must be 'int8', 'bf16', 'fp16', 'fp32' or None, got 'int4'"),
+        (
+            {"weights": "int4"},
+            r"quantize weights must be 'int8', 'q4_0', 'q4_1', 'bf16', 'fp16', 'fp32' or None, got 'int4'",
+        ),
         (
             {"weights": "bfloat16"},
-            r"quantize weights must be 'int8', 'bf16', 'fp16', 'fp32' or None, got 'bfloat16'",
+            r"quantize weights must be 'int8', 'q4_0', 'q4_1', 'bf16', 'fp16', 'fp32' or None, got "
+            r"'bfloat16'",
         ),
         (
             {"weights": "fp16", "kv": None, "kernel": "onednn"},

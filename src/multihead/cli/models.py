@@ -69,7 +69,7 @@ def load_lm(spec: str) -> tuple[Any, Any, str]:
             raise ValueError(f"--model {spec!r} does not exist; give {LM_MODEL}")
         if p.suffix.lower() != ".gguf":
             raise ValueError(f"--model {spec!r} is a file, not a folder or a .gguf file; give {LM_MODEL}")
-        model = pretrained.from_gguf(p)
+        model = pretrained.from_gguf(p, dequantize=True)  # fp32 for now: serve's engine reads embed.weight
         return model, model.tokenizer, p.name
     check_input_dir(spec, "--model", LM_MODEL)
     loaded = pretrained.load(p)

@@ -41,7 +41,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from .. import native
-from ..native import hugepages
+from ..native import gguf_blocks, hugepages
 from ..native import int8 as native_int8
 from ..nn.attention import MultiHeadAttention
 from ..nn.feed_forward import FeedForward
@@ -50,6 +50,7 @@ from ..nn.layers import TransformerLayer
 from ..nn.norms import RMSNorm
 from ..nn.positions import RotaryEmbedding
 from .gemv_linear import GemvLinear
+from .gguf_linear import GGUFEmbedding, GGUFLinear
 from .int8_gemv_linear import Int8GemvLinear
 
 __all__ = ["decode_step", "greedy_steps", "huge_pages", "why_not_call", "why_not_greedy", "why_not_model"]
@@ -72,13 +73,27 @@ def _projections(layer: Any) -> list[Any]:
     return [attn.qkv_proj, attn.o_proj, ffn.w1, ffn.w3, ffn.w2]
 
 
+#: the layout number of GGUF-block weights of ggml type T in a native layer: GG_LAYOUT + T (native.h)
+GG_LAYOUT = 16
+
+
+def _gguf_layout(m: GGUFLinear) -> int:
+    return GG_LAYOUT + gguf_blocks.KINDS[m.kind][0]
+
+
 def _linear_weight(m: nn.Module, name: str, group: Any) -> tuple[Tensor | None, str | None]:
-    """The weight of a float linear (``group`` None) or the int8 weight of an Int8GemvLinear with
-    ``group_size == group[0]``; or why not."""
-    want = nn.Linear if group is None else Int8GemvLinear
+    """The weight of a float linear (``group`` None), the int8 weight of an Int8GemvLinear with
+    ``group_size == group[0]``, or the blocks of a GGUFLinear of layout ``group[1]`` (>= GG_LAYOUT); or
+    why not."""
+    gg = group is not None and group[1] >= GG_LAYOUT
+    want = nn.Linear if group is None else (GGUFLinear if gg else Int8GemvLinear)
     if not isinstance(m, want):
-        kind = "a plain nn.Linear" if group is None else "an Int8GemvLinear"
+        kind = "a plain nn.Linear" if group is None else f"a {want.__name__}"
         return None, f"{name} is a {type(m).__name__}, not {kind}"
+    if isinstance(m, GGUFLinear):
+        if m.bias is not None or _gguf_layout(m) != group[1]:
+            return None, f"{name} has a bias or {m.kind} blocks where another projection has other blocks"
+        return m.blocks, None
     if m.bias is not None:
         return None, f"{name} has a bias (the native layer has none)"
     if isinstance(m, Int8GemvLinear):
@@ -125,7 +140,7 @@ def _layer_reason(
         if why is not None:
             return why
         assert w is not None
-        want = dtype if group is None else torch.int8
+        want = dtype if group is None else (torch.uint8 if group[1] >= GG_LAYOUT else torch.int8)
         if w.dtype != want or not w.is_contiguous() or w.device.type != "cpu":
             return f"layer {i}'s {name} weight is {w.dtype}, strides {w.stride()} (needs contiguous {want})"
     for n in norms:
@@ -185,10 +200,15 @@ def why_not_model(model: Any, kv_approx: type | None = None, *, hooks: bool = Tr
         return "the model attends through a sliding window"
     first = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None)
     group = (first.group_size, first.kernel_tensors()[2]) if isinstance(first, Int8GemvLinear) else None
+    if isinstance(first, GGUFLinear):  # GGUF's blocks: one kind for every projection of the model
+        group = (gguf_blocks.BLOCK, _gguf_layout(first))
     emb = getattr(model, "embed", None)
     if getattr(model, "pos_embed", None) is not None:
         return "the model adds position embeddings"
-    if group is not None:
+    if group is not None and group[1] >= GG_LAYOUT:
+        if not isinstance(emb, (nn.Embedding, GGUFEmbedding)):
+            return f"the input embedding is a {type(emb).__name__}, not an nn.Embedding or a GGUFEmbedding"
+    elif group is not None:
         if getattr(getattr(emb, "weight_int8", None), "dtype", None) != torch.int8:
             return "the int8 model's input embedding holds no int8 rows (weight_int8)"
     elif type(emb) is not nn.Embedding:
@@ -205,7 +225,7 @@ def why_not_model(model: Any, kv_approx: type | None = None, *, hooks: bool = Tr
             "on the CPU"
         )
     if group is not None and dtype != torch.float32:
-        return f"int8 weights take native steps with fp32 activations, the model's are {dtype}"
+        return f"int8 and GGUF-block weights take native steps with fp32 activations, the model's are {dtype}"
     if group is None and emb is not None and emb.weight.dtype != dtype:
         return f"the embedding is {emb.weight.dtype}, the final norm {dtype}"
     for i, layer in enumerate(layers):
@@ -235,7 +255,7 @@ def why_not_call(
     if B > 1 and N > 1:
         return f"{N} tokens of each of {B} rows (native steps take one token of several rows, or one row)"
     if B * N > ROWS_FLOAT:
-        int8 = isinstance(_projections(model.layers[0])[0], Int8GemvLinear)
+        int8 = isinstance(_projections(model.layers[0])[0], (Int8GemvLinear, GGUFLinear))  # 64 at once
         cap = ROWS_INT8 if int8 else ROWS_FLOAT
         if B > cap:
             return f"a batch of {B} rows (native steps take up to {cap} rows of this model's weights)"
@@ -331,8 +351,8 @@ class _Plan:
             self.rotaries.append(attn.rotary)
             norms = (layer.attn_norm.weight, layer.ffn_norm.weight)
             projections = _projections(layer)
-            int8 = [isinstance(m, Int8GemvLinear) for m in projections]
-            kernel = [m.kernel_tensors() if q else (m.weight, None, 0) for m, q in zip(projections, int8)]
+            int8 = [isinstance(m, (Int8GemvLinear, GGUFLinear)) for m in projections]
+            kernel = [_kernel_tensors(m) for m in projections]
             ws, scales = [k[0] for k in kernel], [k[1] for k in kernel if k[1] is not None]
             self.weights += [*norms, *ws, *scales]
             a.g_attn, a.g_ffn = (t.data_ptr() for t in norms)
@@ -361,6 +381,14 @@ class _Plan:
     def fits(self, cache: list[KVCache]) -> bool:
         """Whether this plan is of these caches and every weight still lies where it did."""
         return self.cache() is cache[0] and list(map(Tensor.data_ptr, self.weights)) == self.addresses
+
+
+def _kernel_tensors(m: Any) -> tuple[Tensor, Tensor | None, int]:
+    """What a native layer reads of a projection: (weight, int8 scales or None, layout); GGUF blocks are
+    their own scales (a non-NULL pointer) in layout GG_LAYOUT + their type."""
+    if isinstance(m, GGUFLinear):
+        return m.blocks, m.blocks, _gguf_layout(m)
+    return m.kernel_tensors() if isinstance(m, Int8GemvLinear) else (m.weight, None, 0)
 
 
 def _plan(model: Any, cache: list[KVCache], lib: ctypes.CDLL) -> _Plan:

@@ -100,6 +100,7 @@ from ..native.layout import from_blocked
 from ..nn.kv_cache import KVCache, dequantize_int8, int8_rounded, quantize_int8
 from . import native_step
 from .gemv_linear import GemvLinear
+from .gguf_linear import GGUFLinear, dequantize_blocks_, quantize_blocks_
 from .int8_gemv_linear import BlockedRows, Int8GemvLinear, check_group_size, dequantize_groups
 from .lm import TransformerLM
 from .packed_linear import (
@@ -121,6 +122,7 @@ __all__ = [
     "Int8Linear",
     "KVInt8",
     "PackedLinear",
+    "as_quantized_lm",
     "bf16_prepack_unavailable",
     "model_bytes",
     "prepack_unavailable",
@@ -128,6 +130,8 @@ __all__ = [
 ]
 
 KERNELS = ("auto", "fbgemm", "int8pack", "dequant", "native")  # of weights="int8"; Int8Linear: the first 4
+#: GGUF's block formats ``quantize`` rounds to (:mod:`.gguf_linear`; the token table and a tied head in Q8_0)
+BLOCK_WEIGHTS = ("q4_0", "q4_1")
 
 
 class _Unasked:
@@ -485,7 +489,10 @@ def quantize(
 
     Args:
         model: any module (TransformerLM, Encoder, pretrained MiniLM, ...); it is not changed.
-        weights: "int8" (int8 linear and embedding weights), "bf16" (the whole copy in bf16, parameters
+        weights: "int8" (int8 linear and embedding weights), "q4_0" / "q4_1" (GGUF's 4-bit blocks of 32
+            by llama.cpp's rounding, :class:`~.gguf_linear.GGUFLinear` on the native block kernels; the
+            token table and a tied head in Q8_0 blocks, as llama.cpp's files keep them; linears whose
+            input width is not a multiple of 32 stay float), "bf16" (the whole copy in bf16, parameters
             frozen, every linear on the ``kernel`` below), "fp16" (the same in fp16; native kernel only),
             "fp32" (the same in fp32: the same numbers, a faster kernel) or None (keep float weights).
         kv: "int8" (attention on int8-rounded K/V; int8 KV cache for TransformerLM.generate) or None
@@ -506,38 +513,63 @@ def quantize(
     Raises:
         ValueError: an unknown ``weights``, ``kv`` or ``kernel`` (or one of the other weights' kind); a bad
             ``group_size``, or one with another kernel than native / auto or other weights than int8;
-            ``kv="int8"`` on a model without MultiHeadAttention.
+            ``kv="int8"`` on a model without MultiHeadAttention; "q4_0" / "q4_1" with a kernel other
+            than auto / native, or with a group_size.
     """
-    if weights not in ("int8", "bf16", "fp16", "fp32", None):
-        raise ValueError(f"quantize weights must be 'int8', 'bf16', 'fp16', 'fp32' or None, got {weights!r}")
+    if weights not in ("int8", *BLOCK_WEIGHTS, "bf16", "fp16", "fp32", None):
+        raise ValueError(
+            f"quantize weights must be 'int8', 'q4_0', 'q4_1', 'bf16', 'fp16', 'fp32' or None, got "
+            f"{weights!r}"
+        )
     if kv not in ("int8", None):
         raise ValueError(f"quantize kv must be 'int8' or None, got {kv!r}")
     kernel = _resolve_kernel(model, weights, kernel, group_size)
     float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     out = apply(model, KVInt8()) if kv == "int8" else copy.deepcopy(model)
+    if weights is not None:  # a GGUF file's kept blocks read back to float, then rounded as asked
+        dequantize_blocks_(out)
     if weights == "int8":
         _quantize_weights(out, kernel, group_size)
+    elif weights in BLOCK_WEIGHTS:
+        quantize_blocks_(out, weights)
     elif weights in _FLOAT_WEIGHTS:
         float_dtype = _FLOAT_WEIGHTS[weights]
         out.to(float_dtype).requires_grad_(False)
         _pack(out, float_dtype, kernel)
     if kernel == "native":  # a decode step streams these weights: 2 MiB pages (see native.hugepages)
-        gemvs = [m for m in out.modules() if isinstance(m, (GemvLinear, Int8GemvLinear))]
+        gemvs = [m for m in out.modules() if isinstance(m, (GemvLinear, Int8GemvLinear, GGUFLinear))]
         tensors = (t for m in gemvs for t in [*m.parameters(), *m.buffers()])
         hugepages.move_to_huge_pages(tensors, min_bytes=0)  # small ones too: one arena holds them all
     if type(out) is TransformerLM:
-        out.__class__ = _QuantizedLM
-        assert isinstance(out, _QuantizedLM)
-        out.cache_kind, out.cache_dtype = ("int8" if kv == "int8" else "dense"), float_dtype
         floats = weights in _FLOAT_WEIGHTS and kv is None
-        out.native_steps = kernel == "native" and (floats or weights == "int8")
-        out._why_not_native = _UNASKED  # the structure is checked at the first step
+        steps = kernel == "native" and (floats or weights == "int8" or weights in BLOCK_WEIGHTS)
+        as_quantized_lm(out, "int8" if kv == "int8" else "dense", float_dtype, native_steps=steps)
     return out
+
+
+def as_quantized_lm(
+    model: TransformerLM, cache_kind: str, cache_dtype: torch.dtype, *, native_steps: bool = False
+) -> TransformerLM:
+    """``model`` (in place) as a quantized TransformerLM: caches of ``cache_kind`` ("dense" or "int8") in
+    ``cache_dtype`` (its embedding may hold no float weight to read them from), one-token decode steps
+    through :mod:`.native_step` when ``native_steps``. Returns ``model``."""
+    model.__class__ = _QuantizedLM
+    assert isinstance(model, _QuantizedLM)
+    model.cache_kind, model.cache_dtype, model.native_steps = cache_kind, cache_dtype, native_steps
+    model._why_not_native = _UNASKED  # the structure is checked at the first step
+    return model
 
 
 def _resolve_kernel(model: nn.Module, weights: str | None, kernel: str, group_size: int | None) -> str:
     """``kernel`` checked against ``weights``, "auto" resolved (a decoder's one-row steps: native)."""
     decodes = isinstance(model, TransformerLM) and native.unavailable() is None
+    if weights in BLOCK_WEIGHTS and (kernel not in ("auto", "native") or group_size is not None):
+        raise ValueError(
+            f"quantize weights={weights!r} (GGUF's blocks of 32) runs the native kernel: pass kernel "
+            f"'auto' or 'native' and no group_size, got kernel={kernel!r}, group_size={group_size!r}"
+        )
+    if weights in BLOCK_WEIGHTS:
+        return "native"
     if group_size is not None:
         check_group_size(group_size)
         if weights != "int8" or kernel not in ("auto", "native"):

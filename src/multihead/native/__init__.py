@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from . import build, cache, first_load, q8_check, step_check
+from . import build, cache, first_load, q4_check, q8_check, step_check
 from .probes import round_trip_ns
 
 __all__ = [
@@ -81,6 +81,7 @@ SOURCES = (
     HERE / "decode_greedy.c",
     HERE / "products.c",
     HERE / "q8_rows.c",
+    HERE / "gemv_q4.c",
 )  # and their header, native.h
 HEADER = HERE / "native.h"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
@@ -230,6 +231,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     ]  # x, g, out, d, eps, kind
     lib.mh_rms_norm.restype = None
     _declare_q8(lib)
+    q4_check.declare(lib)
     return lib
 
 
@@ -285,7 +287,7 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
             lib.mh_gemv_rows(KIND[dtype], *pointers, 3, rows, cols, w.stride(0))
             if not torch.equal(ys[0], y):
                 return f"the built kernel's rows at once disagree with its one row ({dtype}, {rows}x{cols})"
-    return q8_check.check_q8(lib, g) or _self_check_steps(lib)
+    return q8_check.check_q8(lib, g) or q4_check.check_gguf(lib, g) or _self_check_steps(lib)
 
 
 def _self_check_steps(lib: ctypes.CDLL) -> str | None:

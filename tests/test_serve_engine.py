@@ -190,3 +190,21 @@ def test_importing_multihead_imports_no_server_package():
     code = f"import sys, multihead; print(sorted(m for m in sys.modules if m.split('.')[0] in {servers}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_int8_pages_decode_as_generate_with_the_int8_cache(lm):
+    ps = prompts([7, 30, 2], seed=11)
+    outs = Engine(lm, kv="int8", block_size=4).generate(ps, NO_STOP)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == alone(lm, p, 12, eos_token_id=(), cache="int8")
+
+
+def test_a_model_in_training_mode_steps_in_eval_mode_and_stays_in_training(lm):
+    p = prompts([9], seed=12)[0]
+    want = alone(lm, p, 12, eos_token_id=())
+    lm.train()
+    try:
+        assert Engine(lm).generate([p], NO_STOP)[0].token_ids == want
+        assert lm.training
+    finally:
+        lm.eval()

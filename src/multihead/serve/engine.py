@@ -165,13 +165,15 @@ class Engine:
             plan = self.scheduler.schedule()
             touched: list[Sequence] = []
             was_training = self.model.training
-            self.model.train(False)
+            if was_training:  # eval mode for the step (train() walks every module: only when needed)
+                self.model.train(False)
             try:
                 tokens = len(plan.decode) + sum(n for _, n in plan.prefill)
                 with threads.limited(threads.threads_for(2.0 * self._params * tokens, self._bytes)):
                     self._run(plan, touched)
             finally:
-                self.model.train(was_training)
+                if was_training:
+                    self.model.train(True)
             out = []
             for seq in sorted(touched, key=lambda s: s.arrival):
                 if seq.finish_reason is not None:

@@ -1,4 +1,4 @@
-"""SmolLM2-135M's perplexity in multihead and in llama.cpp's ``llama-perplexity`` on the same file and text.
+"""SmolLM2-135M's perplexity and greedy tokens in multihead and in llama.cpp on the same file and text.
 
 Both sides read the packaged ``SmolLM2-135M-Instruct.Q4_1.gguf`` (``mh.pretrained.smollm2()``: the blocks
 dequantized to fp32; llama.cpp multiplies the Q4_1 blocks natively, rounding the activations to 8 bits
@@ -9,9 +9,15 @@ token first in each chunk where the file asks for it, and scores only the second
 (each token from the ``c/2`` or more before it). ``ours_chunked`` repeats exactly that on our model, so
 the two numbers measure the same thing; ``ours_sliding`` is our own method on the same text, for scale.
 
-    python benchmarks/llamacpp_perplexity.py --bin BUILD/bin [--context 512] [--threads 2] [--json out.json]
+Greedy tokens (``--greedy N``): ``llama-simple -n N`` (greedy sampling, stops at the end-of-turn tokens)
+against ``model.generate`` on the same prompts: three training-slice excerpts and a chat turn in the
+file's template. Where the two texts part, the report gives our model's logit margin there (its first
+choice against llama.cpp's token): a near tie that 8-bit activations can flip, or a real difference.
 
-Build ``llama-perplexity`` offline as benchmarks/LLAMACPP.md says (target ``llama-perplexity``).
+    python benchmarks/llamacpp_perplexity.py --bin BUILD/bin [--context 512] [--threads 2] [--greedy 32]
+        [--json out.json]
+
+Build ``llama-perplexity`` and ``llama-simple`` offline as benchmarks/LLAMACPP.md says.
 """
 
 from __future__ import annotations
@@ -69,11 +75,58 @@ def llamacpp(binary: Path, gguf: Path, text: str, context: int, threads: int) ->
     return float(found.group(1)), float(found.group(2)), out[-600:]
 
 
+def prompts(model) -> list[str]:
+    """Three excerpts of the training slice and one chat turn in the model's template."""
+    texts = [wikipedia.excerpt(a.text, 300) for a in wikipedia.training()[:3]]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = model.tokenizer.apply_chat_template(question, tokenize=False)
+    return [*texts, chat]
+
+
+def llamacpp_text(binary: Path, gguf: Path, prompt: str, n: int) -> str:
+    """What ``llama-simple`` writes after the prompt (its greedy continuation)."""
+    done = subprocess.run(
+        [str(binary), "-m", str(gguf), "-n", str(n), prompt], capture_output=True, check=True
+    )
+    out = done.stdout.decode("utf-8", errors="replace").removesuffix("\n")
+    if not out.startswith(prompt):
+        raise SystemExit(f"llama-simple did not echo the prompt first:\n{out[:500]!r}")
+    return out[len(prompt) :]
+
+
+def parting(model, prompt: str, theirs: str, n: int) -> dict:
+    """Our greedy continuation against llama.cpp's text: where they part, and our logit margin there."""
+    tok = model.tokenizer
+    ids = torch.tensor([tok.encode(prompt)])  # (1, P)
+    with torch.inference_mode():
+        new = model.generate(ids, n)[0, ids.shape[1] :].tolist()
+    ours = tok.decode(new)
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    doc = {"prompt": prompt, "ours": ours, "llamacpp": theirs, "same_chars": same, "tokens": len(new)}
+    if ours == theirs:
+        return {**doc, "same_tokens": len(new)}
+    k = next((k for k in range(len(new)) if len(tok.decode(new[: k + 1])) > same), len(new))
+    start = len(tok.decode(new[:k]))
+    their_ids = tok.encode(theirs[start:])
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids[0].tolist() + new[:k]]))[0, -1].double()  # (V,)
+    top = logits.topk(2)
+    doc["same_tokens"] = k
+    if k < len(new) and their_ids:
+        theirs_k = their_ids[0]
+        doc["ours_token"], doc["llamacpp_token"] = tok.decode([new[k]]), tok.decode([theirs_k])
+        doc["margin"] = float(logits[new[k]] - logits[theirs_k])  # our first choice over llama.cpp's
+        doc["top2_margin"] = float(top.values[0] - top.values[1])
+        doc["llamacpp_rank"] = int((logits > logits[theirs_k]).sum())  # 0: our first choice
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--bin", type=Path, required=True, help="llama.cpp's build/bin (llama-perplexity)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--greedy", type=int, default=32, help="greedy tokens compared per prompt (0: none)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     model = mh.pretrained.smollm2()
@@ -101,6 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     window = f"sliding window, stride {args.context // 2}, {sliding.scored} tokens"
     print(f"multihead  {float(sliding):.4f} ({window})")
     print(tail, file=sys.stderr)
+    doc["greedy"] = []
+    for prompt in prompts(model) if args.greedy else []:
+        d = parting(
+            model, prompt, llamacpp_text(args.bin / "llama-simple", gguf, prompt, args.greedy), args.greedy
+        )
+        doc["greedy"].append(d)
+        where = "identical" if d["ours"] == d["llamacpp"] else f"part after {d['same_tokens']} tokens"
+        margin = (
+            f" (our margin there {d['margin']:.3f} logits, llama.cpp's token our #{d['llamacpp_rank'] + 1})"
+        )
+        print(f"greedy {d['tokens']} tokens: {where}{margin if 'margin' in d else ''}: {d['ours'][:60]!r}")
     if args.json is not None:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0

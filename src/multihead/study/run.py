@@ -36,6 +36,7 @@ from .sections.heads import heads
 from .sections.kv_cache import kv_cache
 from .sections.minilm import minilm
 from .sections.performance import performance
+from .sections.real_lm import real_lm
 from .sections.walk import walk
 
 __all__ = ["SECTIONS", "Section", "StudyContext", "Table", "human", "run_study", "walk_table"]
@@ -47,6 +48,7 @@ SECTIONS: list[Callable[[StudyContext], Section]] = [
     kv_cache,
     performance,
     minilm,
+    real_lm,
     approximations,
     heads,
     designs,

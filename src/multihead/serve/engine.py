@@ -10,8 +10,11 @@ Each :meth:`Engine.step` schedules (:mod:`.scheduler`), runs one batched decode 
 running sequence and one packed forward for the prompts being prefilled (:mod:`.runner`), picks each
 request's next token with its own sampler (:mod:`.sampling`), and frees the blocks of the requests that
 finished. Sequences join and leave the batch at every step. The engine owns the cache pool; the model
-is only read. Greedy outputs equal ``model.generate`` of each prompt alone (within the float rounding
-of a batched matmul against a one-row one, which decides a token only on a near tie).
+is only read: the engine runs a copy of its modules in eval mode on the same weight tensors, its plain
+linears replaced by native-GEMV ones for the few-row products of a decode step
+(:func:`.runner.runtime_copy`; a parameter replaced on the model after the engine was built is not
+seen). Greedy outputs equal ``model.generate`` of each prompt alone (within the float rounding of a
+batched matmul against a one-row one, which decides a token only on a near tie).
 
 The engine is not thread-safe by itself: :meth:`add`, :meth:`abort` and :meth:`step` take a lock, so a
 server may call them from different threads.
@@ -30,7 +33,7 @@ from .. import threads
 from ..models.generation import stop_ids
 from .paged_cache import PagedKVCache
 from .request import FinishReason, Request, RequestOutput, Sequence
-from .runner import forward_decode, forward_packed, why_not_model
+from .runner import forward_decode, forward_packed, runtime_copy, why_not_model
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 
@@ -90,6 +93,7 @@ class Engine:
             whole = max_seqs * -(-model.max_len // block_size)
             num_blocks = max(1, min(DEFAULT_KV_BYTES // make(1).block_bytes, whole))
         self.model, self.cache = model, make(num_blocks)
+        self.runtime = runtime_copy(model)  # the model's weights, native GEMV for a few rows, eval mode
         self.tokenizer = getattr(model, "tokenizer", None) if tokenizer is None else tokenizer
         self.scheduler = Scheduler(self.cache, max_seqs, max_prefill_tokens)
         self._seqs: dict[str, Sequence] = {}
@@ -164,16 +168,9 @@ class Engine:
         with self._lock:
             plan = self.scheduler.schedule()
             touched: list[Sequence] = []
-            was_training = self.model.training
-            if was_training:  # eval mode for the step (train() walks every module: only when needed)
-                self.model.train(False)
-            try:
-                tokens = len(plan.decode) + sum(n for _, n in plan.prefill)
-                with threads.limited(threads.threads_for(2.0 * self._params * tokens, self._bytes)):
-                    self._run(plan, touched)
-            finally:
-                if was_training:
-                    self.model.train(True)
+            tokens = len(plan.decode) + sum(n for _, n in plan.prefill)
+            with threads.limited(threads.threads_for(2.0 * self._params * tokens, self._bytes)):
+                self._run(plan, touched)
             out = []
             for seq in sorted(touched, key=lambda s: s.arrival):
                 if seq.finish_reason is not None:
@@ -185,13 +182,15 @@ class Engine:
     def _run(self, plan: Any, touched: list[Sequence]) -> None:
         if plan.decode:
             ids = [s.tokens[-1] for s in plan.decode]
-            logits = forward_decode(self.model, self.cache, [s.id for s in plan.decode], ids)  # (B, V)
+            logits = forward_decode(self.runtime, self.cache, [s.id for s in plan.decode], ids)  # (B, V)
             for s, row in zip(plan.decode, logits):
                 s.cached += 1
                 self._sample(s, row, touched)
         if plan.prefill:
             chunks = [s.tokens[s.cached : s.cached + n] for s, n in plan.prefill]
-            logits = forward_packed(self.model, self.cache, [s.id for s, _ in plan.prefill], chunks)  # (n, V)
+            logits = forward_packed(
+                self.runtime, self.cache, [s.id for s, _ in plan.prefill], chunks
+            )  # (n, V)
             for (s, n), row in zip(plan.prefill, logits):
                 s.cached += n
                 if s.pending == 0:  # the whole sequence is in the cache: its next token

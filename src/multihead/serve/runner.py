@@ -18,18 +18,20 @@ V vocabulary.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..core.masks import Mask, causal, document, padding
+from ..models.gemv_linear import GemvLinear
 from ..nn.attention import MultiHeadAttention
 from .paged_attention import paged_slots
 from .paged_cache import PagedKVCache
 
-__all__ = ["PagedLayer", "forward_decode", "forward_packed", "why_not_model"]
+__all__ = ["PagedLayer", "forward_decode", "forward_packed", "runtime_copy", "why_not_model"]
 
 
 class PagedLayer:
@@ -72,6 +74,23 @@ def why_not_model(model: Any) -> str | None:
     if len(heads) != 1:
         return f"the layers have different kv heads or head dims {sorted(heads)}; one pool shape serves all"
     return None
+
+
+def runtime_copy(model: Any) -> Any:
+    """What the engine runs: a copy of ``model``'s modules in eval mode that shares every weight tensor
+    (no copy of the weights; in-place changes to them are seen), each plain ``nn.Linear`` replaced by a
+    :class:`~multihead.models.gemv_linear.GemvLinear` on the same weight, whose calls of 1-4 rows (a
+    decode step of a few sequences) run the native GEMV. ``model`` itself is left as it is."""
+    keep: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is not None:
+        keep[id(tokenizer)] = tokenizer
+    out = copy.deepcopy(model, keep)
+    for module in list(out.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, GemvLinear.from_linear(child))
+    return out.train(False)
 
 
 def _embed(model: Any, ids: Tensor, positions: Tensor) -> Tensor:

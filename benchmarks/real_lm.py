@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized to fp32) on held-out English Wi
     python benchmarks/real_lm.py --rows fp32,int8-g32,mla-48+rec --recover-minutes 8
 
 The rows and how each is scored: ``multihead.bench.real_lm`` (rows ending ``+rec`` run ``mh.heads.recover``
-for ``--recover-minutes`` of wall time each). Method and text: docs/real-lm.md.
+for ``--recover-minutes`` of CPU time each). Method and text: docs/real-lm.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ def main() -> None:
         "--rows", default=",".join(real_lm.ROWS), help=f"comma-separated, of {', '.join(real_lm.ROWS)}"
     )
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
-    ap.add_argument("--recover-minutes", type=float, default=8.0, help="wall minutes of recover a +rec row")
+    ap.add_argument(
+        "--recover-minutes",
+        type=float,
+        default=8.0,
+        help="CPU-minutes (the process's, all threads) of recover in a +rec row",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON (rewritten after every row)")
     args = ap.parse_args()
     names = [n.strip() for n in args.rows.split(",") if n.strip()]

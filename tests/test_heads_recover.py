@@ -4,6 +4,7 @@ surgery changed (the rest stays bit-identical), is deterministic for a seed, and
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 
 import pytest
@@ -111,6 +112,20 @@ def test_the_held_out_check_keeps_the_best_state_and_stops_on_patience():
     assert good["best_step"] > 0 and min(losses) < losses[0]  # a rate that helps moves the best state on
 
 
+def test_cpu_clock_counts_this_process_cpu_time(monkeypatch):
+    """clock="cpu" stops on time.process_time: a fake CPU clock that advances 1 s a reading stops a
+    0.1-minute budget after a handful of steps, however fast the wall clock runs."""
+    module = importlib.import_module(
+        "multihead.heads.recover"
+    )  # the module (the package exports the function)
+    ticks = iter(range(10_000))
+    monkeypatch.setitem(module.CLOCKS, "cpu", lambda: float(next(ticks)))
+    teacher, report = _lm(), {}
+    heads.recover(heads.to_mla(teacher, 6), teacher, _ids(), minutes=0.1, clock="cpu", holdout=0,
+                  progress=False, report=report)  # fmt: skip
+    assert report["stopped"] == "minutes" and 1 <= report["steps"] <= 6, report
+
+
 def test_schedule_warms_up_then_decays_to_zero():
     assert schedule(1.0, 0, 0.0) == pytest.approx(0.1)  # warm-up: step 1 of 10
     assert schedule(1.0, 9, 0.0) == pytest.approx(1.0)
@@ -130,6 +145,7 @@ def test_schedule_warms_up_then_decays_to_zero():
         ({"steps": 1, "holdout": -1}, r"holdout must be an int >= 0, got -1"),
         ({"steps": 1, "average": 1.0}, r"a decay between 0 and 1 \(e\.g\. 0\.99\), got 1\.0"),
         ({"steps": 1, "average": True}, r"average must be None or a decay between 0 and 1"),
+        ({"minutes": 1, "clock": "gpu"}, r"clock must be one of \['wall', 'cpu'\] \(what minutes counts\)"),
     ],
 )
 def test_bad_arguments(kw, match):

@@ -10,14 +10,14 @@ all layers. The rows (:data:`ROWS`):
   32 inputs, and an int8 KV cache beside fp32 weights;
 - approximations of :mod:`multihead.approx` that a causal LM can use, two sizes each: a sliding window
   (``SparseMask(local(w))``), the same window beside the first 4 tokens (``local_global(w, 4)``: the
-  attention sinks of StreamingLLM, Xiao et al., 2024), ``TopK(k)``, ``LowRank(r, "random")`` (a randomized
-  rank-r SVD of each head's exact weights) and ``Performer(F)`` (FAVOR+ linear attention), put into every
-  layer by ``approx.apply`` with no training;
+  attention sinks of StreamingLLM, Xiao et al., 2024), ``TopK(k)``, ``LowRank(r)`` (the rank-r SVD of each
+  head's exact weights: a bound on what low rank can do, and slow: an SVD per head and window) and
+  ``Performer(F)`` (FAVOR+ linear attention), put into every layer by ``approx.apply`` with no training;
 - head surgery: ``to_gqa(model, 1)`` (3 kv heads mean-pooled into 1), ``to_mla`` at two latent ranks
   with 16 rotary dims kept per kv head (``rope_select="norm"``, and ``"disjoint"``: the pairs a DeepSeek-V3
   checkpoint can hold), and pruning the 3 least important of the 9 query heads of every layer (Michel et
   al.'s importance on training-slice ids); each raw, and (rows ending ``+rec``) after
-  ``mh.heads.recover`` for a few minutes of wall time on token ids of the training slice.
+  ``mh.heads.recover`` for a few CPU-minutes (``clock="cpu"``) on token ids of the training slice.
 
 Shape legend: n sequences, N tokens.
 """
@@ -55,7 +55,7 @@ class Settings:
     prompt_chars: int = 300
     new_tokens: int = 32
     calibration: tuple[int, int] = (4, 256)  # sequences x tokens for to_mla and importance
-    recover_minutes: float | None = 8.0  # wall time of each recovery
+    recover_minutes: float | None = 8.0  # CPU-minutes of each recovery (the process's, all threads)
     recover_steps: int | None = None  # or (also) a number of optimizer steps
     recover_sequences: int = 512  # training sequences of recover_tokens for recovery
     recover_tokens: int = 128
@@ -132,7 +132,7 @@ def _mla(rank: int, select: str) -> Callable[[nn.Module, Settings], nn.Module]:
 
 
 def _recovered(surgery: Callable[[nn.Module, Settings], nn.Module]) -> Callable[..., tuple[nn.Module, dict]]:
-    """The surgery, then ``recover`` for ``s.recover_minutes`` (and / or ``s.recover_steps``) on
+    """The surgery, then ``recover`` for ``s.recover_minutes`` CPU-minutes (and / or ``s.recover_steps``) on
     ``recover_sequences`` id lists of the training slice, batches of 8, a held-out stop on 16 of them."""
 
     def build(base: nn.Module, s: Settings) -> tuple[nn.Module, dict[str, Any]]:
@@ -140,8 +140,8 @@ def _recovered(surgery: Callable[[nn.Module, Settings], nn.Module]) -> Callable[
         train = _ids(wikipedia.training()[4:], base.tokenizer, s.recover_sequences, s.recover_tokens)
         report: dict[str, Any] = {}
         t0 = time.perf_counter()
-        recover(student, base, train, minutes=s.recover_minutes, steps=s.recover_steps, batch_size=8,
-                holdout=16, checks=8, progress=False, report=report)  # fmt: skip
+        recover(student, base, train, minutes=s.recover_minutes, steps=s.recover_steps, clock="cpu",
+                batch_size=8, holdout=16, checks=8, progress=False, report=report)  # fmt: skip
         extra = {"recover_steps": report.get("steps"), "recover_best_step": report.get("best_step"),
                  "recover_seconds": time.perf_counter() - t0, "recover_stopped": report.get("stopped"),
                  "recover_sequences": len(train)}  # fmt: skip
@@ -189,13 +189,13 @@ ROWS: dict[str, Row] = {
     "topk-16": Row("top-16 keys per query", _approx(approx.TopK(16))),
     "topk-64": Row("top-64 keys per query", _approx(approx.TopK(64))),
     "lowrank-32": Row(
-        "rank 32 (randomized SVD of the weights)",
-        _approx(approx.LowRank(32, "random", clamp=True)),
+        "rank-32 SVD of the weights",
+        _approx(approx.LowRank(32, clamp=True)),
         cached=False,
     ),
     "lowrank-128": Row(
-        "rank 128 (randomized SVD of the weights)",
-        _approx(approx.LowRank(128, "random", clamp=True)),
+        "rank-128 SVD of the weights",
+        _approx(approx.LowRank(128, clamp=True)),
         cached=False,
     ),
     "performer-64": Row("Performer, 64 features", _approx(approx.Performer(64))),

@@ -227,6 +227,10 @@ def _step(
     return loss
 
 
+#: what ``recover(minutes=...)`` counts: elapsed time, or the process's CPU time over all its threads
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def recover(
     student: nn.Module,
     teacher: nn.Module,
@@ -234,6 +238,7 @@ def recover(
     *,
     minutes: float | None = None,
     steps: int | None = None,
+    clock: str = "wall",
     lr: float | None = None,
     lengths: str = "mixed",
     batch_size: int = 16,
@@ -260,9 +265,12 @@ def recover(
         student: the changed model (trained in place), a SentenceEncoder, Bert or TransformerLM.
         teacher: the original (not changed; frozen).
         texts: training inputs: texts (SentenceEncoder) or token ids ((n, N) int tensor, id lists).
-        minutes: stop after this much wall time.
+        minutes: stop after this much time on ``clock``.
         steps: stop after this many optimizer steps (at least one of minutes and steps is needed; with
             both, whichever comes first).
+        clock: what ``minutes`` counts: "wall" (elapsed time) or "cpu" (this process's CPU time, all its
+            threads: ``time.process_time``), a budget that a machine shared with other work does not
+            shrink; 8 CPU-minutes are about 4 minutes of wall time on two idle cores.
         lr: AdamW peak learning rate (no weight decay); None: 2e-5 (encoders) or 1e-4 (LMs).
         lengths: "mixed" (texts only): train on :func:`mixed_lengths` of the texts - the texts, their
             sentences and 1-3 word spans - so that short inputs do not drift; "as-given": the inputs as
@@ -292,8 +300,12 @@ def recover(
 
     Raises:
         ValueError: neither minutes nor steps, bad sizes or teacher_cache_mb, an unknown lengths, train
-            choice or parameter name, nothing to train, models of different kinds or layer counts.
+            choice or parameter name, an unknown clock, nothing to train, models of different kinds or
+            layer counts.
     """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {list(CLOCKS)} (what minutes counts), got {clock!r}")
+    now = CLOCKS[clock]
     sizes = {"steps": steps, "batch_size": batch_size, "max_tokens": max_tokens, "holdout": holdout,
              "checks": checks, "patience": patience}  # fmt: skip
     _check_args(student, teacher, minutes, sizes)
@@ -331,7 +343,7 @@ def recover(
     for n, p in params.items():
         p.requires_grad_(n in trained)
     bar, task = _progress(float(steps) if steps is not None else float(limit or 0.0), "recover", progress)
-    start, step, stopped, stale, next_check = time.perf_counter(), 0, "", 0, 0.0
+    start, step, stopped, stale, next_check = now(), 0, "", 0, 0.0
     batches = _batches(seqs, batch_size, g)
 
     def check(at: int) -> bool:  # the held-out loss of the student (of its average, with one)
@@ -344,7 +356,7 @@ def recover(
             if judge is not None:
                 check(0)  # the unrecovered student is a candidate
             while True:
-                elapsed = time.perf_counter() - start
+                elapsed = now() - start
                 done = max(0.0 if steps is None else step / steps, 0.0 if limit is None else elapsed / limit)
                 if done >= 1.0:
                     stopped = "steps" if steps is not None and step >= steps else "minutes"
@@ -360,7 +372,7 @@ def recover(
                 step += 1
                 if ema:
                     ema.update(step)
-                shown = step if steps is not None else min(time.perf_counter() - start, limit or 0.0)
+                shown = step if steps is not None else min(now() - start, limit or 0.0)
                 bar.update(task, completed=shown, info=f"step {step} loss {loss:.4f}")
             if judge is not None and judge.history[-1][0] != step:
                 check(step)

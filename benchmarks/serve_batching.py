@@ -34,6 +34,7 @@ from multihead.serve import Engine, Request, SamplingParams
 def baseline(model, prompt: list[int], ntg: int) -> float:
     """One sequence alone: generated tokens/s of model.generate after its first token."""
     ids = torch.tensor([prompt])
+    model.generate(ids, 2, eos_token_id=())  # warm: the first native step builds and checks its plan
     t = time.perf_counter()
     model.generate(ids, 1, eos_token_id=())
     one = time.perf_counter() - t

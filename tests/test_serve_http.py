@@ -210,3 +210,23 @@ def test_load_on_the_loopback_answers_everyone_and_leaks_no_block(served, lm):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_stream_closed_by_its_client_aborts_the_request_and_frees_its_blocks(served):
+    from multihead.cli import serve_app
+    from multihead.serve import Request, SamplingParams
+
+    runner, _ = served
+    engine = runner.engine
+
+    async def go():
+        request = Request([1, 2, 3], SamplingParams(max_tokens=400, stop_token_ids=()), id="long")
+        queue = runner.submit(request)
+        events = serve_app._events(runner, queue, serve_app._Shape("long", "tiny", False, 0), False)
+        await events.__anext__()  # the first token's event
+        await events.aclose()  # the client went away: the generator is closed
+
+    asyncio.run(go())
+    assert runner.in_flight == 0 and not engine.has_unfinished()
+    assert engine.tokens_generated < 400  # it was cut short, not run to its end
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks

@@ -230,3 +230,17 @@ def test_a_stream_closed_by_its_client_aborts_the_request_and_frees_its_blocks(s
     assert runner.in_flight == 0 and not engine.has_unfinished()
     assert engine.tokens_generated < 400  # it was cut short, not run to its end
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
+
+
+def test_past_the_requests_in_flight_a_request_is_told_to_retry(served):
+    runner, _ = served
+    app = build_app(runner, "tiny", Limits(max_concurrent=0))
+
+    async def go():
+        async with client(app) as c:
+            r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 429
+            err = r.json()["error"]
+            assert err["type"] == "rate_limit_error" and "the limit is 0; retry later" in err["message"]
+
+    asyncio.run(go())

@@ -140,7 +140,8 @@ def build_app(runner: EngineThread, name: str, limits: Limits | None = None) -> 
         if runner.in_flight >= limits.max_concurrent:
             raise _Refused(
                 429,
-                f"{runner.in_flight} requests are in flight, the limit is {limits.max_concurrent}; retry later",
+                f"{runner.in_flight} requests are in flight, the limit is {limits.max_concurrent}; "
+                "retry later",
                 kind="rate_limit_error",
             )
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

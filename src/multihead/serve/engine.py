@@ -33,7 +33,7 @@ from .. import threads
 from ..models.generation import stop_ids
 from .paged_cache import PagedKVCache
 from .request import FinishReason, Request, RequestOutput, Sequence
-from .runner import forward_decode, forward_packed, runtime_copy, why_not_model
+from .runner import cache_shape, forward_decode, forward_packed, runtime_copy, why_not_model
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 
@@ -47,7 +47,8 @@ class Engine:
     """Continuous batching of requests over a :class:`PagedKVCache` built for ``model``.
 
     Args:
-        model: a :class:`~multihead.TransformerLM` (plain multi-head / grouped-query attention layers).
+        model: a :class:`~multihead.TransformerLM` (multi-head / grouped-query attention layers, or
+            latent attention (MLA) layers, whose pages hold one latent key per token).
         num_blocks: blocks of the pool; default: as many as :data:`DEFAULT_KV_BYTES` (256 MiB) hold, or
             fewer when ``max_seqs`` sequences of the model's whole context fit in less.
         block_size: tokens per block.
@@ -74,20 +75,21 @@ class Engine:
         why = why_not_model(model)
         if why is not None:
             raise ValueError(f"Engine cannot serve this model: {why}")
-        attn = model.layers[0].self_attn
+        heads, width, latent = cache_shape(model)
         p = model.embed.weight
         for name, val in (("max_seqs", max_seqs), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"Engine {name} must be an int >= 1, got {val!r}")
         make = lambda n: PagedKVCache(  # noqa: E731
             len(model.layers),
-            attn.n_kv_heads,
-            attn.head_dim,
+            heads,
+            width,
             n,
             block_size=block_size,
             kind=kv,
             dtype=p.dtype,
             device=p.device,
+            latent_values=latent,
         )
         if num_blocks is None:  # 256 MiB, or less when max_seqs sequences of the whole context fit in less
             whole = max_seqs * -(-model.max_len // block_size)

@@ -52,6 +52,9 @@ class PagedKVCache:
         dtype: dtype of the keys and values written and read (default ``torch.get_default_dtype()``).
         device: where the pools live.
         v_head_dim: Dv of the values, default ``head_dim``.
+        latent_values: for multi-head latent attention (MLA): the values are the first
+            ``latent_values`` features of the keys (the latent c_kv of ``[c_kv | k_R]``), so no value
+            pools are kept and :meth:`read` returns a view of the keys (``"dense"`` only).
 
     Raises:
         ValueError: sizes that are not ints >= 1, an unknown kind, a non-float dtype, or pools larger than
@@ -70,6 +73,7 @@ class PagedKVCache:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         v_head_dim: int | None = None,
+        latent_values: int | None = None,
     ):
         own = "PagedKVCache"
         for name, val in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
@@ -86,6 +90,12 @@ class PagedKVCache:
             head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1, owner=own)
         )
         self.block_size, self.kind, self.dtype = block_size, kind, dtype
+        self.latent_values = latent_values
+        if latent_values is not None:
+            check_int("latent_values", latent_values, 1, head_dim, owner=own)
+            if kind != "dense":
+                raise ValueError(f"{own} latent pages are kind='dense' only (the latent is the compression)")
+            self.v_head_dim = latent_values
         self.scale_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         check_fits(
             self.block_bytes * num_blocks,
@@ -96,7 +106,8 @@ class PagedKVCache:
         store = torch.int8 if kind == "int8" else dtype
         shape = (num_blocks, block_size, n_kv_heads)  # (num_blocks, bs, Hkv)
         self.k = [torch.zeros(*shape, head_dim, dtype=store, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(*shape, self.v_head_dim, dtype=store, device=device) for _ in range(n_layers)]
+        values = 0 if latent_values is not None else n_layers  # latent pages: the values are in the keys
+        self.v = [torch.zeros(*shape, self.v_head_dim, dtype=store, device=device) for _ in range(values)]
         scales = kind == "int8"
         self.k_scale = (
             [torch.zeros(*shape, 1, dtype=self.scale_dtype, device=device) for _ in self.k] if scales else []
@@ -123,7 +134,7 @@ class PagedKVCache:
     def block_bytes(self) -> int:
         """Bytes one block takes over all layers: keys, values and (int8) their scales."""
         elt = 1 if self.kind == "int8" else torch.empty(0, dtype=self.dtype).element_size()
-        per_token = (self.head_dim + self.v_head_dim) * elt
+        per_token = (self.head_dim + (0 if self.latent_values else self.v_head_dim)) * elt
         if self.kind == "int8":
             per_token += 2 * torch.empty(0, dtype=self.scale_dtype).element_size()
         return self.n_layers * self.block_size * self.n_kv_heads * per_token
@@ -274,7 +285,8 @@ class PagedKVCache:
     # -- data ---------------------------------------------------------------------------------------------
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store n tokens' keys k (n, Hkv, D) and values v (n, Hkv, Dv) of ``layer`` at ``slots`` (n,)
-        (from :meth:`append_slots`); int8 pools store them rounded, with their scales.
+        (from :meth:`append_slots`); int8 pools store them rounded, with their scales; latent pages
+        store only k (v, the keys' first features, is checked and not stored again).
 
         Raises:
             ValueError: k or v of another shape or dtype than the pools take.
@@ -287,6 +299,9 @@ class PagedKVCache:
                 f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype}"
             )
         flat = self._flat(layer)
+        if self.latent_values is not None:  # the values are the keys' first features: not stored again
+            flat[0][0].index_copy_(0, slots, k.detach())  # (S, 1, r + R)
+            return
         if self.kind == "int8":
             for (pool, scale), x in zip(flat, (k, v)):
                 assert scale is not None
@@ -301,6 +316,9 @@ class PagedKVCache:
         """Keys (..., Hkv, D) and values (..., Hkv, Dv) of ``layer`` at ``slots`` of any shape (...),
         in ``dtype`` (int8 pools dequantised)."""
         flat = self._flat(layer)
+        if self.latent_values is not None:
+            k = flat[0][0][slots]  # (..., 1, r + R)
+            return k, k[..., : self.latent_values]  # the values: a view of the keys
         if self.kind == "int8":
             (kq, ks), (vq, vs) = flat[0], flat[1]
             assert ks is not None and vs is not None
@@ -324,6 +342,8 @@ class PagedKVCache:
         S, H = self.num_blocks * self.block_size, self.n_kv_heads
         out: list[tuple[Tensor, Tensor | None]] = []
         for i, pools in enumerate((self.k, self.v)):
+            if not pools:  # latent pages keep no values
+                continue
             pool = pools[layer].view(S, H, -1)  # (S, Hkv, D or Dv)
             scales = (self.k_scale, self.v_scale)[i]
             out.append((pool, scales[layer].view(S, H, 1) if scales else None))  # (S, Hkv, 1)

@@ -28,10 +28,20 @@ from torch import Tensor, nn
 from ..core.masks import Mask, causal, document, padding
 from ..models.gemv_linear import GemvLinear
 from ..nn.attention import MultiHeadAttention
+from ..variants.latent import LatentAttention
+from ..variants.latent_cache import LatentCache
 from .paged_attention import paged_slots
 from .paged_cache import PagedKVCache
 
-__all__ = ["PagedLayer", "forward_decode", "forward_packed", "runtime_copy", "why_not_model"]
+__all__ = [
+    "PagedLatentLayer",
+    "PagedLayer",
+    "cache_shape",
+    "forward_decode",
+    "forward_packed",
+    "runtime_copy",
+    "why_not_model",
+]
 
 
 class PagedLayer:
@@ -56,6 +66,30 @@ class PagedLayer:
         return k_all.transpose(1, 2), v_all.transpose(1, 2)  # (b, Hkv, L, D), (b, Hkv, L, Dv)
 
 
+class PagedLatentLayer(LatentCache):
+    """:class:`PagedLayer` for a :class:`~multihead.variants.LatentAttention` layer, which takes only a
+    :class:`~multihead.variants.latent_cache.LatentCache` of its sizes: one holding no storage of its own
+    (the pages hold the latent keys ``[c_kv | k_R]``), whose ``update`` is the paged one."""
+
+    def __init__(self, paged: PagedLayer, kv_rank: int, rope_dims: int):
+        nn.Module.__init__(self)  # not LatentCache.__init__: nothing to allocate
+        self.kv_rank, self.rope_dims, self._seen = kv_rank, rope_dims, 0
+        self.paged = paged
+
+    def update(self, k_new: Tensor, v_new: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Write the latent keys (b, 1, n, r + R); return (b, 1, L, r + R) and c_kv (b, 1, L, r)."""
+        return self.paged.update(k_new, k_new[..., : self.kv_rank] if v_new is None else v_new)
+
+
+def cache_shape(model: Any) -> tuple[int, int, int | None]:
+    """(kv heads, key width, latent values or None) of the pages ``model`` needs (checked by
+    :func:`why_not_model`): a latent layer stores one latent key of width r + G R, its values the first r."""
+    attn = model.layers[0].self_attn
+    if isinstance(attn, LatentAttention):
+        return 1, attn.kv_rank + attn.rope_heads * attn.rope_dims, attn.kv_rank
+    return attn.n_kv_heads, attn.head_dim, None
+
+
 def why_not_model(model: Any) -> str | None:
     """None when the engine can run ``model`` over pages, else why not."""
     layers = getattr(model, "layers", None)
@@ -63,16 +97,20 @@ def why_not_model(model: Any) -> str | None:
         return f"a {type(model).__name__} is not a TransformerLM (embed, layers, final_norm, lm_head)"
     if getattr(model, "sliding_window", None) is not None:
         return "sliding-window models are not served over pages yet (their mask is per row)"
-    heads = set()
+    heads: set[tuple[int, int, int | None]] = set()
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
         if not isinstance(attn, MultiHeadAttention):
             return f"layer {i}'s self-attention is not a MultiHeadAttention"
+        if isinstance(attn, LatentAttention):
+            heads.add((1, attn.kv_rank + attn.rope_heads * attn.rope_dims, attn.kv_rank))
+            continue
         if type(attn).update_cache is not MultiHeadAttention.update_cache:
-            return f"layer {i}'s {type(attn).__name__} keeps its own cache (latent pages are a later step)"
-        heads.add((attn.n_kv_heads, attn.head_dim))
+            return f"layer {i}'s {type(attn).__name__} keeps a cache of its own kind"
+        heads.add((attn.n_kv_heads, attn.head_dim, None))
     if len(heads) != 1:
-        return f"the layers have different kv heads or head dims {sorted(heads)}; one pool shape serves all"
+        shapes = sorted(heads, key=str)
+        return f"the layers have different kv heads or head dims {shapes}; one pool shape serves all"
     return None
 
 
@@ -106,7 +144,11 @@ def _layers(model: Any, cache: PagedKVCache, x: Tensor, mask, positions, slots) 
     rope = positions if model.positions == "rotary" else None
     write, read = slots
     for i, layer in enumerate(model.layers):
-        x = layer(x, mask=mask, cache=PagedLayer(cache, i, write, read), positions=rope)  # (b, n, d)
+        view: Any = PagedLayer(cache, i, write, read)
+        attn = layer.self_attn
+        if isinstance(attn, LatentAttention):
+            view = PagedLatentLayer(view, attn.kv_rank, attn.rope_heads * attn.rope_dims)
+        x = layer(x, mask=mask, cache=view, positions=rope)  # (b, n, d)
     return model.final_norm(x)  # (b, n, d)
 
 

@@ -458,6 +458,13 @@ ONE_ID = torch.zeros(1, 1, dtype=torch.long)
 
 def _head_reason(head: Any, dtype: torch.dtype) -> str | None:
     """Why the output head's product cannot run inside a native greedy run, or None."""
+    if type(head) is GGUFLinear:  # its blocks (uint8 rows), fp32 activations and logits
+        if head._forward_hooks or head._forward_pre_hooks or head.why_not_native is not None:
+            return "the output head has forward hooks or no native kernel"
+        b = head.bias
+        if not head.blocks.is_contiguous() or (b is not None and not b.is_contiguous()):
+            return "the output head's blocks or bias are not contiguous"
+        return None
     if type(head) not in (GemvLinear, Int8GemvLinear):
         return f"the output head is a {type(head).__name__}, not a GemvLinear or an Int8GemvLinear"
     if head._forward_hooks or head._forward_pre_hooks:
@@ -479,11 +486,14 @@ def _head_reason(head: Any, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _table(model: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, int, bool] | None:
-    """The input embedding as the native run reads it: (rows, int8 scales or None, group, blocked)."""
+def _table(model: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, int, int] | None:
+    """The input embedding as the native run reads it: (rows, int8 scales or None, group, layout: int8
+    blocked or not, or GG_LAYOUT + a GGUF block type)."""
     emb = model.embed
     if type(emb) is nn.Embedding:
         return emb.weight, None, 0, False  # why_not_model: contiguous rows of the model's dtype
+    if type(emb) is GGUFEmbedding and emb.blocks.is_contiguous() and dtype == torch.float32:
+        return emb.blocks, None, 0, GG_LAYOUT + gguf_blocks.KINDS[emb.kind][0]
     native_table = getattr(emb, "native_table", None)
     return None if native_table is None else native_table()
 
@@ -531,7 +541,9 @@ def greedy_steps(
     g.table_scale = None if scales is None else scales.data_ptr()
     g.table_scale_row = 0 if scales is None else scales.stride(0)
     int8 = type(head) is Int8GemvLinear
-    w, scale, how = head.kernel_tensors() if int8 else (head.weight, None, 0)  # (V, d) or packed (V, R)
+    w, scale, how = (
+        head.kernel_tensors() if int8 else _kernel_tensors(head)
+    )  # (V, d), packed or blocks (V, R)
     g.head, g.vocab = w.data_ptr(), w.shape[0]
     g.head_scale = None if scale is None else scale.data_ptr()
     g.head_group = (head.group_size or d) if int8 else 0

@@ -108,7 +108,11 @@ int mh_decode_greedy(const mh_layer_args *a, int64_t n, int64_t pos, const mh_gr
     const float **cos = (const float **)(xs + nq / MH_Q8_BLOCK), **sin = cos + n;
     int status = 0;
     for (int64_t s = 0; s < steps; s++) {
-        if (int8_head) { /* fp32 activations, as Int8GemvLinear */
+        if (g->head_blocked >= MH_GG_LAYOUT) { /* GGUF's blocks (head_scale: any non-NULL), as GGUFLinear */
+            const int t = g->head_blocked - MH_GG_LAYOUT;
+            status = mh_gemm_gguf(t, g->head, d / 32 * mh_gguf_block_bytes(t), h, g->head_bias, (float *)logits, 1, V, d);
+            if (status != 0) break;
+        } else if (int8_head) { /* fp32 activations, as Int8GemvLinear */
             mh_quantize_q8(h, MH_F32, d, xq, xs);
             status = mh_gemv_q8(g->head, g->head_scale, xq, xs, g->head_bias, (float *)logits, V, d,
                                 mh_q8_row_bytes(d, g->head_blocked), g->head_group, g->head_blocked);
@@ -124,7 +128,10 @@ int mh_decode_greedy(const mh_layer_args *a, int64_t n, int64_t pos, const mh_gr
         ids[s] = id;
         *picked = s + 1;
         if (id == eos || (last && s == steps - 1)) break;
-        if (g->table_scale) { /* an int8 row, dequantized as the embedding's own lookup */
+        if (g->table_blocked >= MH_GG_LAYOUT) { /* a row of GGUF's blocks (table_row in bytes), as GGUFEmbedding */
+            mh_dequantize_row_gguf(g->table_blocked - MH_GG_LAYOUT, (const uint8_t *)g->table + id * g->table_row, d,
+                                   (float *)x);
+        } else if (g->table_scale) { /* an int8 row, dequantized as the embedding's own lookup */
             mh_dequantize_row_q8((const int8_t *)g->table + id * g->table_row, g->table_scale + id * g->table_scale_row, d,
                                  g->table_group, g->table_blocked, (float *)x);
         } else {

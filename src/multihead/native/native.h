@@ -226,6 +226,7 @@ int64_t mh_gguf_block_bytes(int type); /* 0: a type without a kernel */
 int mh_gemm_gguf(int type, const uint8_t *w, int64_t ldw, const float *x, const float *b, float *y, int64_t n,
                  int64_t rows, int64_t cols);
 int mh_gemv_gguf_team(int type, const uint8_t *w, int64_t ldw, const float *x, float *y, int64_t rows, int64_t cols);
+int mh_dequantize_row_gguf(int type, const uint8_t *row, int64_t cols, float *out);
 /* mh_gemv_q8's scratch: each lane's start, x in the blocked order, the blocks' starts */
 #define MH_Q8_SCRATCH(cols) (3 * (((cols) + 63) & ~(int64_t)63) + 64)
 /* the same with the caller's scratch: MH_Q8_SCRATCH(cols) bytes aligned to 64; fails only as -2 above */

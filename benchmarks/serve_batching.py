@@ -3,12 +3,13 @@ time (``model.generate`` of each prompt alone), on SmolLM2-135M-Instruct, and op
 ``llama-batched-bench`` on the same file and threads.
 
     python benchmarks/serve_batching.py [--npp 128] [--ntg 32] [--npl 1,4,16] [--threads 2] [--repeats 3]
-                                        [--llama-bin BUILD/bin] [--json out.json]
+                                        [--mixed] [--llama-bin BUILD/bin] [--json out.json]
 
 The shape is llama-batched-bench's: ``npl`` sequences, each a prompt of ``npp`` tokens then ``ntg``
 generated ones. For each ``npl`` the engine gets all prompts at once: its first step prefills them in
 one packed forward (S_PP, prompt tokens/s), the steps after it decode every sequence in one batched
-forward (S_TG: generated tokens/s summed over the sequences). The baseline decodes one prompt alone with
+forward (S_TG: generated tokens/s summed over the sequences; ``--mixed``: prompt lengths spread over
+npp/2 .. 3 npp/2). The baseline decodes one prompt alone with
 ``model.generate`` (its native one-token steps where the model allows them): S_TG = (ntg - 1) / (time of
 ntg tokens - time of 1 token); one sequence after another, that is also its rate at any npl. The runs
 interleave (baseline, then every npl, ``--repeats`` times) and the medians are printed with the ratios
@@ -82,6 +83,7 @@ def main() -> None:
     ap.add_argument("--ntg", type=int, default=32, help="generated tokens per sequence")
     ap.add_argument("--npl", default="1,4,16", help="concurrent sequences, comma-separated")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (llama.cpp -t)")
+    ap.add_argument("--mixed", action="store_true", help="prompt lengths spread over npp/2 .. 3 npp/2")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are printed")
     ap.add_argument("--llama-bin", type=Path, default=None, help="llama.cpp's bin folder, to run it too")
     ap.add_argument("--json", type=Path, default=None, help="write the numbers here")
@@ -90,7 +92,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # an application: the whole process on --threads
     model = mh.pretrained.smollm2()
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 40000, (args.npp,), generator=g).tolist() for _ in range(max(npl))]
+    lengths = [args.npp] * max(npl)
+    if args.mixed:  # the same total as npp each, spread evenly (the baseline's prompt has npp tokens)
+        lengths = [args.npp // 2 + (args.npp * i) // max(max(npl) - 1, 1) for i in range(max(npl))]
+        lengths[0] = args.npp
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lengths]
     base: list[float] = []
     pp: dict[int, list[float]] = {n: [] for n in npl}
     tg: dict[int, list[float]] = {n: [] for n in npl}
@@ -104,7 +110,9 @@ def main() -> None:
             print(f"round {r + 1}/{args.repeats}: baseline {base[-1]:.1f} tok/s, engine "
                   + ", ".join(f"npl={n} {tg[n][-1]:.1f}" for n in npl), flush=True)  # fmt: skip
     b = statistics.median(base)
-    print(f"\nSmolLM2-135M (Q4_1 dequantized to fp32), npp={args.npp} ntg={args.ntg}, {args.threads} threads")
+    spread = f" (mixed: {min(lengths)}..{max(lengths)} tokens)" if args.mixed else ""
+    shape = f"npp={args.npp}{spread} ntg={args.ntg}, {args.threads} threads"
+    print(f"\nSmolLM2-135M (Q4_1 dequantized to fp32), {shape}")
     print(f"one sequence at a time (model.generate): S_TG {b:.1f} tok/s")
     print("| npl | engine S_PP tok/s | engine S_TG tok/s | S_TG / one at a time | S_TG / engine npl=1 |")
     print("|---:|---:|---:|---:|---:|")

@@ -230,3 +230,13 @@ def test_latent_attention_pages_hold_one_latent_key_and_decode_as_generate():
     for p, o in zip(ps, outs):
         assert o.token_ids == alone(mla, p, 12, eos_token_id=())
     assert engine.cache.num_free_blocks == 30
+
+
+def test_an_int8_quantized_model_is_served(lm):
+    q8 = mh.quant.quantize(
+        lm, weights="int8", kv=None
+    )  # its embedding is int8: the pages take the norm's dtype
+    engine = Engine(q8, block_size=4)
+    outs = engine.generate(prompts([5, 12], seed=14), NO_STOP)
+    assert [len(o.token_ids) for o in outs] == [12, 12] and engine.cache.dtype == torch.float32
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks

@@ -76,7 +76,7 @@ class Engine:
         if why is not None:
             raise ValueError(f"Engine cannot serve this model: {why}")
         heads, width, latent = cache_shape(model)
-        p = model.embed.weight
+        p = _float_weight(model)  # the activations' dtype and device (an int8 model's embedding is int8)
         for name, val in (("max_seqs", max_seqs), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"Engine {name} must be an int >= 1, got {val!r}")
@@ -228,3 +228,19 @@ class Engine:
             "preemptions": self.scheduler.preemptions,
             "tokens_generated": self.tokens_generated,
         }
+
+
+def _float_weight(model: Any) -> torch.Tensor:
+    """A floating-point weight of ``model`` (the final norm's first): the dtype and device the engine's
+    pages take.
+
+    Raises:
+        ValueError: a model with no floating-point parameter or buffer.
+    """
+    norm = getattr(getattr(model, "final_norm", None), "weight", None)
+    if isinstance(norm, torch.Tensor) and norm.is_floating_point():
+        return norm
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t
+    raise ValueError(f"Engine needs a model with floating-point weights, {type(model).__name__} has none")

@@ -161,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         doc["greedy"].append(d)
         where = "identical" if d["ours"] == d["llamacpp"] else f"part after {d['same_tokens']} tokens"
-        margin = (
-            f" (our margin there {d['margin']:.3f} logits, llama.cpp's token our #{d['llamacpp_rank'] + 1})"
-        )
-        print(f"greedy {d['tokens']} tokens: {where}{margin if 'margin' in d else ''}: {d['ours'][:60]!r}")
+        margin = ""
+        if "margin" in d:
+            rank = d["llamacpp_rank"] + 1
+            margin = f" (our margin there {d['margin']:.3f} logits, llama.cpp's token our #{rank})"
+        print(f"greedy {d['tokens']} tokens: {where}{margin}: {d['ours'][:60]!r}")
     if args.json is not None:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0

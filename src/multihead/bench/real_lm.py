@@ -7,7 +7,8 @@ greedy tokens equal to the fp32 model's at the same place, and the KV cache byte
 all layers. The rows (:data:`ROWS`):
 
 - precision: ``mh.quant.quantize`` weights bf16 / fp16 / int8 per output channel / int8 per group of
-  32 inputs, and an int8 KV cache beside fp32 weights;
+  32 inputs; the file's own Q4_1 blocks in the native kernels (``from_gguf(path)``, activations rounded to
+  8 bits per block of 32 as llama.cpp does); an int8 KV cache beside fp32 weights;
 - approximations of :mod:`multihead.approx` that a causal LM can use, two sizes each: a sliding window
   (``SparseMask(local(w))``), the same window beside the first 4 tokens (``local_global(w, 4)``: the
   attention sinks of StreamingLLM, Xiao et al., 2024), ``TopK(k)``, ``LowRank(r)`` (the rank-r SVD of each
@@ -96,6 +97,13 @@ def _keep_text(new: nn.Module, base: nn.Module) -> nn.Module:
     return new
 
 
+def _file_blocks(base: nn.Module) -> nn.Module:
+    """The packaged file loaded again with its Q4_1 / Q8_0 blocks kept (``from_gguf``'s default)."""
+    from ..pretrained.gguf import from_gguf, smollm2_path
+
+    return from_gguf(smollm2_path())
+
+
 def _plain(
     build: Callable[[nn.Module], nn.Module],
 ) -> Callable[[nn.Module, Settings], tuple[nn.Module, dict]]:
@@ -175,6 +183,7 @@ ROWS: dict[str, Row] = {
     "int8-g32": Row(
         "int8 weights per 32", _plain(lambda m: quantize(m, weights="int8", kv=None, group_size=32))
     ),
+    "q4_1-blocks": Row("the file's own Q4_1 blocks, native (8-bit activations)", _plain(_file_blocks)),
     "kv-int8": Row(
         "fp32 weights, int8 KV", _plain(lambda m: quantize(m, weights=None, kv="int8")), kv="int8"
     ),

@@ -3,7 +3,8 @@ time (``model.generate`` of each prompt alone), on SmolLM2-135M-Instruct, and op
 ``llama-batched-bench`` on the same file and threads.
 
     python benchmarks/serve_batching.py [--npp 128] [--ntg 32] [--npl 1,4,16] [--threads 2] [--repeats 3]
-                                        [--mixed] [--llama-bin BUILD/bin] [--json out.json]
+                                        [--weights fp32|int8] [--mixed] [--llama-bin BUILD/bin]
+                                        [--json out.json]
 
 The shape is llama-batched-bench's: ``npl`` sequences, each a prompt of ``npp`` tokens then ``ntg``
 generated ones. For each ``npl`` the engine gets all prompts at once: its first step prefills them in
@@ -83,6 +84,12 @@ def main() -> None:
     ap.add_argument("--ntg", type=int, default=32, help="generated tokens per sequence")
     ap.add_argument("--npl", default="1,4,16", help="concurrent sequences, comma-separated")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (llama.cpp -t)")
+    ap.add_argument(
+        "--weights",
+        choices=("fp32", "int8"),
+        default="fp32",
+        help="fp32, or int8 with a scale per 32 weights",
+    )
     ap.add_argument("--mixed", action="store_true", help="prompt lengths spread over npp/2 .. 3 npp/2")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are printed")
     ap.add_argument("--llama-bin", type=Path, default=None, help="llama.cpp's bin folder, to run it too")
@@ -91,6 +98,10 @@ def main() -> None:
     npl = [int(x) for x in args.npl.split(",")]
     torch.set_num_threads(args.threads)  # an application: the whole process on --threads
     model = mh.pretrained.smollm2()
+    if (
+        args.weights == "int8"
+    ):  # llama.cpp's Q8_0 rounding: a scale per 32 weights, native several-row products
+        model = mh.quant.quantize(model, weights="int8", kv=None, group_size=32)
     g = torch.Generator().manual_seed(0)
     lengths = [args.npp] * max(npl)
     if args.mixed:  # the same total as npp each, spread evenly (the baseline's prompt has npp tokens)
@@ -112,7 +123,8 @@ def main() -> None:
     b = statistics.median(base)
     spread = f" (mixed: {min(lengths)}..{max(lengths)} tokens)" if args.mixed else ""
     shape = f"npp={args.npp}{spread} ntg={args.ntg}, {args.threads} threads"
-    print(f"\nSmolLM2-135M (Q4_1 dequantized to fp32), {shape}")
+    weights = "Q4_1 dequantized to fp32" if args.weights == "fp32" else "int8 weights, a scale per 32"
+    print(f"\nSmolLM2-135M ({weights}), {shape}")
     print(f"one sequence at a time (model.generate): S_TG {b:.1f} tok/s")
     print("| npl | engine S_PP tok/s | engine S_TG tok/s | S_TG / one at a time | S_TG / engine npl=1 |")
     print("|---:|---:|---:|---:|---:|")
@@ -122,7 +134,14 @@ def main() -> None:
         s_pp, s_tg = statistics.median(pp[n]), statistics.median(tg[n])
         rows[n] = {"s_pp": s_pp, "s_tg": s_tg, "vs_one_at_a_time": s_tg / b, "vs_engine_first": s_tg / first}
         print(f"| {n} | {s_pp:.1f} | {s_tg:.1f} | {s_tg / b:.2f}x | {s_tg / first:.2f}x |")
-    result = {"npp": args.npp, "ntg": args.ntg, "threads": args.threads, "baseline_s_tg": b, "engine": rows}
+    result = {
+        "weights": args.weights,
+        "npp": args.npp,
+        "ntg": args.ntg,
+        "threads": args.threads,
+        "baseline_s_tg": b,
+        "engine": rows,
+    }
     if args.llama_bin is not None:
         rates = llama_batched(
             args.llama_bin, mh.pretrained.smollm2_path(), args.npp, args.ntg, npl, args.threads

@@ -4,6 +4,8 @@
     -> tensor names -> Hugging Face names, shapes matched on the ``meta`` device (no memory)
     -> tensors dequantized with ``gguf.quants`` -> q/k rows back in Hugging Face's rotary order
     -> :func:`~multihead.pretrained.llama.llama_from_state_dict` -> TransformerLM + tokenizer + EOS ids
+    -> (default) the Q4_0 / Q4_1 / Q8_0 tensors' modules swapped for ones holding the file's blocks
+       (:mod:`.gguf_kept`; those tensors are never dequantized)
 
 llama.cpp's converter stores LLaMA's and Mistral's q/k projection rows permuted for its rotary layout
 (the two halves of each head interleaved); they are put back in the half-split order of Hugging Face

@@ -83,6 +83,23 @@ def test_greedy_runs_give_the_step_by_step_tokens(spec, monkeypatch):
     assert len(steps) - runs == sum(n - 1 for n in lengths) + fast_eos.shape[1] - 12 + 8  # decode_step each
 
 
+def test_a_streamer_sees_the_first_token_after_one_token_run(monkeypatch):
+    """With a streamer the native runs pick 1, 2, 4, then GREEDY_CHUNK tokens, and the tokens are those
+    of the runs without it."""
+    model = _quantized(_lm(), FP32)
+    asked: list[int] = []
+    run = model.greedy_steps
+    monkeypatch.setattr(
+        model, "greedy_steps", lambda h, out, t, n, *a: asked.append(n) or run(h, out, t, n, *a)
+    )
+    seen: list[int] = []
+    with torch.no_grad():
+        streamed = model.generate(PROMPT, 20, eos_token_id=[], streamer=lambda tok: seen.append(int(tok)))
+        assert asked == [1, 2, 4, 8, 5] and seen == streamed[0, 11:].tolist()
+        asked.clear()
+        assert torch.equal(streamed, model.generate(PROMPT, 20, eos_token_id=[])) and asked == [8, 8, 4]
+
+
 @pytest.mark.parametrize("spec", WEIGHTS[:2] + WEIGHTS[3:4])
 def test_a_greedy_run_leaves_the_caches_and_state_of_the_steps(spec):
     model = _quantized(_lm(), spec)

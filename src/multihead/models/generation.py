@@ -164,7 +164,9 @@ def _steps(model: CausalLM, out: Tensor, h: Tensor, N: int, sampling, stop, cach
     """The decode loop after the prefill: pick a token from the last hidden state, then step on it; fills
     ``out`` (B, T). A model with ``greedy_steps`` (a :class:`~multihead.TransformerLM` whose steps run
     natively) picks greedy batch-1 tokens :data:`GREEDY_CHUNK` at a time in one native call; where it
-    declines (None), the step below runs. A row that emitted a stop id keeps emitting that id."""
+    declines (None), the step below runs. With a streamer the runs start at one token and double up to
+    :data:`GREEDY_CHUNK`, so that the first token is seen right after the prefill (the tokens are the
+    same for any run length). A row that emitted a stop id keeps emitting that id."""
     stops, streamer = stop
     B, total = out.shape
     finished = torch.zeros(B, dtype=torch.bool, device=out.device)
@@ -175,10 +177,11 @@ def _steps(model: CausalLM, out: Tensor, h: Tensor, N: int, sampling, stop, cach
     greedy = getattr(model, "greedy_steps", None)
     if caches is None or B != 1 or sampling[0] or (am is not None and not bool(am.all())):
         greedy = None
-    t = N
+    t, chunk = N, 1 if streamer is not None else GREEDY_CHUNK
     while t < total:
         if greedy is not None:
-            n = min(GREEDY_CHUNK, total - t)
+            n = min(chunk, total - t)
+            chunk = min(2 * chunk, GREEDY_CHUNK)
             ran = greedy(h, out, t, n, t + n == total, native_eos, caches)
             if ran is not None:  # tokens out[:, t : t + picked], the caches advanced past the last one
                 picked, h = ran

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from .. import native
 from ..native import gguf_blocks
 from ..native import q4 as native_q4
+from .int8_gemv_linear import native_input
 
 __all__ = ["KINDS", "GGUFEmbedding", "GGUFLinear", "dequantize_blocks_", "quantize_blocks_"]
 
@@ -83,15 +84,7 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.blocks
-        if (
-            x.dim() >= 1
-            and x.shape[-1] == self.in_features
-            and x.device.type == "cpu"
-            and w.device.type == "cpu"
-            and x.is_floating_point()
-            and not (torch.is_grad_enabled() and x.requires_grad)
-            and not native.watched()  # a FLOP counter or fake tensors see F.linear, not a native call
-        ):
+        if native_input(x, w, self.in_features):
             lib = native.library()
             if lib is not None:
                 x32 = x.reshape(-1, self.in_features).float().contiguous()  # (N, I)

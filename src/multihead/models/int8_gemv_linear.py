@@ -113,6 +113,20 @@ class BlockedRows(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
 
+def native_input(x: Tensor, w: Tensor, in_features: int) -> bool:
+    """Whether a quantized linear's native kernels may take ``x`` (..., I) against weights ``w``: both on
+    the CPU, x floating point of width ``in_features``, no gradient wanted, no dispatch mode watching."""
+    return (
+        x.dim() >= 1
+        and x.shape[-1] == in_features
+        and x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and x.is_floating_point()
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and not native.watched()  # a FLOP counter or fake tensors see F.linear, not a native call
+    )
+
+
 class Int8GemvLinear(BlockedRows):
     """``y = x W^T + b`` with int8 W and fp32 scales per group (see the module doc).
 
@@ -256,15 +270,7 @@ class Int8GemvLinear(BlockedRows):
 
     def forward(self, x: Tensor) -> Tensor:
         w, scale, how = self.kernel_tensors()
-        if (
-            x.dim() >= 1
-            and x.shape[-1] == self.in_features
-            and x.device.type == "cpu"
-            and w.device.type == "cpu"
-            and x.is_floating_point()
-            and not (torch.is_grad_enabled() and x.requires_grad)
-            and not native.watched()  # a FLOP counter or fake tensors see F.linear, not a native call
-        ):
+        if native_input(x, w, self.in_features):
             lib = native.library()
             if lib is not None:
                 x32 = x.reshape(-1, self.in_features).float().contiguous()  # (N, I)

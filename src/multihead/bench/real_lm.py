@@ -198,12 +198,12 @@ ROWS: dict[str, Row] = {
     "topk-16": Row("top-16 keys per query", _approx(approx.TopK(16))),
     "topk-64": Row("top-64 keys per query", _approx(approx.TopK(64))),
     "lowrank-32": Row(
-        "rank-32 SVD of the weights",
+        "rank-32 SVD of the attention weights",
         _approx(approx.LowRank(32, clamp=True)),
         cached=False,
     ),
     "lowrank-128": Row(
-        "rank-128 SVD of the weights",
+        "rank-128 SVD of the attention weights",
         _approx(approx.LowRank(128, clamp=True)),
         cached=False,
     ),

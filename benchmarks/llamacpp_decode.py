@@ -28,19 +28,7 @@ says how to build one offline. Steps:
    during our measurement, the faster probe keeps our share from reading above what the memory allowed),
    "of one limit" the median rate over the best of the runs' probes. And our
    greedy tokens in each precision against our fp32 model's: where they part and the fp32 logit margin
-   there.
-6. Where the rest of our step goes: in every run, right after our rate, our model's products alone
-   (``multihead.bench.decode.kernels_alone``: every linear layer and the head once, back to back, in one
-   native call, as a step makes them from C; the fastest of 3). "GEMVs" is their rate over that run's
-   limit, "of GEMVs" our rate over theirs (medians over the runs): a row below its limit whose "of GEMVs"
-   is near 100% is held by its products; one whose "GEMVs" is near 100% and "of GEMVs" is not, by the
-   rest of the step (attention over the cache, norms, rotary, residuals, the threads meeting).
-7. With two or more threads, the round trip of a cache line between our first two threads
-   (``multihead.native.round_trip_ns``) right before and right after our rate in every run, shown as the
-   range of all of them ("meet"):
-   on a virtual machine the host may move its virtual CPUs between minutes, onto one core complex (tens
-   of ns; the memory read rate of both threads then about one complex's) or two (hundreds of ns, a
-   faster read rate, every meeting of the threads dearer). Each run's figures are in the JSON's "runs".
+   there. Each run's figures are in the JSON's "runs".
 """
 
 from __future__ import annotations
@@ -60,14 +48,11 @@ from pathlib import Path
 import torch
 
 import multihead as mh
-from multihead import native
 from multihead.bench import decode, timing, tokens
-from multihead.bench.runs import median_rate, meet_text, paired_limit_text
+from multihead.bench.runs import median_rate, paired_limit_text
 from multihead.models import quant
 from multihead.native import hugepages
 
-#: GGUF type -> our activations' dtype (int8 weights take fp32 activations, rounded per 32-block inside)
-ACTIVATIONS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "q8_0": torch.float32}
 #: GGUF type -> (our quantize arguments, the row's name on our side)
 PRECISIONS = {
     "f32": ({"weights": "fp32", "kv": None, "kernel": "native"}, "fp32 native"),
@@ -76,9 +61,8 @@ PRECISIONS = {
     "q8_0": ({"weights": "int8", "kv": "int8", "kernel": "native", "group_size": 32}, "int8 native g32"),
 }
 #: each run's figures in the JSON's "runs": llama.cpp's and our tokens/s, our limit in tokens/s (the faster
-#: probe, before or after our rate), our products alone as tokens/s, our threads' round trips before and
-#: after our rate (ns; None with one thread)
-RUN_KEYS = ("llamacpp_tok_s", "multihead_tok_s", "limit_tok_s", "gemvs_tok_s", "meet_ns_before_after")
+#: probe, before or after our rate)
+RUN_KEYS = ("llamacpp_tok_s", "multihead_tok_s", "limit_tok_s")
 FIRST_CHAR = 0x4E00  # token i >= 4 is the character FIRST_CHAR + i - 4 (CJK, then on into Hangul)
 SPECIAL = ["<unk>", "<s>", "</s>", "\u2581"]  # ids 0-3; 3 is the space marker SentencePiece prepends
 
@@ -225,13 +209,6 @@ def streamed_in_huge_pages(model: torch.nn.Module) -> str:
     return "-" if share is None else f"{share:.0%}"
 
 
-def gemvs_rate(model: torch.nn.Module, activations: torch.dtype) -> float:
-    """Tokens/s of ``model``'s products alone (:func:`multihead.bench.decode.kernels_alone`, the fastest
-    of 3 samples); NaN when too short to measure."""
-    best = decode.kernels_alone(model, activations, reps=3).best
-    return 1.0 / best if best else float("nan")
-
-
 def _cell(x: float | None, spec: str, unit: str = "") -> str:
     return timing.TOO_SHORT if x is None else format(x, spec) + unit
 
@@ -269,16 +246,12 @@ def run(args: argparse.Namespace) -> dict:
         nbytes = decode.step_bytes(ours, "embed")
         for threads in args.threads:
             torch.set_num_threads(threads)
-            theirs, mine, limits, gemvs, meets = [], [], [], [], []
-            lib = native.library()
+            theirs, mine, limits = [], [], []
             with torch.inference_mode():
                 for _ in range(args.runs):  # interleaved: a load change hits both sides
                     theirs.append(llamacpp_rate(bin_dir, gguf, threads, args.new_tokens, args.context))
                     before = decode.read_bandwidth(nbytes, reps=3) / nbytes  # tokens/s at best
-                    meet = None if lib is None else native.round_trip_ns(lib)
                     mine.append(our_rate(ours, context, args.new_tokens))
-                    meets.append((meet, None if lib is None else native.round_trip_ns(lib)))
-                    gemvs.append(gemvs_rate(ours, ACTIVATIONS[outtype]))
                     limits.append(max(before, decode.read_bandwidth(nbytes, reps=3) / nbytes))
             ours_tok_s = median_rate(mine)  # None: too short to measure
             doc["rows"].append(
@@ -292,15 +265,12 @@ def run(args: argparse.Namespace) -> dict:
                     "multihead_step_bytes": nbytes,
                     "multihead_of_limit": paired_limit_text(mine, limits),
                     "multihead_of_one_limit": timing.limit_text(ours_tok_s, max(limits)),
-                    "multihead_gemvs_of_limit": paired_limit_text(gemvs, limits),
-                    "multihead_of_gemvs": paired_limit_text(mine, gemvs, decode.ABOVE_FLOOR),
                     "multihead_huge_pages": streamed_in_huge_pages(ours),
                     "tokens_first_difference": _first_difference(want, got),
                     "ours_vs_fp32": tokens.parting_text(vs_fp32),
-                    "multihead_meet_ns": meet_text([m for pair in meets for m in pair]),
                     "runs": [
                         dict(zip(RUN_KEYS, run, strict=True))
-                        for run in zip(theirs, mine, limits, gemvs, meets, strict=True)
+                        for run in zip(theirs, mine, limits, strict=True)
                     ],
                 }
             )
@@ -333,7 +303,7 @@ def main() -> None:
     )
     print(
         f"{'GGUF':6s} {'ours':16s} {'threads':>7s} {'llama.cpp':>10s} {'multihead':>10s} {'ratio':>6s}"
-        f" {'of limit':>8s} {'of one':>8s} {'GEMVs':>6s} {'of GEMVs':>8s} {'meet ns':>8s} {'huge pg':>7s}"
+        f" {'of limit':>8s} {'of one':>8s} {'huge pg':>7s}"
         "  tokens (llama.cpp vs ours)"
     )
     for r in doc["rows"]:
@@ -343,7 +313,6 @@ def main() -> None:
             f"{r['gguf']:6s} {r['ours']:16s} {r['threads']:7d} {r['llamacpp_tok_s']:10.1f} "
             f"{_cell(r['multihead_tok_s'], '10.1f')} {_cell(r['ratio'], '5.2f', 'x')} "
             f"{r['multihead_of_limit']:>8s} {r['multihead_of_one_limit']:>8s} "
-            f"{r['multihead_gemvs_of_limit']:>6s} {r['multihead_of_gemvs']:>8s} {r['multihead_meet_ns']:>8s} "
             f"{r['multihead_huge_pages']:>7s}  {same}"
         )
     print("ours against our fp32 model, greedy:")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-import types
 
 import pytest
 import torch
@@ -260,35 +259,8 @@ def test_a_compiler_without_openmp_builds_the_one_thread_kernels(tmp_path, monke
         assert native.threads() == 1
         w, x = torch.randn(700, 512), torch.randn(512)
         torch.testing.assert_close(native.gemv(w, x), w @ x, rtol=1e-5, atol=1e-4)
-        before = torch.get_num_threads()
-        try:
-            torch.set_num_threads(2)
-            assert native.round_trip_ns(native.library(), 100) is None  # no threads to meet
-        finally:
-            torch.set_num_threads(before)
     finally:
         native._load.cache_clear()
-
-
-@needs_native
-def test_the_threads_round_trip_is_timed_with_two_threads_and_none_with_one():
-    """A cache line handed between the first two threads and back: a positive, finite time (a 2-core
-    machine may deschedule a thread, so only a loose upper bound); None with one thread; n checked."""
-    lib = native.library()
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert native.round_trip_ns(lib, 100) is None
-        torch.set_num_threads(2)
-        ns = native.round_trip_ns(lib, 2000)
-        assert ns is not None and 0 < ns < 1e6
-        for bad in (0, -3, 1.5, True):
-            with pytest.raises(ValueError, match="n must be a positive int"):
-                native.round_trip_ns(lib, bad)  # type: ignore[arg-type]
-        older = types.SimpleNamespace()  # a library built before the function (an A/B's other tree)
-        assert native.round_trip_ns(older, 100) is None  # type: ignore[arg-type]
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_quantize_auto_picks_native_for_decoders_and_onednn_for_encoders():

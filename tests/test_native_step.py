@@ -304,11 +304,10 @@ def test_a_failed_step_advances_only_the_caches_of_the_layers_that_ran():
     assert [kv.position for kv in cache] == [5, 4]
 
 
-@pytest.mark.parametrize("name", ["layer", "greedy", "product"])
+@pytest.mark.parametrize("name", ["layer", "greedy"])
 def test_the_self_check_refuses_a_build_whose_arguments_differ_from_the_ctypes_mirrors(name):
     mirrors = {"mh_layer_args_bytes": native.LayerArgs, "mh_greedy_args_bytes": native.GreedyArgs}
-    mirrors["mh_product_bytes"] = native.Product
-    wrong = f"mh_{name}_bytes" if name == "product" else f"mh_{name}_args_bytes"
+    wrong = f"mh_{name}_args_bytes"
 
     class Built:  # a library built from sources whose struct `name` gained a field
         def __getattr__(self, fn):

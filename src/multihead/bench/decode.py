@@ -32,15 +32,8 @@ again, as the steps read the weights: from memory for a model larger than the ca
 for a small one. The KV cache is not counted (at a 256-token prompt it is about 1% of the weights).
 Every figure is checked against what it can be (:func:`multihead.bench.timing.check_figure`): a limit
 below a rate measured against it (the probe ran while the machine was busy), a rate whose spread is
-wider than 10x or reaches above its limit, a floor slower than the whole step it is part of: each reads
-"n/a (why; what to pass)", naming the option (``--rounds``, ``--new-tokens``) that gives a figure.
-
-"GEMVs alone" (:func:`kernels_alone`) runs every linear layer of the contestant once with one token,
-back to back, with nothing between them (for a contestant whose products are native, in one native call,
-as its decode steps make them from C): the step's floor for that weight format and kernel, shown as a
-rate and as its own fraction of the bandwidth limit; "of GEMVs" is the step's rate over that floor. A row
-far below its limit with "of GEMVs" near 100% is held by its matrix-vector kernels, not by the rest of
-the step.
+wider than 10x or reaches above its limit: each reads "n/a (why; what to pass)", naming the option
+(``--rounds``, ``--new-tokens``) that gives a figure.
 
 Contestants run interleaved, round after round, so a load change on a shared machine hits all of them;
 the ratios come from the same run.
@@ -63,18 +56,16 @@ from ..models.lm import TransformerLM
 from . import timing
 from .decode_quality import int8_quality
 from .decode_report import render, summary_lines, to_json
-from .decode_rows import ABOVE_FLOOR, ACTIVATIONS, FLOATS, INT8_NATIVE, ROWS, row
-from .floors import kernels_alone, read_bandwidth, step_bytes
+from .decode_rows import FLOATS, INT8_NATIVE, ROWS, row
+from .floors import read_bandwidth, step_bytes
 from .tokens import parting
 
 __all__ = [
-    "ABOVE_FLOOR",
     "DEFAULT_PRESET",
     "FLOATS",
     "INT8_NATIVE",
     "ROWS",
     "int8_quality",
-    "kernels_alone",
     "read_bandwidth",
     "render",
     "run",
@@ -165,13 +156,12 @@ def _contestants(preset: str, prompt: Tensor) -> tuple[dict[str, tuple[Generate,
 
 def _measure(
     contestants: dict[str, tuple[Generate, int]],
-    models: dict[str, nn.Module],
     new_tokens: int,
     rounds: int,
     say: Callable[[str], None],
-) -> tuple[dict[str, timing.Timing], dict[str, timing.Timing], dict[int, float]]:
-    """Per contestant: the decode steps' time (n tokens minus 1 token, interleaved samples), the
-    linear layers' floor, and the read bandwidth over each step size."""
+) -> tuple[dict[str, timing.Timing], dict[int, float]]:
+    """Per contestant: the decode steps' time (n tokens minus 1 token, interleaved samples), and the read
+    bandwidth over each step size."""
     calls: dict[str, Callable[[], object]] = {}
     for name, (gen, _) in contestants.items():
         calls[f"{name}|1"] = functools.partial(gen, 1)
@@ -179,11 +169,6 @@ def _measure(
     say(f"timing generate(1) and generate({new_tokens}) of {len(contestants)} contestants, interleaved")
     t = timing.measure_all(calls, min_samples=rounds, warmup=0, max_seconds=2.0, progress=say)
     steps = {k: timing.difference(t[f"{k}|n"], t[f"{k}|1"]) for k in contestants}
-    acts = {name: ACTIVATIONS.get(dtype.split("+")[-1], torch.float32) for name, _, dtype in ROWS}
-    floors = {}
-    for name in contestants:
-        say(f"GEMVs alone: {name}")
-        floors[name] = kernels_alone(models[name], acts[name], reps=rounds)
     bandwidth: dict[int, float] = {}
     for group in _size_groups(sorted({b for _, b in contestants.values()})):
         say(f"read bandwidth over {group[-1] / 1e6:.1f} MB")
@@ -191,7 +176,7 @@ def _measure(
         # rounds give a busy machine more chances at the limit
         rate = read_bandwidth(group[-1], reps=max(5, 2 * rounds))
         bandwidth.update(dict.fromkeys(group, rate))
-    return steps, floors, bandwidth
+    return steps, bandwidth
 
 
 def _size_groups(sizes: list[int]) -> list[list[int]]:
@@ -238,8 +223,7 @@ def run(
         "tokens_identical_native_fp32" / "_bf16" / "_fp16" (to multihead of that dtype), "rows":
         [{"name", "impl", "dtype", "bytes_per_token", "tok_s" (None: too short to measure, with
         "why_no_rate"), "tok_s_spread", "limit_tok_s", "fraction_of_limit" (a refusal text where above
-        100%), "kernels_tok_s" (:func:`kernels_alone` as a rate), "kernels_fraction_of_limit",
-        "fraction_of_kernels", "vs_hf_fp32", "vs_hf_same_dtype" (HF's time / ours) and their
+        100%), "vs_hf_fp32", "vs_hf_same_dtype" (HF's time / ours) and their
         "_within_noise" flags}], "int8_native" ({row: :func:`int8_quality`'s dict and
         "tokens_identical_fp32"})}``; ratios to absent rows are None.
 
@@ -269,7 +253,7 @@ def run(
         models = info.pop("models")
         if plan is not None:
             groups = len(_size_groups(sorted({b for _, b in contestants.values()})))
-            plan(3 + 2 * len(contestants) * rounds + len(contestants) + groups)
+            plan(3 + 2 * len(contestants) * rounds + groups)
         with torch.inference_mode():
             say("greedy tokens against transformers")
             tokens = {name: gen(8) for name, (gen, _) in contestants.items()}  # also a warm-up
@@ -290,13 +274,13 @@ def run(
             int8_error = int8_quality(models["multihead fp32"], int8_native, tokens["multihead fp32"], prompt)
             for k in int8_error:
                 int8_error[k]["tokens_identical_fp32"] = torch.equal(tokens["multihead fp32"], tokens[k])
-            steps, floors, bandwidth = _measure(contestants, models, new_tokens, rounds, say)
+            steps, bandwidth = _measure(contestants, new_tokens, rounds, say)
         threads_used = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
     rows = [
-        row(name, impl, dtype, contestants[name][1], steps, new_tokens, floors[name],
-             bandwidth[contestants[name][1]], rounds)
+        row(name, impl, dtype, contestants[name][1], steps, new_tokens, bandwidth[contestants[name][1]],
+            rounds)
         for name, impl, dtype in ROWS
         if name in contestants
     ]  # fmt: skip

@@ -51,13 +51,10 @@ def render(doc: dict[str, Any]) -> Any:
         f"{doc['read_bandwidth_GBps']:.1f} GB/s from memory, more from the caches for a small step"
     )
     table = Table(title=title)
-    cols = ("contestant", "MB/token", "tok/s", "bandwidth limit", "of limit", "GEMVs alone", "of GEMVs")
+    cols = ("contestant", "MB/token", "tok/s", "bandwidth limit", "of limit")
     for col in (*cols, "vs HF fp32", "vs HF same"):
         table.add_column(col, justify="left" if col == "contestant" else "right", no_wrap=col == "contestant")
     for r in doc["rows"]:
-        kern = r.get("why_no_kernels") or "-"
-        if r["kernels_tok_s"] is not None:
-            kern = f"{r['kernels_tok_s']:.1f} ({_frac(r['kernels_fraction_of_limit'])})"
         limit = r.get("why_no_limit") or f"{r['limit_tok_s']:.1f}"
         differs = doc.get(f"tokens_identical_{r['dtype']}") is False
         table.add_row(
@@ -66,8 +63,6 @@ def render(doc: dict[str, Any]) -> Any:
             _rate(r),
             limit,
             _frac(r["fraction_of_limit"]),
-            kern,
-            _frac(r["fraction_of_kernels"]),
             _ratio(r["vs_hf_fp32"], r["vs_hf_fp32_within_noise"]),
             _ratio(r["vs_hf_same_dtype"], r["vs_hf_same_dtype_within_noise"]),
         )

@@ -1,7 +1,7 @@
 """The rows of ``multihead bench decode``: which contestants there are (:data:`ROWS`, in print order) and
 each row's figures, every one checked against what it can be (:func:`multihead.bench.timing.check_figure`):
-the decode rate, the bandwidth limit, the "GEMVs alone" floor, the fractions between them and the ratios
-to transformers' rows. :mod:`multihead.bench.decode` measures them and re-exports these names.
+the decode rate, the bandwidth limit, the fraction between them and the ratios to transformers' rows.
+:mod:`multihead.bench.decode` measures them and re-exports these names.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from . import timing
 
-__all__ = ["ABOVE_FLOOR", "ACTIVATIONS", "FLOATS", "INT8_NATIVE", "ROWS", "fraction", "refusal_fixes", "row"]
+__all__ = ["ACTIVATIONS", "FLOATS", "INT8_NATIVE", "ROWS", "fraction", "refusal_fixes", "row"]
 
 #: (row name, implementation, dtype) in print order; int8 rows have no transformers peer of their dtype
 ROWS: tuple[tuple[str, str, str], ...] = (
@@ -45,29 +45,21 @@ ACTIVATIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a row's activat
 
 
 def row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.Timing], new: int,
-         floor: timing.Timing, bandwidth: float, rounds: int = 3) -> dict[str, Any]:  # fmt: skip
+         bandwidth: float, rounds: int = 3) -> dict[str, Any]:  # fmt: skip
     """One row of the report (see :func:`multihead.bench.decode.run`); every figure checked
     (:func:`timing.check_figure`)."""
     step = steps[name]
     limit = bandwidth / nbytes
     fixes = refusal_fixes(new, rounds)
     rate = timing.rate_figure(step, new - 1, fix=fixes["rate"])
-    kernels = timing.rate_figure(floor, 1.0, fix=fixes["floor"])
     limit_fig = timing.check_figure(
-        limit, at_least=max((f.value for f in (rate, kernels) if f.value is not None), default=None),
-        at_least_what="a rate measured against it", fix=fixes["limit"],
-    )  # fmt: skip
+        limit, at_least=rate.value, at_least_what="a rate measured against it", fix=fixes["limit"]
+    )
     if limit_fig.ok:  # a limit that holds: no spread may reach above it
         rate = timing.rate_figure(
             step, new - 1, limit=limit, limit_what="the bandwidth limit", fix=fixes["rate"]
         )
-    if rate.ok and kernels.ok and rate.low is not None and kernels.value is not None:
-        # the products alone are part of the step: a floor below the step's slowest rate is no floor
-        kernels = timing.check_figure(
-            kernels.value, kernels.low, kernels.high, at_least=rate.low,
-            at_least_what="the whole step's slowest rate", fix=fixes["floor"],
-        )  # fmt: skip
-    tok_s, kern = rate.value, kernels.value
+    tok_s = rate.value
     peer = f"HF {dtype}"
 
     def vs(other: str) -> timing.Comparison | None:
@@ -85,11 +77,6 @@ def row(name: str, impl: str, dtype: str, nbytes: int, steps: dict[str, timing.T
         "limit_tok_s": limit,
         "why_no_limit": None if limit_fig.ok else limit_fig.text(),
         "fraction_of_limit": fraction(tok_s, limit),
-        "kernels_tok_s": kern,
-        "kernels_tok_s_spread": None if kernels.low is None else [kernels.low, kernels.high],
-        "why_no_kernels": None if kernels.ok else kernels.text(),
-        "kernels_fraction_of_limit": fraction(kern, limit),
-        "fraction_of_kernels": fraction(tok_s, kern, ABOVE_FLOOR),
         "vs_hf_fp32": None if fp32 is None else fp32.ratio,
         "vs_hf_fp32_within_noise": None if fp32 is None else fp32.same,
         "vs_hf_same_dtype": None if same is None else same.ratio,
@@ -102,16 +89,9 @@ def refusal_fixes(new: int, rounds: int) -> dict[str, str]:
     more = f"--rounds {2 * rounds}"
     return {
         "rate": f"pass --new-tokens {4 * new} (more steps a timed call) or {more}",
-        "floor": f"it is part of the step, so the two were timed under different load: pass {more} or run "
-        "on an idle machine",
         "limit": f"the probe ran under load: run on an idle machine, or pass {more} (its fastest of more "
         "samples counts)",
     }
-
-
-#: "of GEMVs" where a step reads faster than its products alone: the noise of two measurements (or, for
-#: a row whose products run through their modules, the floor's own Python)
-ABOVE_FLOOR = "above its GEMVs alone: inside the noise"
 
 
 def fraction(rate: float | None, limit: float | None, refusal: str = timing.ABOVE) -> float | str | None:

@@ -1,6 +1,6 @@
 """Figures over several runs of one benchmark, each run with its own probe of the limit: the median of
 each run's rate over the limit probed in that same run (a busy machine slows a run and its probe alike),
-the median of the rates that were measurable, and the range of the runs' thread round trips.
+and the median of the rates that were measurable.
 ``benchmarks/llamacpp_decode.py`` reads its runs through them.
 """
 
@@ -11,7 +11,7 @@ import statistics
 
 from . import timing
 
-__all__ = ["median_rate", "meet_text", "paired_limit_text"]
+__all__ = ["median_rate", "paired_limit_text"]
 
 
 def paired_limit_text(rates: list[float], limits: list[float], refusal: str = timing.ABOVE) -> str:
@@ -23,12 +23,6 @@ def paired_limit_text(rates: list[float], limits: list[float], refusal: str = ti
     if not fractions:
         return "-"
     return timing.limit_text(statistics.median(fractions), 1.0, refusal)
-
-
-def meet_text(meets: list[float | None]) -> str:
-    """The range of the runs' thread round trips as text ("52-410"; "-" with one thread)."""
-    ok = [m for m in meets if m is not None]
-    return "-" if not ok else f"{min(ok):.0f}-{max(ok):.0f}" if len(ok) > 1 else f"{ok[0]:.0f}"
 
 
 def median_rate(rates: list[float]) -> float | None:

@@ -96,17 +96,6 @@ class GemvLinear(nn.Linear):
             and not native.watched()  # a FLOP counter or fake tensors see F.linear, not a native call
         )
 
-    def native_product(self, x: Tensor) -> native.Bound | None:
-        """The one-row product on ``x`` as :func:`multihead.native.bound` makes it (for
-        :func:`multihead.native.products`: a benchmark's floor, the kernels called from C as a native
-        decode step calls them); None where :meth:`forward` would not run the native kernel on it."""
-        w, b = self.weight, self.bias
-        if self.why_not_native is not None or x.dtype != w.dtype or x.numel() != self.in_features:
-            return None
-        if b is not None and (b.dtype != w.dtype or b.device.type != "cpu"):
-            return None
-        return native.bound(w, x.reshape(-1).contiguous(), None if b is None else b.contiguous())
-
     def extra_repr(self) -> str:
         reason = self.why_not_native
         how = f"native GEMV for 1-{ROWS_NATIVE} rows" if reason is None else f"F.linear ({reason})"

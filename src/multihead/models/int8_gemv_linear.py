@@ -283,16 +283,6 @@ class Int8GemvLinear(BlockedRows):
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype), b)  # (..., O)
 
-    def native_product(self, x: Tensor) -> native.Bound | None:
-        """The one-row product on ``x`` as :func:`multihead.native.int8.bound_q8` makes it (for
-        :func:`multihead.native.products`: a benchmark's floor); None where :meth:`forward` would not run
-        the native kernel on it."""
-        if self.why_not_native is not None or x.numel() != self.in_features:
-            return None
-        x32 = x.reshape(-1).float().contiguous()  # (I,)
-        w, scale, how = self.kernel_tensors()
-        return native_int8.bound_q8(w, scale, x32, self.bias, self.group_size, how)
-
     def extra_repr(self) -> str:
         groups = "per output channel" if self.group_size is None else f"group_size={self.group_size}"
         groups += ", blocked rows" if self.blocked else ""

@@ -29,12 +29,10 @@ Shape legend: O rows (output features), I columns (input features).
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import platform
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, cast
 
@@ -43,17 +41,13 @@ from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import build, cache, first_load, q4_check, q8_check, step_check
-from .probes import round_trip_ns
 
 __all__ = [
     "DTYPES",
     "FLAGS",
     "KIND",
-    "Bound",
     "GreedyArgs",
     "LayerArgs",
-    "Product",
-    "bound",
     "cache_dir",
     "dtypes",
     "gemv",
@@ -63,8 +57,6 @@ __all__ = [
     "location",
     "notes",
     "open_library",
-    "products",
-    "round_trip_ns",
     "run",
     "run_rows",
     "threads",
@@ -79,7 +71,6 @@ SOURCES = (
     HERE / "attend.c",
     HERE / "gemv_q8.c",
     HERE / "decode_greedy.c",
-    HERE / "products.c",
     HERE / "q8_rows.c",
     HERE / "gemv_q4.c",
 )  # and their header, native.h
@@ -214,13 +205,6 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.mh_decode_greedy.argtypes += [_I64, _PTR, _PTR, _PTR, _PTR]
     lib.mh_decode_greedy.restype = ctypes.c_int  # 0, -1: no memory, -2: weights the build refuses
     lib.mh_greedy_args_bytes.restype = _I64
-    lib.mh_products.argtypes = [_PTR, _I64]  # the (n,) Product array, n
-    lib.mh_products.restype = ctypes.c_int  # 0, -1: no memory, -2: blocked int8 rows the build refuses
-    lib.mh_product_bytes.restype = _I64
-    trip = getattr(lib, "mh_thread_round_trip", None)  # older sources (an A/B benchmark's other tree) lack it
-    if trip is not None:
-        trip.argtypes = [_I64]  # round trips per batch
-        trip.restype = ctypes.c_double  # ns, -1: fewer than two threads
     lib.mh_rms_norm.argtypes = [
         _PTR,
         _PTR,
@@ -257,9 +241,8 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
     """Run the kernels on odd shapes (every tail of the loops) and compare with torch, then the decode
     layers' step (:func:`_self_check_steps`: on a team of threads where this process has two or more);
     a reason or None."""
-    mirrors = (("layer", LayerArgs, "args_"), ("greedy", GreedyArgs, "args_"), ("product", Product, ""))
-    for name, mirror, infix in mirrors:  # a mismatch would pass wrong addresses
-        built = getattr(lib, f"mh_{name}_{infix}bytes")()
+    for name, mirror in (("layer", LayerArgs), ("greedy", GreedyArgs)):  # a mismatch: wrong addresses
+        built = getattr(lib, f"mh_{name}_args_bytes")()
         if built != ctypes.sizeof(mirror):
             return (
                 f"the built library's {name} arguments take {built} bytes, multihead.native."
@@ -489,66 +472,6 @@ def run_rows(lib: ctypes.CDLL, weight: Tensor, x: Tensor, bias: Tensor | None) -
     if lib.mh_gemv_rows(KIND[weight.dtype], *args) != 0:
         raise ValueError(f"this build has no native kernel for {weight.dtype}")  # dtypes() excludes it
     return y
-
-
-class Product(ctypes.Structure):
-    """One batch-1 product of ``products.c``'s list (``mh_product``): weight, int8 scales or None, bias or
-    None, input, output, their shape and row stride, the group size (int8), the kind (:data:`KIND`, or
-    3 for int8 weights with fp32 input and output) and the int8 layout. Addresses only."""
-
-    _fields_ = [
-        ("w", _PTR),
-        ("s", _PTR),
-        ("b", _PTR),
-        ("x", _PTR),
-        ("y", _PTR),
-        ("rows", _I64),
-        ("cols", _I64),
-        ("ldw", _I64),
-        ("group", _I64),
-        ("kind", ctypes.c_int32),
-        ("blocked", ctypes.c_int32),
-    ]
-
-
-class Bound(NamedTuple):
-    """A product's arguments made once (:func:`bound`): the struct, the tensors whose addresses it holds,
-    and its output (O,)."""
-
-    product: Product
-    keep: tuple
-    output: Tensor
-
-
-def bound(weight: Tensor, x: Tensor, bias: Tensor | None) -> Bound:
-    """:func:`run`'s product as a :class:`Product` with its output made once, for :func:`products`. Same
-    requirements as :func:`run`."""
-    y = torch.empty(weight.shape[0], dtype=weight.dtype)  # (O,)
-    p = Product(
-        weight.data_ptr(), None, None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr()
-    )
-    p.rows, p.cols, p.ldw, p.kind = weight.shape[0], weight.shape[1], weight.stride(0), KIND[weight.dtype]
-    return Bound(p, (weight, x, bias), y)
-
-
-def products(lib: ctypes.CDLL, bounds: list[Bound]) -> Callable[[], None]:
-    """A zero-argument call that runs ``bounds``' products back to back in one native call
-    (``mh_products``), as a native decode step calls its kernels from C: the floor of a step, without the
-    interpreter between the products. The call holds the tensors.
-
-    Raises:
-        ValueError: (when called) the native code could not allocate its scratch memory or refused a
-            layout (the reason).
-    """
-    array = (Product * len(bounds))(*(b.product for b in bounds))
-    return functools.partial(_run_products, lib, array, len(bounds), tuple(bounds))
-
-
-def _run_products(lib: ctypes.CDLL, array: ctypes.Array, n: int, keep: tuple) -> None:
-    status = lib.mh_products(array, n)
-    if status != 0:
-        why = "no scratch memory" if status == -1 else "blocked int8 rows in a build that reads them in order"
-        raise ValueError(f"the native products failed: {why}")
 
 
 def library() -> ctypes.CDLL | None:

@@ -20,11 +20,11 @@ import ctypes
 import torch
 from torch import Tensor
 
-from . import Bound, Product, library, unavailable
+from . import library, unavailable
 from .layout import CHUNK, from_blocked, to_blocked
 
 __all__ = [
-    "BLOCK", "BLOCKED", "CHUNK", "COLUMNS", "ISA", "LAYOUTS", "PACKED", "bound_q8", "from_blocked", "gemm_q8",
+    "BLOCK", "BLOCKED", "CHUNK", "COLUMNS", "ISA", "LAYOUTS", "PACKED", "from_blocked", "gemm_q8",
     "gemv_q8", "isa", "quantize_activations", "reads_blocked", "run_gemm_q8", "run_q8", "to_blocked",
 ]  # fmt: skip
 
@@ -173,26 +173,6 @@ def gemm_q8(
     _check("gemm_q8", lib, weight, scale, x, bias, group_size, blocked, "(N, I)")
     w, s, xc = weight.contiguous(), scale.contiguous(), x.contiguous()
     return run_gemm_q8(lib, w, s, xc, bias, group_size, blocked)
-
-
-def bound_q8(
-    weight: Tensor,
-    scale: Tensor,
-    x: Tensor,
-    bias: Tensor | None,
-    group_size: int | None,
-    blocked: int = False,
-) -> Bound:
-    """:func:`run_q8`'s product (the activation's rounding to int8, then the int8 product) as a
-    :class:`~multihead.native.Product` with its output made once, for :func:`multihead.native.products`.
-    Same requirements as :func:`run_q8`."""
-    rows, cols, ldw = weight.shape[0], x.shape[-1], weight.stride(0)
-    y = torch.empty(rows)  # (O,)
-    b = None if bias is None else bias.data_ptr()
-    p = Product(weight.data_ptr(), scale.data_ptr(), b, x.data_ptr(), y.data_ptr())
-    p.rows, p.cols, p.ldw, p.kind = rows, cols, ldw, 3  # native.h's MH_I8
-    p.group, p.blocked = cols if group_size is None else group_size, int(blocked)
-    return Bound(p, (weight, scale, x, bias), y)
 
 
 def run_q8(

@@ -174,7 +174,8 @@ def test_what_stops_a_native_model_and_the_eager_fallback():
     lm2.layers[0].register_forward_hook(lambda *a: None)
     assert "forward hooks" in native_step.why_not_model(lm2)
     int8 = quant.quantize(_lm(), weights="int8", kv="int8", kernel="fbgemm")
-    assert int8.why_not_native_steps == "the model was not quantized with kernel='native'"
+    assert int8.why_not_native_steps.startswith("native_steps is off for this model")
+    assert "kernel='native'" in int8.why_not_native_steps
     # a model the native step cannot serve generates exactly as the eager one
     windowed = _lm(sliding_window=8)
     q = quant.quantize(windowed, weights="fp32", kv=None, kernel="native")
@@ -237,7 +238,7 @@ def test_the_plain_model_takes_native_steps_in_its_own_dtype(dtype, monkeypatch)
     assert lm.why_not_native_steps is None
     eager = copy.deepcopy(lm)
     eager.native_steps = False
-    assert eager.why_not_native_steps == "native_steps is off for this model"
+    assert eager.why_not_native_steps.startswith("native_steps is off for this model")
     calls = count_native_steps(monkeypatch)
     prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(8))
     got = lm.generate(prompt, 12)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import multihead as mh
-from multihead.models import quant
+from multihead.models import int8_linear, kv_int8, quant
 from multihead.nn import kv_cache
 
 # Stated tolerance of a quantized model: per-channel int8 rounds each weight by at most scale / 2, i.e.
@@ -93,21 +93,24 @@ def test_encoder_quantizes_too():
     [
         (
             {"weights": "int4"},
-            r"quantize weights must be 'int8', 'q4_0', 'q4_1', 'bf16', 'fp16', 'fp32' or None, got 'int4'",
+            r"quantize weights must be one of \['int8', 'q4_0', 'q4_1', 'fp32', 'bf16', 'fp16', None\], "
+            r"got 'int4'",
         ),
         (
             {"weights": "bfloat16"},
-            r"quantize weights must be 'int8', 'q4_0', 'q4_1', 'bf16', 'fp16', 'fp32' or None, got "
+            r"quantize weights must be one of \['int8', 'q4_0', 'q4_1', 'fp32', 'bf16', 'fp16', None\], got "
             r"'bfloat16'",
         ),
         (
             {"weights": "fp16", "kv": None, "kernel": "onednn"},
-            r"weights='fp16' has no oneDNN-prepacked kernel; use kernel='native'",
+            r"kernel for weights='fp16' must be one of \['auto', 'native'\], got 'onednn' \('onednn' is a "
+            r"kernel of weights 'fp32', 'bf16'\)",
         ),
         ({"kv": "fp8"}, r"quantize kv must be 'int8' or None, got 'fp8'"),
         (
             {"kernel": "cuda"},
-            r"quantize kernel must be one of \['auto', 'fbgemm', 'int8pack', 'dequant', 'native'\]",
+            r"quantize kernel for weights='int8' must be one of \['auto', 'fbgemm', 'int8pack', 'dequant', "
+            r"'native'\]",
         ),
         ({"group_size": 48}, r"group_size must be 32, 64 \(or another multiple of 64\) or None"),
         ({"group_size": 32, "kernel": "fbgemm"}, r"group_size=32 needs weights='int8' with kernel 'native'"),
@@ -146,8 +149,8 @@ def test_kv_int8_skips_only_the_rounding(dtype, monkeypatch):
     k_all, v_all = cache.update(*(torch.randn(1, 2, 5, 8, generator=g).to(dtype) for _ in range(2)))
     q = torch.randn(1, 4, 1, 8, generator=g).to(dtype)
     calls = []
-    real = quant.quantize_int8
-    monkeypatch.setattr(quant, "quantize_int8", lambda *a: calls.append(1) or real(*a))
+    real = kv_int8.quantize_int8
+    monkeypatch.setattr(kv_int8, "quantize_int8", lambda *a: calls.append(1) or real(*a))
     fast = quant.KVInt8()(q, k_all, v_all, mask=mh.causal())
     assert calls == []  # the cache's own keys and values: nothing rounded again
     slow = quant.KVInt8()(q, k_all.clone(), v_all.clone(), mask=mh.causal())
@@ -168,7 +171,7 @@ def test_kv_int8_rounds_keys_that_did_not_come_from_an_int8_cache(lm, ids):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fbgemm_takes_half_activations_on_cpu(dtype):
-    if not quant._fbgemm_ready():
+    if not int8_linear._fbgemm_ready():
         pytest.skip("this torch build has no fbgemm / x86 quantized engine")
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48)

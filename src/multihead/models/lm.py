@@ -227,6 +227,15 @@ class TransformerLM(nn.Module):
     #: first such step asks Linux to back the streamed weights with 2 MiB pages where they lie
     #: (:func:`multihead.native.hugepages.collapse`: same addresses, about 3 ms per MiB once)
     native_steps: bool = True
+    #: the KV cache :meth:`make_cache` and :meth:`generate` build by default: "dense", or "int8" for a model
+    #: whose attention rounds keys and values to int8 (``mh.quant.quantize(model, kv="int8")`` sets it)
+    cache_kind: str = "dense"
+    #: the caches' dtype; None: the input embedding's (a model whose embedding holds int8 or GGUF-block rows
+    #: has no float weight to ask, so its quantizer or loader sets it)
+    cache_dtype: torch.dtype | None = None
+    #: the approximation every attention runs, which a native step must reproduce (``KVInt8``: exact
+    #: attention on int8-rounded keys and values, the steps then on an int8 cache); None: exact attention
+    kv_approx: type | None = None
     #: ids :meth:`generate` stops at by default (end of sequence, end of turn); () for a model that has
     #: none. Loaders that know them set it (:func:`multihead.pretrained.from_gguf`).
     eos_token_ids: tuple[int, ...] = ()
@@ -239,8 +248,8 @@ class TransformerLM(nn.Module):
         """None when one-token decode steps run natively (the same numbers up to the order of the sums,
         fewer Python calls per step), else why they run the eager layers."""
         if not self.native_steps:
-            return "native_steps is off for this model"
-        return native_step.why_not_model(self)
+            return "native_steps is off for this model (mh.quant.quantize turns it on with kernel='native')"
+        return native_step.why_not_model(self, self.kv_approx)
 
     def _native_step_fits(self, ids: Tensor, attention_mask: Tensor | None, cache: list[KVCache]) -> bool:
         """Whether this call is a native decode step. The model's structure is checked once per list
@@ -249,11 +258,14 @@ class TransformerLM(nn.Module):
             return False
         memo = self.__dict__.get("_native_memo")
         if memo is None or memo[0]() is not cache[0]:
-            memo = (weakref.ref(cache[0]), native_step.why_not_model(self))
+            memo = (weakref.ref(cache[0]), native_step.why_not_model(self, self.kv_approx))
             self.__dict__["_native_memo"] = memo
             if memo[1] is None:  # weights this model's steps stream: 2 MiB pages, once per storage
                 native_step.huge_pages(self)
-        return memo[1] is None and native_step.why_not_call(self, ids, attention_mask, cache) is None
+        return (
+            memo[1] is None
+            and native_step.why_not_call(self, ids, attention_mask, cache, self.cache_kind) is None
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         """The pickled state, without the native step's memos (weak references to the last caches)."""
@@ -291,8 +303,9 @@ class TransformerLM(nn.Module):
         return base if real is None else base & TrailingKeyPadding(real)
 
     # -- caching and generation -----------------------------------------------------------------
-    def make_cache(self, batch_size: int, max_len: int, kind: str = "dense") -> list[KVCache]:
-        """One ``KVCache`` per layer, on this model's device and dtype; kind "dense" | "sliding" | "int8".
+    def make_cache(self, batch_size: int, max_len: int, kind: str | None = None) -> list[KVCache]:
+        """One ``KVCache`` per layer, on this model's device, in :attr:`cache_dtype` (default the
+        embedding's dtype); kind "dense" | "sliding" | "int8", None: the model's :attr:`cache_kind`.
 
         A layer whose self-attention has a ``make_cache`` method (a design with its own cache, such as
         :class:`~multihead.variants.LatentAttention`) gets the cache that method builds.
@@ -301,10 +314,12 @@ class TransformerLM(nn.Module):
             ValueError: ``kind="sliding"`` on a model without ``sliding_window``, caches of all layers
                 larger than the free memory, and what KVCache raises.
         """
+        kind = self.cache_kind if kind is None else kind
         if kind == "sliding" and self.sliding_window is None:
             raise ValueError("a 'sliding' cache needs a model built with sliding_window=...; use 'dense'")
         window = self.sliding_window if kind == "sliding" else None
-        p = self.embed.weight
+        dtype = self.embed.weight.dtype if self.cache_dtype is None else self.cache_dtype
+        device = self._device()
         own = [getattr(layer.self_attn, "make_cache", None) for layer in self.layers]
         # each layer's own kv heads: head pruning can leave layers with different counts
         kv = [getattr(layer.self_attn, "n_kv_heads", 0) or self.n_kv_heads for layer in self.layers]
@@ -312,12 +327,12 @@ class TransformerLM(nn.Module):
         if plain and kind in KINDS and isinstance(batch_size, int) and isinstance(max_len, int):
             slots = max(window if window is not None else max_len, 0)
             total = sum(
-                cache_bytes(batch_size, n, self.head_dim, self.head_dim, slots, kind, p.dtype) for n in plain
+                cache_bytes(batch_size, n, self.head_dim, self.head_dim, slots, kind, dtype) for n in plain
             )
             what = f"a {kind} KV cache of {len(plain)} layers x {batch_size} rows x {slots} positions"
-            check_fits(total, what, "lower max_new_tokens or the batch, or use cache='int8'", p.device)
+            check_fits(total, what, "lower max_new_tokens or the batch, or use cache='int8'", device)
         return [
-            make(batch_size, max_len, kind=kind, window=window, dtype=p.dtype, device=p.device)
+            make(batch_size, max_len, kind=kind, window=window, dtype=dtype, device=device)
             if callable(make)
             else KVCache(
                 batch_size,
@@ -326,11 +341,15 @@ class TransformerLM(nn.Module):
                 max_len,
                 kind=kind,
                 window=window,
-                dtype=p.dtype,
-                device=p.device,
+                dtype=dtype,
+                device=device,
             )
             for make, n_kv in zip(own, kv)
         ]
+
+    def _device(self) -> torch.device:
+        """The device the model runs on: its first parameter's or buffer's (int8 weights are buffers)."""
+        return next(iter([*self.parameters(), *self.buffers()])).device
 
     def greedy_steps(
         self, h: Tensor, out: Tensor, t: int, steps: int, last: bool, eos: int | None, cache: list[KVCache]
@@ -364,15 +383,16 @@ class TransformerLM(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
-        cache: str | None = "dense",
+        cache: str | None = "auto",
         attention_mask: Tensor | None = None,
         streamer: Callable[[Tensor], Any] | None = None,
     ) -> Tensor:
         """Extend ids (B, N) by up to ``max_new_tokens`` tokens -> (B, N + new).
 
         Prefills the prompt in one pass, then feeds one token per step through the KV cache (``cache``
-        names its kind, "dense" | "sliding" | "int8", preallocated for N + max_new_tokens positions; None
-        recomputes the whole sequence every step). Greedy unless ``do_sample``, which samples from
+        names its kind, "dense" | "sliding" | "int8", preallocated for N + max_new_tokens positions;
+        "auto", the default, is the model's :attr:`cache_kind`; None recomputes the whole sequence every
+        step). Greedy unless ``do_sample``, which samples from
         ``softmax(logits / temperature)`` restricted to the ``top_k`` best and the smallest set of
         probability >= ``top_p``. Runs in eval mode (no dropout) and restores the previous mode.
 
@@ -410,7 +430,7 @@ class TransformerLM(nn.Module):
             top_k=top_k,
             top_p=top_p,
             eos_token_id=eos_token_id,
-            cache=cache,
+            cache=self.cache_kind if cache == "auto" else cache,
             attention_mask=attention_mask,
             streamer=streamer,
         )

@@ -318,12 +318,13 @@ def _cache_reason(model: Any, cache: list[KVCache], kind: str) -> str | None:
 
 
 def huge_pages(model: Any) -> int:
-    """Back the weights a decode step streams (every layer's projections and the head) with 2 MiB pages
+    """Back the float weights a decode step streams (every layer's projections and the head) with 2 MiB pages
     in place (:func:`multihead.native.hugepages.collapse`; a decode step reads them at up to 1.6x the
     rate where the TLB would otherwise miss every 4 KiB), each storage once per model. Returns the bytes
     collapsed by this call."""
     done: set[int] = model.__dict__.setdefault("_native_hugepages", set())
-    weights = [m.weight for layer in model.layers for m in _projections(layer)]
+    # float projections; int8 and GGUF-block ones were moved to 2 MiB pages by their quantizer or loader
+    weights = [m.weight for layer in model.layers for m in _projections(layer) if isinstance(m, nn.Linear)]
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         weights.append(model.lm_head.weight)
     fresh = [w for w in weights if w.untyped_storage().data_ptr() not in done]

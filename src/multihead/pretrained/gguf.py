@@ -25,7 +25,6 @@ from torch import Tensor
 
 from ..core.limits import check_fits
 from ..models.lm import TransformerLM
-from ..models.quant import as_quantized_lm
 from .gguf_file import GGUFTensorInfo, open_gguf
 from .gguf_kept import keep_blocks, kept_names
 from .gguf_tokenizer import GGUFTokenizer, field_value
@@ -222,8 +221,7 @@ def from_gguf(path: str | Path, *, dequantize: bool = False) -> TransformerLM:
         model = llama_from_state_dict(sd, config)
     if kept:
         keep_blocks(model, reader, infos, config, kept, config["model_type"] in _PERMUTED)
-        # fp32 "dense" caches (no float embedding to ask), one-token steps natively where they can be
-        as_quantized_lm(model, "dense", torch.float32, native_steps=True)
+        model.cache_dtype = torch.float32  # no float embedding to ask
     model.tokenizer = tokenizer
     model.eos_token_ids = tokenizer.eos_token_ids
     return model

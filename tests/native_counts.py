@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from multihead.models import native_step
+from multihead.models import native_greedy, native_step
 
 
 def count_native_steps(monkeypatch: pytest.MonkeyPatch, prompts: list[int] | None = None) -> list[int]:
     """A list that grows by one for every native one-token decode step from now on: each
     :func:`~multihead.models.native_step.decode_step` call of one token a row, and each step a
-    :func:`~multihead.models.native_step.greedy_steps` run took (its caches' advance). ``prompts``, if
+    :func:`~multihead.models.native_greedy.greedy_steps` run took (its caches' advance). ``prompts``, if
     given, grows by the token count of each native call of several tokens of one row (a prompt)."""
     steps: list[int] = []
-    one, run = native_step.decode_step, native_step.greedy_steps
+    one, run = native_step.decode_step, native_greedy.greedy_steps
 
     def counted_step(model, ids, cache):
         if ids.shape[1] == 1:
@@ -29,5 +29,5 @@ def count_native_steps(monkeypatch: pytest.MonkeyPatch, prompts: list[int] | Non
         return got
 
     monkeypatch.setattr(native_step, "decode_step", counted_step)
-    monkeypatch.setattr(native_step, "greedy_steps", counted_run)
+    monkeypatch.setattr(native_greedy, "greedy_steps", counted_run)
     return steps

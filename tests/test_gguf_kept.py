@@ -180,19 +180,19 @@ def test_native_steps_of_blocks_follow_the_eager_steps_of_the_same_model(kind, t
 def test_native_greedy_runs_of_blocks_pick_the_tokens_of_the_step_by_step_path(monkeypatch):
     """The head's product on its Q8_0 blocks and the argmax inside the native run, the table's rows read
     back natively: the same kernels as the step-by-step path, so the same tokens."""
-    from multihead.models import native_step
+    from multihead.models import native_greedy
 
     torch.manual_seed(2)
     lm = mh.TransformerLM(500, 128, 2, 4, 352, n_kv_heads=2).eval()
     q = mh.quant.quantize(lm, weights="q4_1", kv=None)
-    assert native_step.why_not_greedy(q) is None
+    assert native_greedy.why_not_greedy(q) is None
     prompt = torch.randint(0, 500, (1, 7), generator=torch.Generator().manual_seed(4))
     runs: list[int] = []
-    real = native_step.greedy_steps
-    monkeypatch.setattr(native_step, "greedy_steps", lambda *a: runs.append(1) or real(*a))
+    real = native_greedy.greedy_steps
+    monkeypatch.setattr(native_greedy, "greedy_steps", lambda *a: runs.append(1) or real(*a))
     with torch.no_grad():
         fast = q.generate(prompt, 20, eos_token_id=[])
         assert runs  # the native greedy runs picked them
-        monkeypatch.setattr(native_step, "why_not_greedy", lambda model: "step by step")
+        monkeypatch.setattr(native_greedy, "why_not_greedy", lambda model: "step by step")
         slow = q.generate(prompt, 20, eos_token_id=[])
     assert torch.equal(fast, slow)

@@ -1,4 +1,4 @@
-"""Native greedy runs (multihead.models.native_step.greedy_steps): several greedy tokens per native call
+"""Native greedy runs (multihead.models.native_greedy.greedy_steps): several greedy tokens per native call
 give the tokens, caches and states of the step-by-step loop, ties and NaNs picked as torch's argmax,
 and the step-by-step loop wherever the run does not apply."""
 
@@ -12,7 +12,7 @@ from torch import nn
 
 import multihead as mh
 from multihead import native
-from multihead.models import generation, native_step, quant
+from multihead.models import generation, native_greedy, quant
 from multihead.models.gemv_linear import GemvLinear
 from tests.native_builds import built_for
 from tests.native_counts import count_native_steps
@@ -132,7 +132,7 @@ def test_ties_and_nans_are_picked_as_torch_argmax(spec, monkeypatch):
         lm.lm_head.bias.zero_()
         lm.lm_head.bias[[5, 9]] = 1.0
     model = _quantized(lm, spec)
-    assert native_step.why_not_greedy(model) is None
+    assert native_greedy.why_not_greedy(model) is None
     with torch.no_grad():
         tied = model.generate(PROMPT, 10)
         model.lm_head.bias[7] = float("nan")  # a NaN counts as the maximum
@@ -191,7 +191,7 @@ def test_an_avx2_build_s_run_picks_torch_argmax_too(monkeypatch):
                 lm.lm_head.weight.zero_()
                 lm.lm_head.bias.fill_(-1.0)
             model = _quantized(lm, spec)
-            assert native_step.why_not_greedy(model) is None  # the native run, its argmax without AVX-512
+            assert native_greedy.why_not_greedy(model) is None  # the native run, its argmax without AVX-512
             for values, want in ARGMAX.values():
                 with torch.no_grad():
                     model.lm_head.bias.fill_(-1.0)
@@ -204,8 +204,8 @@ def test_an_avx2_build_s_run_picks_torch_argmax_too(monkeypatch):
 def test_calls_and_models_the_run_leaves_to_the_step_by_step_loop(monkeypatch):
     model = _quantized(_lm(), FP32)
     runs = []
-    real = native_step.greedy_steps
-    monkeypatch.setattr(native_step, "greedy_steps", lambda *a: runs.append(1) or real(*a))
+    real = native_greedy.greedy_steps
+    monkeypatch.setattr(native_greedy, "greedy_steps", lambda *a: runs.append(1) or real(*a))
     two = torch.cat([PROMPT, PROMPT.flip(1)])
     padded = torch.ones(1, 11, dtype=torch.long)
     padded[0, 0] = 0
@@ -222,7 +222,7 @@ def test_calls_and_models_the_run_leaves_to_the_step_by_step_loop(monkeypatch):
         head = nn.Linear(64, 300, bias=False)  # a head of another type: native steps, torch's head
         head.weight = model.lm_head.weight
         model.lm_head = head
-        assert "not a GemvLinear" in native_step.why_not_greedy(model)
+        assert "not a GemvLinear" in native_greedy.why_not_greedy(model)
         assert torch.equal(model.generate(PROMPT, 9), want) and len(runs) == 3
 
 
@@ -234,7 +234,7 @@ def test_a_hook_on_the_output_head_is_honoured(monkeypatch):
         before = fast.generate(PROMPT, 9)
         flip = lambda m, args, out: -out  # noqa: E731  the least likely token instead
         with fast.lm_head.register_forward_hook(flip), slow.lm_head.register_forward_hook(flip):
-            assert "forward hooks" in native_step.why_not_greedy(fast)
+            assert "forward hooks" in native_greedy.why_not_greedy(fast)
             hooked = fast.generate(PROMPT, 9)
             assert len(steps) == 16  # the layers still step natively, one call a token
             assert torch.equal(hooked, slow.generate(PROMPT, 9)) and not torch.equal(hooked, before)

@@ -31,7 +31,7 @@ from ..nn.kv_cache import KINDS, KVCache, cache_bytes
 from ..nn.layers import TransformerLayer
 from ..nn.norms import make_norm
 from ..nn.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
-from . import native_step
+from . import native_greedy, native_step
 from .gemv_linear import GemvLinear
 from .generation import generate
 from .padding import TrailingKeyPadding, as_real
@@ -355,10 +355,10 @@ class TransformerLM(nn.Module):
         self, h: Tensor, out: Tensor, t: int, steps: int, last: bool, eos: int | None, cache: list[KVCache]
     ) -> tuple[int, Tensor] | None:
         """Up to ``steps`` greedy batch-1 tokens in one native call (the decode loop's fast path,
-        :func:`multihead.models.native_step.greedy_steps`): written to ``out[0, t : t + picked]``, the
+        :func:`multihead.models.native_greedy.greedy_steps`): written to ``out[0, t : t + picked]``, the
         caches advanced; returns ``(picked, h)`` with h (1, 1, d) the state after the last step (none
         after ``eos`` or, when ``last``, after the last pick). None where the native run does not apply
-        (:func:`~multihead.models.native_step.why_not_greedy`): the caller takes the step itself. The
+        (:func:`~multihead.models.native_greedy.why_not_greedy`): the caller takes the step itself. The
         same tokens, caches and states as :func:`~multihead.models.generation.pick_next` on
         ``lm_head`` and one :meth:`hidden_states` call per token.
 
@@ -369,9 +369,9 @@ class TransformerLM(nn.Module):
             return None
         if not self._native_step_fits(native_step.ONE_ID, None, cache):  # a native step would run
             return None
-        if native_step.why_not_greedy(self) is not None:  # and the head and the embedding are native's
+        if native_greedy.why_not_greedy(self) is not None:  # and the head and the embedding are native's
             return None
-        return native_step.greedy_steps(self, h, out, t, steps, last, eos, cache)
+        return native_greedy.greedy_steps(self, h, out, t, steps, last, eos, cache)
 
     def generate(
         self,

@@ -67,14 +67,19 @@ __all__ = [
 HERE = Path(__file__).parent
 SOURCES = (
     HERE / "gemv.c",
+    HERE / "gemv_rows.c",
     HERE / "decode_layer.c",
+    HERE / "decode_team.c",
     HERE / "attend.c",
     HERE / "gemv_q8.c",
+    HERE / "gemm_q8.c",
     HERE / "decode_greedy.c",
     HERE / "q8_rows.c",
     HERE / "gemv_q4.c",
-)  # and their header, native.h
+    HERE / "gguf_dequant.c",
+)  # and their headers: native.h and the private ones next to it
 HEADER = HERE / "native.h"
+HEADERS = tuple(sorted(HERE.glob("*.h")))  # every header next to the sources: all in the cache key
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 #: added when the compiler has it: products split over torch's OpenMP threads (torch's wheel ships the
 #: GNU runtime, libgomp.so.1, which the built library then shares instead of loading a second one)
@@ -110,7 +115,7 @@ def _cpu_key() -> str:
 def library_path(cc: str, directory: Path | None = None) -> Path:
     """The shared library built from :data:`SOURCES` by the compiler command ``cc`` for this CPU, in
     ``directory`` (default :func:`cache_dir`); it may not exist yet."""
-    code = [p.read_bytes() for p in (*SOURCES, HEADER)]
+    code = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
     key = hashlib.sha256(
         b"\0".join([*code, cc.encode(), " ".join((*FLAGS, OPENMP)).encode(), _cpu_key().encode()])
     ).hexdigest()[:16]

@@ -16,6 +16,10 @@
  * dtype up to the order of the sums. Matrices are row-major with contiguous rows (leading dimension =
  * columns); the cache of the layer is (B, Hkv, max_len, D) with the given head stride, position stride D
  * and batch stride Hkv head strides.
+ *
+ * This file: that layer for B rows (layer) and the entries of a whole step (mh_decode_batch,
+ * mh_decode_layers); decode_team.c: a one-row step on one team of threads; decode_ops.h: the helpers
+ * both share.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,78 +30,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-
-
-static inline float bf_to_f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f_to_bf(float f) { /* round to nearest even, NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* the storage dtypes: MH_F32, MH_BF16, MH_F16 (native.h; fp16 where MH_HAS_F16) */
-static inline float rnd(float f, int kind) {
-    if (kind == MH_BF16) return bf_to_f(f_to_bf(f));
-#if MH_HAS_F16
-    if (kind == MH_F16) return mh_h2f(mh_f2h(f));
-#endif
-    return f;
-}
-
-static inline float get(const void *p, int64_t i, int kind) {
-    if (kind == MH_BF16) return bf_to_f(((const uint16_t *)p)[i]);
-#if MH_HAS_F16
-    if (kind == MH_F16) return mh_h2f(((const uint16_t *)p)[i]);
-#endif
-    return ((const float *)p)[i];
-}
-
-static inline void put(void *p, int64_t i, float f, int kind) {
-    if (kind == MH_BF16)
-        ((uint16_t *)p)[i] = f_to_bf(f);
-#if MH_HAS_F16
-    else if (kind == MH_F16)
-        ((uint16_t *)p)[i] = mh_f2h(f);
-#endif
-    else
-        ((float *)p)[i] = f;
-}
-
-/* y = W x of kind; team: on a step's team (the kernels' _team entries) */
-static void gemv(const void *w, const void *x, void *y, int64_t rows, int64_t cols, int kind, int team) {
-    if (kind == MH_BF16)
-        (team ? mh_gemv_bf16_team : mh_gemv_bf16)((const uint16_t *)w, (const uint16_t *)x, NULL, (uint16_t *)y,
-                                                  rows, cols, cols);
-    else if (kind == MH_F16)
-        (team ? mh_gemv_f16_team : mh_gemv_f16)((const uint16_t *)w, (const uint16_t *)x, NULL, (uint16_t *)y, rows,
-                                                cols, cols);
-    else
-        (team ? mh_gemv_f32_team : mh_gemv_f32)((const float *)w, (const float *)x, NULL, (float *)y, rows, cols, cols);
-}
-
-/* STMT with the storage dtype kind a constant K (MH_F32, MH_BF16 or MH_F16), so that its loops over get /
- * put vectorize instead of testing the kind at every value */
-#define MH_BY_KIND(kind, ...)                                                                              \
-    do {                                                                                                   \
-        if ((kind) == MH_F32) {                                                                            \
-            enum { K = MH_F32 };                                                                           \
-            __VA_ARGS__;                                                                                   \
-        } else if ((kind) == MH_BF16) {                                                                    \
-            enum { K = MH_BF16 };                                                                          \
-            __VA_ARGS__;                                                                                   \
-        } else {                                                                                           \
-            enum { K = MH_F16 };                                                                           \
-            __VA_ARGS__;                                                                                   \
-        }                                                                                                  \
-    } while (0)
+#include "decode_ops.h" /* the storage dtypes' helpers, RoPE, silu, project, cache_write */
 
 /* the sum of the squares of x's d values of kind K: 16 running sums, then their tree */
 static inline __attribute__((always_inline)) float sum_squares(const void *x, int64_t d, int K) {
@@ -120,95 +53,6 @@ void mh_rms_norm(const void *x, const void *g, void *out, int64_t d, float eps, 
         const float inv = 1.0f / sqrtf(sum_squares(x, d, K) / (float)d + eps);
         for (int64_t i = 0; i < d; i++) put(out, i, rnd(get(x, i, K) * inv, K) * get(g, i, K), K);
     });
-}
-
-/* rotate one head of D values in place at the angles of cos / sin (D/2 each): pairs (i, i + D/2), or
- * (2i, 2i + 1) when interleaved; the result is rounded to the storage dtype */
-static void rope(void *t, int64_t D, const float *cos, const float *sin, int interleaved, int kind) {
-    const int64_t half = D / 2;
-    MH_BY_KIND(kind, for (int64_t i = 0; i < half; i++) {
-        const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-        const float x1 = get(t, a, K), x2 = get(t, b, K);
-        put(t, a, x1 * cos[i] - x2 * sin[i], K);
-        put(t, b, x2 * cos[i] + x1 * sin[i], K);
-    });
-}
-
-/* silu(a) = a / (1 + e^-a) over n floats in place */
-static void silu(float *a, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v16 v;
-        memcpy(&v, a + i, sizeof v);
-        v = v / (1.0f + mh_vexp(-v));
-        memcpy(a + i, &v, sizeof v);
-    }
-    for (; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i]));
-}
-
-/* the five matrices of a layer: of the storage dtype, or int8 with fp32 scales per group of G inputs */
-enum { P_QKV, P_O, P_W1, P_W3, P_W2 };
-typedef struct {
-    const void *w[5]; /* qkv, o, w1, w3, w2 */
-    const float *s[5]; /* int8 weights: their group scales; NULL for weights of the storage dtype */
-    int64_t group;
-    int blocked; /* int8 weights' layout (native.h's MH_Q8_*: in column order, blocked, packed with scales) */
-    int8_t *xq; /* int8 weights: the quantized input of the last product (mh_quantize_q8) */
-    float *xs;
-    void *scratch; /* int8 weights: mh_gemv_q8_into's, 64-aligned */
-    int team; /* the products run on a step's team (team_step) */
-} weights;
-
-/* Y = X W_p^T for B rows of X (B, cols) into Y (B, rows), each row as the one-row product gives it. One
- * row: the one-row GEMV (int8 weights quantize x first, unless fresh == 0: x was the last product's input
- * too); several: the multi-row products, which read the weights once for all of them and give each row
- * the bits of its one-row product. Returns 0, or -1 when the int8 product's scratch cannot be allocated. */
-static int project(const weights *W, int p, const void *x, void *y, int64_t rows, int64_t cols, int kind, int fresh,
-                   int64_t B) {
-    if (W->blocked >= MH_GG_LAYOUT) { /* GGUF's blocks: one product for one row or several (fp32 x) */
-        const int type = W->blocked - MH_GG_LAYOUT;
-        const int64_t ldw = cols / 32 * mh_gguf_block_bytes(type);
-        const float *xf = (const float *)x;
-        const int s = W->team ? mh_gemv_gguf_team(type, W->w[p], ldw, xf, (float *)y, rows, cols)
-                              : mh_gemm_gguf(type, W->w[p], ldw, xf, NULL, (float *)y, B, rows, cols);
-        return s == 0 ? 0 : -1;
-    }
-    if (B > 1 && W->s[p] == NULL)
-        return mh_gemv_rows(kind, W->w[p], x, NULL, y, B, rows, cols, cols) == 0 ? 0 : -1; /* kind: checked */
-    const int64_t ldw = mh_q8_row_bytes(cols, W->blocked); /* int8 rows: packed ones hold their scales */
-    if (B > 1)
-        return mh_gemm_q8((const int8_t *)W->w[p], W->s[p], (const float *)x, NULL, (float *)y, B, rows, cols, ldw,
-                          W->group, W->blocked);
-    if (W->s[p] == NULL) {
-        gemv(W->w[p], x, y, rows, cols, kind, W->team);
-        return 0;
-    }
-    if (fresh) mh_quantize_q8(x, kind, cols, W->xq, W->xs);
-    (W->team ? mh_gemv_q8_team : mh_gemv_q8_into)((const int8_t *)W->w[p], W->s[p], W->xq, W->xs, NULL, (float *)y,
-                                                  rows, cols, ldw, W->group, W->blocked,
-                                                  W->scratch); /* cannot fail: the layout was checked on entry */
-    return 0;
-}
-
-/* write the rotated key or the value of one kv head (D values of kind) at cache row dst: a copy, or for
- * an int8 cache (ckind MH_I8) its per-token int8 rounding as torch's: scale = absmax / 127 into *scale,
- * q = round(x / scale) half to even (an all-zero row: scale 0, q 0) */
-static void cache_write(void *dst, float *scale, const void *src, int64_t D, int kind, int ckind) {
-    if (ckind != MH_I8) {
-        memcpy(dst, src, (size_t)(D * (kind == MH_F32 ? 4 : 2)));
-        return;
-    }
-    float amax = 0.f;
-    for (int64_t i = 0; i < D; i++) { /* a NaN passed over */
-        const float a = fabsf(get(src, i, kind));
-        amax = a > amax ? a : amax;
-    }
-    const float s = amax / 127.0f, div = s > 0.f ? s : 1.f;
-    *scale = s;
-    for (int64_t i = 0; i < D; i++) {
-        const float q = nearbyintf(get(src, i, kind) / div);
-        ((int8_t *)dst)[i] = (int8_t)(q > 127.f ? 127.f : (q < -127.f ? -127.f : q));
-    }
 }
 
 /* the layer of the file's comment for B rows x (B, d): B sequences at position pos, each with its own
@@ -297,117 +141,6 @@ out:
     return status;
 }
 
-#ifdef _OPENMP
-_Thread_local mh_span *mh_team_spans;
-
-/* A one-row step on one team. Splitting each product across the threads with a region of its own costs,
- * per product, the region's start (the other thread woken, ~0.5 us) and end, and in between the calling
- * thread does the serial work alone (norms, the int8 input, residuals, the gate) while the others wait,
- * then they read what it wrote: ~0.3 ms of a 3.6 ms llama-155m int8 step with two threads, more when the
- * host places the two virtual CPUs of a virtual machine on two core complexes (each meeting then costs
- * several hundred ns). Here one region runs every layer: each thread keeps its own copy of x and does the
- * serial work itself (the same bits on every thread), the products split their rows across the team
- * into shared outputs with a barrier after each, and the kv heads split across the threads, each rotating,
- * caching and attending its own. The same kernels in the same order: the bits of layer() for one row. */
-
-/* the products' shared outputs (4-byte slots of the storage dtype) */
-typedef struct {
-    char *qkv, *att, *o, *gate, *up, *w2;
-} team_out;
-
-/* one layer on the calling thread of the team: x, h (its copy of the row and the products' input), heads
- * (one kv head's attention scratch), act (F fp32) its own; W its own int8 input and scratch */
-static void team_layer(const mh_layer_args *l, weights *W, void *x, char *h, float *heads, float *act,
-                       const team_out *o, int64_t pos, const float *cos, const float *sin) {
-    const int kind = l->kind, ckind = l->k_scale && l->v_scale ? MH_I8 : kind;
-    const int64_t d = l->d, Hq = l->Hq, Hkv = l->Hkv, D = l->D, F = l->F, G = Hq / Hkv;
-    const int64_t esz = kind == MH_F32 ? 4 : 2, cesz = ckind == MH_I8 ? 1 : esz;
-    const int T = omp_get_num_threads(), me = omp_get_thread_num();
-    mh_rms_norm(x, l->g_attn, h, d, l->eps, kind);
-    project(W, P_QKV, h, o->qkv, (Hq + 2 * Hkv) * D, d, kind, 1, 1);
-#pragma omp barrier
-    for (int64_t j = Hkv * me / T; j < Hkv * (me + 1) / T; j++) { /* this thread's kv heads */
-        char *q = o->qkv + j * G * D * esz, *k = o->qkv + (Hq + j) * D * esz, *v = k + Hkv * D * esz;
-        for (int64_t i = 0; i < G; i++) rope(q + i * D * esz, D, cos, sin, l->interleaved, kind);
-        rope(k, D, cos, sin, l->interleaved, kind);
-        char *kc = (char *)l->k_cache + j * l->k_head_stride * cesz, *vc = (char *)l->v_cache + j * l->v_head_stride * cesz;
-        float *ks = l->k_scale ? l->k_scale + j * l->s_head_stride : NULL;
-        float *vs = l->v_scale ? l->v_scale + j * l->s_head_stride : NULL;
-        cache_write(kc + pos * D * cesz, ks ? ks + pos : NULL, k, D, kind, ckind);
-        cache_write(vc + pos * D * cesz, vs ? vs + pos : NULL, v, D, kind, ckind);
-        float *qf = heads, *of = qf + G * D, *scores = of + G * D;
-        MH_BY_KIND(kind, for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, i, K));
-        mh_attend(qf, kc, vc, ks, vs, pos + 1, D, G, l->scale, ckind, of, scores);
-        MH_BY_KIND(kind, for (int64_t i = 0; i < G * D; i++) put(o->att, j * G * D + i, of[i], K));
-    }
-#pragma omp barrier
-    project(W, P_O, o->att, o->o, d, Hq * D, kind, 1, 1);
-#pragma omp barrier
-    MH_BY_KIND(kind, for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, K) + get(o->o, i, K), K));
-    mh_rms_norm(x, l->g_ffn, h, d, l->eps, kind);
-    project(W, P_W1, h, o->gate, F, d, kind, 1, 1);
-#pragma omp barrier
-    project(W, P_W3, h, o->up, F, d, kind, 0, 1); /* the same input: quantized once */
-#pragma omp barrier
-    MH_BY_KIND(kind, for (int64_t i = 0; i < F; i++) act[i] = get(o->gate, i, K));
-    silu(act, F);
-    MH_BY_KIND(kind, for (int64_t i = 0; i < F; i++) put(h, i, rnd(act[i], K) * get(o->up, i, K), K));
-    project(W, P_W2, h, o->w2, d, F, kind, 1, 1);
-#pragma omp barrier
-    MH_BY_KIND(kind, for (int64_t i = 0; i < d; i++) put(x, i, get(x, i, K) + get(o->w2, i, K), K));
-}
-
-/* mh_decode_batch of one row (checked by the caller) on one team of up to MH_MAX_SPANS threads; 0, or -1
- * when its memory cannot be allocated (nothing run) */
-static int team_step(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const float *const *cos,
-                     const float *const *sin, const void *g_final, float eps_final, void *out, int64_t *done) {
-    int64_t wide = 0, shared = 0, per_head = 0; /* the widest vector, the shared outputs, a head's scratch */
-    for (int64_t i = 0; i < n; i++) {
-        const mh_layer_args *l = &a[i];
-        const int64_t dF = l->d > l->F ? l->d : l->F, w = dF > l->Hq * l->D ? dF : l->Hq * l->D, G = l->Hq / l->Hkv;
-        const int64_t sh = (l->Hq + 2 * l->Hkv) * l->D + l->Hq * l->D + 2 * l->d + 2 * l->F, ph = G * (2 * l->D + pos + 1);
-        wide = w > wide ? w : wide, shared = sh > shared ? sh : shared, per_head = ph > per_head ? ph : per_head;
-    }
-    const int T = omp_get_max_threads() > MH_MAX_SPANS ? MH_MAX_SPANS : omp_get_max_threads();
-    const int64_t nq = (wide + 63) & ~(int64_t)63, spans = MH_MAX_SPANS * (int64_t)sizeof(mh_span);
-    const int64_t sh_bytes = (shared * 4 + 63) & ~(int64_t)63; /* then each thread's: x, h, heads, act, xs, xq, scratch */
-    const int64_t own = (3 * wide * 4 + per_head * 4 + nq / MH_Q8_BLOCK * 4 + nq + MH_Q8_SCRATCH(nq) + 127) & ~(int64_t)63;
-    char *buf = aligned_alloc(64, (size_t)(spans + sh_bytes + T * own));
-    if (!buf) return -1;
-    mh_span *span = (mh_span *)buf;
-    for (int t = 0; t < MH_MAX_SPANS; t++) atomic_init(&span[t].fb, 0); /* empty */
-    char *sh = buf + spans;
-    const int64_t d = a[0].d, esz = a[0].kind == MH_F32 ? 4 : 2;
-#pragma omp parallel num_threads(T)
-    {
-        mh_team_spans = span;
-        const int me = omp_get_thread_num();
-        char *xt = sh + sh_bytes + me * own, *h = xt + wide * 4;
-        float *heads = (float *)(h + wide * 4), *act = heads + per_head;
-        memcpy(xt, x, (size_t)(d * esz));
-        for (int64_t i = 0; i < n; i++) {
-            const mh_layer_args *l = &a[i];
-            team_out o = {sh, NULL, NULL, NULL, NULL, NULL};
-            o.att = o.qkv + (l->Hq + 2 * l->Hkv) * l->D * 4, o.o = o.att + l->Hq * l->D * 4;
-            o.gate = o.o + l->d * 4, o.up = o.gate + l->F * 4, o.w2 = o.up + l->F * 4;
-            weights W = {{l->w[0], l->w[1], l->w[2], l->w[3], l->w[4]}, {l->s[0], l->s[1], l->s[2], l->s[3], l->s[4]},
-                         l->group, l->blocked, NULL, act + wide, NULL, 1};
-            W.xq = (int8_t *)(W.xs + nq / MH_Q8_BLOCK);
-            W.scratch = (void *)(((uintptr_t)(W.xq + nq) + 63) & ~(uintptr_t)63); /* MH_Q8_SCRATCH(nq) at 64 */
-            team_layer(l, &W, xt, h, heads, act, &o, pos, cos[i], sin[i]);
-        }
-        if (me == 0) {
-            memcpy(x, xt, (size_t)(d * esz));
-            mh_rms_norm(xt, g_final, out, d, eps_final, a[0].kind);
-        }
-        mh_team_spans = NULL;
-    }
-    free(buf);
-    *done = n;
-    return 0;
-}
-#endif
-
 /* sizeof(mh_layer_args): what the ctypes mirror must match (checked as the library loads) */
 int64_t mh_layer_args_bytes(void) { return (int64_t)sizeof(mh_layer_args); }
 
@@ -453,7 +186,7 @@ int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, con
 #ifdef _OPENMP /* one row whose products are large enough to split: one team for the whole step */
     if (B == 1 && !seq && n > 0 && omp_get_max_threads() > 1 && !omp_in_parallel() &&
         (a[0].Hq + 2 * a[0].Hkv) * a[0].D * a[0].d >= MH_PAR_MIN)
-        return team_step(x, a, n, pos, cos, sin, g_final, eps_final, out, done);
+        return mh_team_step(x, a, n, pos, cos, sin, g_final, eps_final, out, done);
 #endif
     for (int64_t i = 0; i < n; i++) {
         const mh_layer_args *l = &a[i];

@@ -29,6 +29,8 @@
  *   product); Q8_0 as gemv_q8.c (w + 128 as u8, each lane starting at -128 * its four x);
  * - AVX2 (with AVX-VNNI's VPDPBUSD where present, else VPMADDUBSW + VPMADDWD) one block a 32-byte step;
  * - portable C elsewhere.
+ *
+ * This file: the products; gguf_dequant.c: a row back to fp32; gguf_blocks.h: what both read.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,6 +38,7 @@
 #include <string.h>
 
 #include "native.h"
+#include "gguf_blocks.h" /* GG_Q4_0, GG_Q4_1, GG_Q8_0, gg_h2f, gg_u16 */
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -50,7 +53,6 @@
 #define MH_GG_ISA 0 /* portable */
 #endif
 
-enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q8_0 = 8 }; /* ggml's type numbers */
 #define GG_TILE 64 /* mh_gemm_gguf: activation rows rounded and held at once */
 #define GG_WROWS 16 /* weight rows a work item (kept in the caches while the tile's rows meet them) */
 
@@ -59,30 +61,6 @@ int mh_gguf_isa(void) { return MH_GG_ISA; }
 /* bytes of one block of type, 0 for a type without a kernel */
 int64_t mh_gguf_block_bytes(int type) {
     return type == GG_Q4_0 ? 18 : type == GG_Q4_1 ? 20 : type == GG_Q8_0 ? 34 : 0;
-}
-
-/* fp16 (its 16 bits) -> fp32, exactly, in plain C */
-static inline float gg_h2f(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    uint32_t u;
-    if (e == 0) { /* zero or subnormal: man * 2^-24 is exact in fp32 */
-        const float f = (float)man * 0x1p-24f;
-        memcpy(&u, &f, sizeof u);
-        u |= sign;
-    } else if (e == 31) {
-        u = sign | 0x7F800000u | (man << 13);
-    } else {
-        u = sign | ((e + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t gg_u16(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
 }
 
 /* What every row's product with one activation row needs, made once (gg_prepare) in its scratch. */
@@ -336,33 +314,5 @@ int mh_gemv_gguf_team(int type, const uint8_t *w, int64_t ldw, const float *x, f
     gg_prepare(x, cols, type, buf, &xs);
     MH_BALANCED_FOR((rows + GG_WROWS - 1) / GG_WROWS, 1, 1, k, gg_item(type, w, ldw, &xs, 1, NULL, y, rows, cols, k));
     if (buf != local) free(buf);
-    return 0;
-}
-
-/* One row of cols weights in GGUF's blocks of type back to fp32, as gguf.quants.dequantize makes them:
- * d * q (Q4_0: q = nibble - 8; Q8_0), d * q + m (Q4_1: a product, then a sum, each rounded to fp32).
- * Returns 0, -2 as mh_gemm_gguf. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off"))) /* d * q + m in two roundings, as numpy's */
-#endif
-int mh_dequantize_row_gguf(int type, const uint8_t *row, int64_t cols, float *out) {
-    const int64_t bb = mh_gguf_block_bytes(type);
-    if (bb == 0 || cols % 32 != 0) return -2;
-    for (int64_t k = 0; k < cols / 32; k++) {
-        const uint8_t *a = row + k * bb;
-        const float d = gg_h2f(gg_u16(a));
-        float *o = out + 32 * k;
-        if (type == GG_Q8_0) {
-            for (int i = 0; i < 32; i++) o[i] = d * (float)(int8_t)a[2 + i];
-        } else if (type == GG_Q4_0) {
-            for (int i = 0; i < 16; i++) o[i] = d * (float)((a[2 + i] & 15) - 8), o[i + 16] = d * (float)((a[2 + i] >> 4) - 8);
-        } else {
-            const float mn = gg_h2f(gg_u16(a + 2));
-            for (int i = 0; i < 16; i++) {
-                volatile float lo = d * (float)(a[4 + i] & 15), hi = d * (float)(a[4 + i] >> 4);
-                o[i] = lo + mn, o[i + 16] = hi + mn;
-            }
-        }
-    }
     return 0;
 }

@@ -66,7 +66,7 @@ static inline int64_t mh_span_take(mh_span *s, int back, int64_t *at, uint32_t c
     }
 }
 
-/* A one-row decode step runs all its layers on one team (decode_layer.c): each of its threads points
+/* A one-row decode step runs all its layers on one team (decode_team.c): each of its threads points
  * mh_team_spans at the team's shared spans and calls the GEMVs' _team entries, whose balanced loop
  * (MH_BALANCED_FOR with TEAM 1) takes this thread's share with no region of its own and no barrier at its
  * end (the step places one after each loop; with it, every span is empty when the next loop starts, so a
@@ -202,9 +202,9 @@ static inline float mh_get(const void *p, int64_t i, int kind) {
 void mh_attend(const float *q, const void *K, const void *V, const float *ks, const float *vs, int64_t L,
                int64_t D, int64_t G, float scale, int ckind, float *out, float *scores);
 
-/* int8 products (gemv_q8.c): activations quantized in blocks of MH_Q8_BLOCK values (q8_rows.c); weight
- * rows in one of three layouts (q8_rows.c: in column order, blocked, packed with their scales), each
- * function's "blocked" argument the layout */
+/* int8 products (gemv_q8.c, gemm_q8.c): activations quantized in blocks of MH_Q8_BLOCK values
+ * (q8_rows.c); weight rows in one of three layouts (q8_rows.c: in column order, blocked, packed with their
+ * scales), each function's "blocked" argument the layout */
 #define MH_Q8_BLOCK 32
 enum { MH_Q8_COLUMNS = 0, MH_Q8_BLOCKED = 1, MH_Q8_PACKED = 2 };
 #define MH_Q8_CHUNK_BYTES 576 /* a packed row's 512 weights and their 16 scales */
@@ -219,8 +219,9 @@ int mh_q8_blocked(void); /* whether this build reads the blocked layout */
 int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b, float *y, int64_t n, int64_t rows,
                int64_t cols, int64_t ldw, int64_t G, int blocked);
 void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int layout, float *out);
-/* GGUF's blocks (gemv_q4.c): a layer's weights in ggml block type T (2 Q4_0, 3 Q4_1, 8 Q8_0) have layout
- * MH_GG_LAYOUT + T (mh_layer_args.blocked; their s[p] any non-NULL pointer), fp32 activations */
+/* GGUF's blocks (gemv_q4.c, gguf_dequant.c): a layer's weights in ggml block type T (2 Q4_0, 3 Q4_1,
+ * 8 Q8_0) have layout MH_GG_LAYOUT + T (mh_layer_args.blocked; their s[p] any non-NULL pointer), fp32
+ * activations */
 #define MH_GG_LAYOUT 16
 int64_t mh_gguf_block_bytes(int type); /* 0: a type without a kernel */
 int mh_gemm_gguf(int type, const uint8_t *w, int64_t ldw, const float *x, const float *b, float *y, int64_t n,
@@ -241,7 +242,7 @@ void mh_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
 void mh_gemv_f16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
                  int64_t cols, int64_t ldw);
 /* the GEMVs (mh_gemv_f32, _bf16, _f16, mh_gemv_q8_into) on a step's team: called by every thread of it
- * (mh_team_spans set), each taking its share of the rows; no barrier at the end (decode_layer.c) */
+ * (mh_team_spans set), each taking its share of the rows; no barrier at the end (decode_team.c) */
 void mh_gemv_f32_team(const float *w, const float *x, const float *b, float *y, int64_t rows, int64_t cols,
                       int64_t ldw);
 void mh_gemv_bf16_team(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t rows,
@@ -250,7 +251,8 @@ void mh_gemv_f16_team(const uint16_t *w, const uint16_t *x, const uint16_t *b, u
                       int64_t cols, int64_t ldw);
 int mh_gemv_q8_team(const int8_t *w, const float *ws, const int8_t *xq, const float *xs, const float *b,
                     float *y, int64_t rows, int64_t cols, int64_t ldw, int64_t G, int blocked, void *scratch);
-/* Y (n, rows) = X W^T + b for n rows X (n, cols) of kind, each row as its one-row kernel gives it; 0 or -2 */
+/* Y (n, rows) = X W^T + b for n rows X (n, cols) of kind, each row as its one-row kernel gives it; 0 or -2
+ * (gemv_rows.c) */
 int mh_gemv_rows(int kind, const void *w, const void *x, const void *b, void *y, int64_t n, int64_t rows,
                  int64_t cols, int64_t ldw);
 void mh_rms_norm(const void *x, const void *g, void *out, int64_t d, float eps, int kind);

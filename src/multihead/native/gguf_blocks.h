@@ -1,0 +1,33 @@
+/* What gemv_q4.c (the products) and gguf_dequant.c (a row back to fp32) share about GGUF's blocks:
+ * ggml's type numbers and the reading of a block's fp16 fields. The layouts: gemv_q4.c's comment. */
+#ifndef MH_GGUF_BLOCKS_H
+#define MH_GGUF_BLOCKS_H
+#include <stdint.h>
+#include <string.h>
+
+enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q8_0 = 8 }; /* ggml's type numbers */
+
+/* fp16 (its 16 bits) -> fp32, exactly, in plain C */
+static inline float gg_h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t u;
+    if (e == 0) { /* zero or subnormal: man * 2^-24 is exact in fp32 */
+        const float f = (float)man * 0x1p-24f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    } else if (e == 31) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else {
+        u = sign | ((e + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t gg_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+#endif

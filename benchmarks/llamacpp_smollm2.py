@@ -161,15 +161,7 @@ def greedy_against_llamacpp(model: mh.TransformerLM, bin_dir: Path, gguf: Path, 
     tok = model.tokenizer
     out = []
     for text in PROMPTS:
-        done = subprocess.run(
-            [str(bin_dir / "llama-simple"), "-m", str(gguf), "-n", str(n), text],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        at = done.stdout.find(text)
-        theirs = done.stdout[at + len(text) :] if at >= 0 else ""
+        theirs = llamacpp_text(bin_dir / "llama-simple", gguf, text, n)
         ids = torch.tensor([tok.encode(text)])  # (1, P)
         with torch.no_grad():
             got = model.generate(ids, n, eos_token_id=[])[0, ids.shape[1] :].tolist()

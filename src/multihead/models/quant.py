@@ -163,7 +163,7 @@ class WeightFormat:
 
 #: every weight format of :func:`quantize`, by name (GGUF's names for the block formats)
 FORMATS: dict[str, WeightFormat] = {
-    "int8": WeightFormat(KERNELS, "native", "auto", lambda m, k, g: _quantize_weights(m, k, g)),
+    "int8": WeightFormat(KERNELS, "native", "auto", _quantize_weights),
     "q4_0": WeightFormat(("auto", "native"), "native", "native", _to_blocks("q4_0")),
     "q4_1": WeightFormat(("auto", "native"), "native", "native", _to_blocks("q4_1")),
     "fp32": WeightFormat(FLOAT_KERNELS, "native", "onednn", _to_float(torch.float32), torch.float32),

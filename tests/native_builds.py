@@ -39,11 +39,15 @@ def built_for(march: str, flag: str, monkeypatch: pytest.MonkeyPatch) -> Iterato
     if platform.machine() != "x86_64" or not cpu_has(flag):
         pytest.skip(f"-march={march} needs an x86-64 CPU with {flag}")
     target, *extra = march.split()
-    flags = [g for f in native.FLAGS for g in ([f"-march={target}", *extra] if f == "-march=native" else [f])]
+    flags = [
+        g
+        for f in native.loader.FLAGS
+        for g in ([f"-march={target}", *extra] if f == "-march=native" else [f])
+    ]
     monkeypatch.setenv("MULTIHEAD_CACHE", str(_BUILDS))
-    monkeypatch.setattr(native, "FLAGS", tuple(flags))
-    native._load.cache_clear()
+    monkeypatch.setattr(native.loader, "FLAGS", tuple(flags))
+    native.loader.load.cache_clear()
     try:
         yield
     finally:
-        native._load.cache_clear()
+        native.loader.load.cache_clear()

@@ -114,11 +114,11 @@ def test_four_threads_first_use_runs_the_compiler_once(tmp_path, monkeypatch):
     cc = _fake_compiler(tmp_path, f'echo run >> "{calls}"\nsleep 0.3\n')
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path / "cache"))
-    native._load.cache_clear()
+    native.loader.load.cache_clear()
     try:
         reasons = _together(lambda i: native.unavailable())
     finally:
-        native._load.cache_clear()
+        native.loader.load.cache_clear()
     assert all(r is not None and "wrote an empty file" in r for r in reasons)
     assert len(set(reasons)) == 1
     assert calls.read_text().count("run") == 1  # one build for the four threads
@@ -134,12 +134,12 @@ def test_a_directory_planted_at_the_librarys_path_is_replaced_by_a_build(tmp_pat
     (so / "inside").mkdir(parents=True)
     (so / "inside" / "file").write_text("x")
     os.symlink(tmp_path, so / "link")  # removed, not followed
-    native._load.cache_clear()
+    native.loader.load.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="is not a regular file; rebuilt"):
             reason = native.unavailable()
     finally:
-        native._load.cache_clear()
+        native.loader.load.cache_clear()
     assert reason is not None and "wrote an empty file" in reason  # the build ran in its place
     assert not os.path.lexists(so) and tmp_path.is_dir() and (tmp_path / "fake-cc").exists()
 

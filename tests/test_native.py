@@ -118,28 +118,28 @@ def test_gemv_rejects_bad_inputs_with_the_fix():
 @needs_native
 def test_the_build_is_cached_per_source_compiler_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
-    native._load.cache_clear()
+    native.loader.load.cache_clear()
     try:
         assert native.unavailable() is None
         so = native.location()
         assert so is not None and so.parent == tmp_path and so.name.startswith("native-")
         built = so.stat()
-        native._load.cache_clear()
+        native.loader.load.cache_clear()
         assert native.unavailable() is None and native.location() == so
         assert so.stat().st_ino == built.st_ino and so.stat().st_mtime_ns == built.st_mtime_ns  # reused
         compiler, _ = native.build.find_compiler()
         assert compiler is not None and native.library_path(" ".join(compiler), tmp_path) == so
-        monkeypatch.setattr(native, "_cpu_key", lambda: "another cpu")
+        monkeypatch.setattr(native.loader, "cpu_key", lambda: "another cpu")
         assert (
             native.library_path(" ".join(compiler), tmp_path) != so
         )  # one CPU's build never runs on another
     finally:
-        native._load.cache_clear()
+        native.loader.load.cache_clear()
 
 
 def test_without_a_compiler_gemv_linear_runs_f_linear_and_says_why(monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    native._load.cache_clear()
+    native.loader.load.cache_clear()
     try:
         assert native.unavailable() == (
             "CC='no-such-compiler-here' is not an executable: no program 'no-such-compiler-here' on PATH; "
@@ -154,10 +154,10 @@ def test_without_a_compiler_gemv_linear_runs_f_linear_and_says_why(monkeypatch):
         with pytest.raises(ValueError, match="the native GEMV is unavailable: CC='no-such-compiler-here'"):
             native.gemv(lin.weight.detach(), x[0])
         monkeypatch.setenv("MULTIHEAD_NATIVE", "0")
-        native._load.cache_clear()
+        native.loader.load.cache_clear()
         assert native.unavailable() == "disabled by MULTIHEAD_NATIVE=0"
     finally:
-        native._load.cache_clear()
+        native.loader.load.cache_clear()
 
 
 @needs_native
@@ -252,15 +252,15 @@ def test_products_split_over_threads_give_the_same_bits(rows):
 @needs_native
 def test_a_compiler_without_openmp_builds_the_one_thread_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "OPENMP", "-fno-such-option-here")
-    native._load.cache_clear()
+    monkeypatch.setattr(native.loader, "OPENMP", "-fno-such-option-here")
+    native.loader.load.cache_clear()
     try:
         assert native.unavailable() is None  # the build without the flag passed its self-check
         assert native.threads() == 1
         w, x = torch.randn(700, 512), torch.randn(512)
         torch.testing.assert_close(native.gemv(w, x), w @ x, rtol=1e-5, atol=1e-4)
     finally:
-        native._load.cache_clear()
+        native.loader.load.cache_clear()
 
 
 def test_quantize_auto_picks_native_for_decoders_and_onednn_for_encoders():
@@ -284,7 +284,7 @@ def test_an_unwritable_cache_directory_builds_into_the_temporary_directory(tmp_p
     blocker.write_text("not a directory")  # no directory can be made below it, not even by root
     monkeypatch.setenv("MULTIHEAD_CACHE", str(blocker / "cache"))
     monkeypatch.setattr(native.cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    native._load.cache_clear()
+    native.loader.load.cache_clear()
     try:
         assert native.unavailable() is None
         so = native.location()
@@ -294,4 +294,4 @@ def test_an_unwritable_cache_directory_builds_into_the_temporary_directory(tmp_p
             f"not building in {blocker / 'cache'}: {blocker / 'cache'} cannot be created: Not a directory",
         )
     finally:
-        native._load.cache_clear()
+        native.loader.load.cache_clear()

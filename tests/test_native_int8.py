@@ -232,7 +232,7 @@ def test_a_tied_head_shares_its_group_scales_with_the_embedding(lm):
 
 def test_without_native_kernels_int8_takes_the_old_kernels(lm, monkeypatch):
     monkeypatch.setenv("MULTIHEAD_NATIVE", "0")
-    native._load.cache_clear()
+    native.loader.load.cache_clear()
     try:
         assert native.unavailable() == "disabled by MULTIHEAD_NATIVE=0"
         q = quant.quantize(lm, weights="int8", kv="int8")  # auto: fbgemm, as before the native kernel
@@ -249,7 +249,7 @@ def test_without_native_kernels_int8_takes_the_old_kernels(lm, monkeypatch):
         ):
             native_int8.gemv_q8(grouped.lm_head.weight_int8, grouped.lm_head.scale, torch.randn(64), None, 64)
     finally:
-        native._load.cache_clear()
+        native.loader.load.cache_clear()
 
 
 @needs_native

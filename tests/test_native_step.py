@@ -314,6 +314,6 @@ def test_the_self_check_refuses_a_build_whose_arguments_differ_from_the_ctypes_m
         def __getattr__(self, fn):
             return lambda: ctypes.sizeof(mirrors[fn]) + (8 if fn == wrong else 0)
 
-    why = native._self_check(Built())
+    why = native.checks.check_library(Built())
     assert why is not None and f"{name} arguments take" in why and "disagree" in why
     assert getattr(native.library(), wrong)() == ctypes.sizeof(mirrors[wrong])  # this build agrees

@@ -63,7 +63,7 @@ def test_each_target_passes_the_self_check_and_its_team_gives_the_bits_of_one_th
         lib = native.library()
         before = _threads(2)
         try:
-            assert native._self_check_steps(lib) is None  # the team step itself, in this process
+            assert native.checks.check_team_steps(lib) is None  # the team step itself, in this process
         finally:
             torch.set_num_threads(before)
         for kind in ("fp32", "int8 g32"):
@@ -94,8 +94,8 @@ class _Perturbed:
 
 def test_the_step_check_catches_a_team_that_disagrees_and_a_consistent_error():
     lib = native.library()
-    assert native._self_check_steps(lib) is None
-    why = native._self_check_steps(_Perturbed(lib, {0}, 1e-3))  # the team's step alone
+    assert native.checks.check_team_steps(lib) is None
+    why = native.checks.check_team_steps(_Perturbed(lib, {0}, 1e-3))  # the team's step alone
     assert why is not None and "team of threads disagrees with its one-row loop" in why and "float32" in why
     # both paths equally wrong: only the float64 comparison sees it (the final norm is its output)
 
@@ -107,7 +107,7 @@ def test_the_step_check_catches_a_team_that_disagrees_and_a_consistent_error():
             cell.value += 0.5
             return status
 
-    why = native._self_check_steps(Wrong(lib, set(), 0.0))
+    why = native.checks.check_team_steps(Wrong(lib, set(), 0.0))
     assert why is not None and "disagrees with float64 torch" in why
 
 

@@ -42,16 +42,16 @@ SIDECARS = ("sha256", "checked")
 @pytest.fixture
 def fresh_load():
     """The loader runs again in the test (and once more for the tests after it)."""
-    native._load.cache_clear()
+    native.loader.load.cache_clear()
     yield
-    native._load.cache_clear()
+    native.loader.load.cache_clear()
 
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:
     """A checked build (the library with its digest and checked records), copied from where this
     process loaded the kernels."""
-    native._load.cache_clear()  # another test may have left a load from its own directory
+    native.loader.load.cache_clear()  # another test may have left a load from its own directory
     so = native.location()
     assert so is not None
     keep = tmp_path_factory.mktemp("good")
@@ -273,7 +273,7 @@ from multihead import native
 out = {}
 for name, directory in json.loads(sys.argv[1]).items():
     os.environ["MULTIHEAD_CACHE"] = directory
-    native._load.cache_clear()
+    native.loader.load.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         reason = native.unavailable()
@@ -369,7 +369,7 @@ def test_every_compiler_failure_says_what_ran_and_how_it_failed(cc, why, tmp_pat
     monkeypatch.setenv("CC", cc(tmp_path))
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path / "cache"))
     for _ in range(2):  # nothing is cached: the second start says the same, not a stale entry's error
-        native._load.cache_clear()
+        native.loader.load.cache_clear()
         reason = native.unavailable()
         assert reason is not None and re.search(why, reason), reason
         assert native.library() is None

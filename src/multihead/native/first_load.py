@@ -21,7 +21,7 @@ __all__ = ["TIMEOUT_S", "check_apart"]
 
 TIMEOUT_S = 300
 #: the child: torch, then this package loaded from its files under another name (the library's own
-#: package need not be importable there), then its ``_probe(library, digest)`` as the exit status
+#: package need not be importable there), then its loader's ``probe(library, digest)`` as the exit status
 _CHILD = """
 import importlib.util, os, sys
 import torch
@@ -32,12 +32,12 @@ spec = importlib.util.spec_from_file_location(
 module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 spec.loader.exec_module(module)
-sys.exit(module._probe(library, digest))
+sys.exit(sys.modules[spec.name + ".loader"].probe(library, digest))
 """
 
 
 def check_apart(package_init: Path, library: Path, digest: str) -> str | None:
-    """Run ``_probe(library, digest)`` of the package whose ``__init__.py`` is ``package_init`` in a
+    """Run ``loader.probe(library, digest)`` of the package whose ``__init__.py`` is ``package_init`` in a
     separate Python process; what went wrong ("crashed its self-check (signal SIGBUS)", "failed its
     self-check (...)"), or None when it exited with status 0."""
     if not sys.executable:

@@ -1,4 +1,4 @@
-"""The GGUF-block kernels' part of the native library's self-check (:func:`multihead.native._self_check`):
+"""The GGUF-block kernels' part of the native library's self-check (:func:`.checks.check_library`):
 ``gemv_q4.c``'s products on Q4_0, Q4_1 and Q8_0 blocks against their float64 reference on the same rounded
 activations (:func:`.gguf_blocks.reference_product`), at widths that end on a whole and on a half pair of
 blocks, one row and several (each row with the bits of its one-row call), and the rows read back to fp32

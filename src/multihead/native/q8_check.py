@@ -1,4 +1,4 @@
-"""The int8 kernels' part of the native library's self-check (:func:`multihead.native._self_check`): the
+"""The int8 kernels' part of the native library's self-check (:func:`.checks.check_library`): the
 int8 product against float64 torch on the same int8 numbers, in every row layout the build reads, and
 the activations' rounding against torch's."""
 

@@ -17,7 +17,7 @@ from .core.functional import AttentionOutput, attention, backends, explain
 from .core.masks import Mask, causal, custom, document, key_padding, padding, prefix_lm, sliding_window
 from .core.varlen import varlen_attention
 from .models import quant
-from .models.lm import TransformerLM
+from .models.lm import LMConfig, TransformerLM
 from .models.padding import left_pad
 from .nn import compat
 from .nn.attention import MultiHeadAttention
@@ -36,6 +36,7 @@ __all__ = [
     "Encoder",
     "FeedForward",
     "KVCache",
+    "LMConfig",
     "LearnedPositions",
     "Mask",
     "MultiHeadAttention",

@@ -121,6 +121,8 @@ def save_converted(
         base = {"hf": str(Path(base["hf"]).resolve())}
     pair = secrets.token_hex(8)
     meta = {"base": base, "steps": list(steps), "weights_id": pair}
+    if isinstance(model, TransformerLM):  # the shape the rebuilt model must have (checked on load)
+        meta["config"] = model.config.to_dict()
     with atomic_folder(folder) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"weights_id": pair})
         (tmp / "surgery.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
@@ -309,6 +311,12 @@ def load_converted(path: str | Path) -> SentenceEncoder | TransformerLM:
         )
     with rng.private(0):  # the structure's first weights are replaced by the file's: the caller's generator
         model = _rebuild(meta, steps, where)  # is neither reset nor advanced
+    stored = meta.get("config")
+    if isinstance(model, TransformerLM) and stored is not None and stored != model.config.to_dict():
+        raise ValueError(
+            f"{where} records the config {stored} but its base and steps rebuild {model.config.to_dict()}: "
+            f"the base changed since the save; {_AGAIN}"
+        )
     _check_fits(model, header, weights)
     sd = read_safetensors(weights, fix=_AGAIN)
     try:

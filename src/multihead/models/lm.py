@@ -16,6 +16,7 @@ attends (T, or fewer with a sliding cache), d = d_model, V = vocab size.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,38 +35,25 @@ from ..nn.positions import LearnedPositions, RotaryEmbedding, SinusoidalPosition
 from . import native_greedy, native_step
 from .gemv_linear import GemvLinear
 from .generation import generate
+from .lm_config import LMConfig, check_weights_fit, config_of
 from .padding import TrailingKeyPadding, as_real
 
-__all__ = ["POSITION_KINDS", "TransformerLM"]
+__all__ = ["POSITION_KINDS", "LMConfig", "TransformerLM"]
 
 POSITION_KINDS = ("rotary", "learned", "sinusoidal", "none")
-
-
-def _check_weights_fit(vocab_size: int, d_model: int, n_layers: int, d_ff: Any, positions: int) -> None:
-    """Raise before building anything when the model's weights cannot fit in the free memory: counted
-    from below (the embedding, a position table of ``positions`` rows, and per layer the query and output
-    projections and a two-matrix feed-forward), so a model that fits is never refused.
-
-    Raises:
-        ValueError: naming the sizes, the bytes and the fix.
-    """
-    if not isinstance(d_ff, int) or isinstance(d_ff, bool):
-        return  # the feed-forward names its own bad argument
-    elt = torch.empty(0).element_size()  # the default dtype the weights are built in
-    count = (vocab_size + positions) * d_model + n_layers * (2 * d_model * d_model + 2 * d_model * d_ff)
-    what = (
-        f"TransformerLM(vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}, d_ff={d_ff}"
-        + (f", max_len={positions}" if positions else "")
-        + f") has at least {count} weights, which"
-    )
-    check_fits(count * elt, what, "lower vocab_size, d_model, d_ff, n_layers or max_len")
 
 
 class TransformerLM(nn.Module):
     """Decoder-only Transformer language model; defaults are LLaMA's (RMSNorm, pre-LN, SwiGLU, RoPE).
 
+    Takes an :class:`~multihead.models.lm_config.LMConfig` (``TransformerLM(config, attention=...)``), or
+    its fields as arguments (``TransformerLM(vocab_size, d_model, n_layers, n_heads, d_ff, n_kv_heads=2)``);
+    either way ``model.config`` is the LMConfig it was built from (surgery that changes every layer's kv
+    heads updates its ``n_kv_heads``; one that makes layers differ, such as pruning, is recorded as steps).
+
     Args:
-        vocab_size, d_model, n_layers, n_heads, d_ff: sizes; head dim is ``d_model // n_heads``.
+        vocab_size, d_model, n_layers, n_heads, d_ff: sizes; head dim is ``d_model // n_heads``
+            (``vocab_size`` may be an LMConfig instead, then the only other argument is ``attention``).
         n_kv_heads: kv heads (GQA / MQA), default n_heads.
         max_len: longest sequence the learned / sinusoidal position tables cover.
         positions: "rotary" | "learned" | "sinusoidal" | "none".
@@ -80,80 +68,80 @@ class TransformerLM(nn.Module):
             *, kind, window, dtype, device)`` method builds its own layer's cache in :meth:`make_cache`.
 
     Raises:
-        ValueError: unknown positions kind, non-dividing head counts, bad sizes, and what the layers raise.
+        ValueError: unknown positions kind, non-dividing head counts, bad sizes, an unknown option, a
+            config given with sizes or options, and what the layers raise.
     """
 
     def __init__(
         self,
-        vocab_size: int,
-        d_model: int,
-        n_layers: int,
-        n_heads: int,
-        d_ff: int,
+        vocab_size: int | LMConfig,
+        d_model: int | None = None,
+        n_layers: int | None = None,
+        n_heads: int | None = None,
+        d_ff: int | None = None,
         *,
-        n_kv_heads: int | None = None,
-        max_len: int = 2048,
-        positions: str = "rotary",
-        norm: str = "rmsnorm",
-        norm_first: bool = True,
-        activation: str = "swiglu",
-        bias: bool = False,
-        tie_embeddings: bool = True,
-        dropout: float = 0.0,
-        rope_base: float = 10000.0,
-        sliding_window: int | None = None,
-        norm_eps: float = 1e-5,
         attention: Callable[[int], MultiHeadAttention] | None = None,
+        **options: Any,
     ):
         super().__init__()
-        for name, val in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_len", max_len)):
+        c = self.config = config_of(vocab_size, (d_model, n_layers, n_heads, d_ff), options)
+        for name, val in (("vocab_size", c.vocab_size), ("n_layers", c.n_layers), ("max_len", c.max_len)):
             check_size(name, val, 1, owner="TransformerLM")
-        if positions not in POSITION_KINDS:
-            raise ValueError(f"positions must be one of {list(POSITION_KINDS)}, got {positions!r}")
-        if sliding_window is not None:
-            check_int("sliding_window", sliding_window, 1)
-        check_int("n_heads", n_heads, 1)
-        if d_model % n_heads != 0:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}); change either")
-        _check_weights_fit(
-            vocab_size, d_model, n_layers, d_ff, max_len if positions in ("learned", "sinusoidal") else 0
-        )
-        self.vocab_size, self.max_len, self.positions = vocab_size, max_len, positions
-        self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        self.head_dim = d_model // n_heads
-        self.sliding_window = sliding_window
-        self.embed = nn.Embedding(vocab_size, d_model)
+        if c.positions not in POSITION_KINDS:
+            raise ValueError(f"positions must be one of {list(POSITION_KINDS)}, got {c.positions!r}")
+        if c.sliding_window is not None:
+            check_int("sliding_window", c.sliding_window, 1)
+        check_int("n_heads", c.n_heads, 1)
+        if c.d_model % c.n_heads != 0:
+            raise ValueError(
+                f"d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads}); change either"
+            )
+        tables = c.max_len if c.positions in ("learned", "sinusoidal") else 0
+        check_weights_fit(c.vocab_size, c.d_model, c.n_layers, c.d_ff, tables)
+        self.vocab_size, self.max_len, self.positions = c.vocab_size, c.max_len, c.positions
+        self.head_dim = c.d_model // c.n_heads
+        self.sliding_window = c.sliding_window
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
         self.pos_embed: nn.Module | None = None
-        if positions == "learned":
-            self.pos_embed = LearnedPositions(max_len, d_model)
-        elif positions == "sinusoidal":
-            self.pos_embed = SinusoidalPositions(d_model, max_len)
-        rotary = RotaryEmbedding(self.head_dim, base=rope_base) if positions == "rotary" else None
-        self.drop = nn.Dropout(dropout)
+        if c.positions == "learned":
+            self.pos_embed = LearnedPositions(c.max_len, c.d_model)
+        elif c.positions == "sinusoidal":
+            self.pos_embed = SinusoidalPositions(c.d_model, c.max_len)
+        rotary = RotaryEmbedding(self.head_dim, base=c.rope_base) if c.positions == "rotary" else None
+        self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(
             TransformerLayer(
-                d_model,
-                n_heads,
-                d_ff,
-                n_kv_heads=n_kv_heads,
-                norm=norm,
-                norm_first=norm_first,
-                activation=activation,
-                dropout=dropout,
-                bias=bias,
+                c.d_model,
+                c.n_heads,
+                c.d_ff,
+                n_kv_heads=c.n_kv_heads,
+                norm=c.norm,
+                norm_first=c.norm_first,
+                activation=c.activation,
+                dropout=c.dropout,
+                bias=c.bias,
                 rotary=rotary,
-                norm_eps=norm_eps,
+                norm_eps=c.norm_eps,
                 self_attn=None if attention is None else attention(i),
             )
-            for i in range(n_layers)
+            for i in range(c.n_layers)
         )
         # Pre-LN leaves the residual stream un-normalised (GPT-2 ln_f, LLaMA norm); post-LN ends normed.
-        self.final_norm = make_norm(norm, d_model, norm_eps) if norm_first else nn.Identity()
+        self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.norm_first else nn.Identity()
         # an nn.Linear whose calls of 1-4 rows (a decode step's or a small batch's logits) run the native GEMV
-        self.lm_head = GemvLinear(d_model, vocab_size, bias=False)
+        self.lm_head = GemvLinear(c.d_model, c.vocab_size, bias=False)
         self.apply(self._init_weights)
-        if tie_embeddings:
+        if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+
+    @property
+    def n_kv_heads(self) -> int:
+        """The kv heads of every layer (what :meth:`make_cache` sizes its caches by): the config's."""
+        return self.config.n_heads if self.config.n_kv_heads is None else self.config.n_kv_heads
+
+    @n_kv_heads.setter
+    def n_kv_heads(self, value: int) -> None:  # surgery that changes every layer's kv heads (to_gqa)
+        self.config = dataclasses.replace(self.config, n_kv_heads=value)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -3,9 +3,9 @@
  * values read straight from a cache of fp32, bf16, fp16 or int8 (a scale per position) and widened in
  * registers. Called by the decode layers (decode_layer.c) for each kv head of each row.
  *
- * Measured on a Zen 5 core that runs 512-bit FMAs at one a cycle: ~15 ns per cached position and kv head
- * with four query heads and D = 64, of which the position's 32 FMAs of 16 lanes take ~9 at that rate and
- * the widening of its key and value and the sums of its four scores most of the rest.
+ * Per cached position and kv head the work is the query heads' FMAs over D lanes (32 FMAs of 16 lanes
+ * for four query heads and D = 64), the widening of its key and value and the sums of the scores: the
+ * FMAs are about half of it, so the widening is what a faster cache layout would save.
  */
 #include <math.h>
 #include <stdint.h>

@@ -5,14 +5,12 @@
  * (a single one would wait on the latency of each fused multiply-add instead of on memory), fp32
  * accumulation, and for the widening kernels (fp32, fp16, bf16 without AVX512-BF16) two rows at a time,
  * one from each half of the matrix: two sequential streams, which one core pulls from memory faster than
- * one (measured on a Zen 5 core, the 41 products of a 155M LLaMA-shaped model, one thread: fp16
- * 1.03-1.05x the GB/s of one row at a time, fp32 1.01-1.07x). The AVX512-BF16 kernel reads one row at
- * a time: paired, it read 0.90-0.95x as fast there.
- * Every kernel loads 256 bits at a time (8 fp32 lanes, or 16 bf16 values to VDPBF16PS): on that Zen 5
- * core a stream of 256-bit loads comes from memory faster than one of 512-bit loads (llama-155m's decode
- * steps, one thread: fp32 0.89-0.94x the time a token with 256-bit loads, bf16 0.90-0.91x, fp16 the
- * same), and 512-bit VDPBF16PS read 0.86-0.91x as fast when x and the rows are both 32-byte aligned
- * (torch's tensors are) as when x is not; the 256-bit loop reads the same either way.
+ * one. The AVX512-BF16 kernel reads one row at a time: paired, it read slower.
+ * Every kernel loads 256 bits at a time (8 fp32 lanes, or 16 bf16 values to VDPBF16PS): a stream of
+ * 256-bit loads came from memory faster than one of 512-bit loads on the CPUs we measured, and 512-bit
+ * VDPBF16PS read slower when x and the rows are both 32-byte aligned (torch's tensors are) than when x
+ * is not; the 256-bit loop reads the same either way. The measurements behind these choices are
+ * reproduced by benchmarks/native_gemv.py (docs/cpu-decode.md explains the bandwidth bound).
  *
  * mh_gemv_f32:  fp32 W, fp32 x, fp32 bias b (or NULL), fp32 y = W x + b.
  * mh_gemv_bf16: the same in bf16 (accumulated in fp32 with the bias, rounded to nearest even once).
@@ -109,9 +107,9 @@ static inline __attribute__((always_inline)) void mh_gemv_f16_body(const uint16_
 #define MH_STORE_F16(o, s) (y[o] = mh_f2h(b ? (s) + mh_h2f(b[o]) : (s)))
 #if MH_HAS_F16 && defined(__AVX512F__)
     /* x read as fp16 and widened with each row's values (one VCVTPH2PS more per 8 weights): half the
-     * cache traffic of a widened fp32 copy of x, and 1.0-1.2x the GB/s of reading that copy on a Zen 5
-     * (benchmarks/native_gemv.py, 1024-32000 rows of 1024-2816 fp16 weights, one thread; measured when
-     * the kernels loaded 512 bits at a time, so kept to AVX-512 builds) */
+     * cache traffic of a widened fp32 copy of x, and no slower to read than that copy
+     * (benchmarks/native_gemv.py; established when the kernels loaded 512 bits at a time, so kept to
+     * AVX-512 builds) */
     MH_STREAM_ROWS(w, x, load_f16, load_f16, mh_h2f, mh_h2f, MH_STORE_F16, team);
 #elif MH_HAS_F16
     float stack[4096], *xf = cols <= 4096 ? stack : malloc((size_t)cols * sizeof(float));

@@ -1,7 +1,7 @@
 /* The pieces of the fp32 / bf16 / fp16 GEMVs that gemv.c (one activation row) and gemv_rows.c (several)
  * share, so that both give a row the same bits: 8-lane loads widening each storage dtype to fp32, the
  * bf16 conversions, and the AVX512-BF16 row sums (MH_DPBF16). Private to those two files; the loops and
- * what was measured: gemv.c's comment. */
+ * why they are shaped so: gemv.c's comment. */
 #ifndef MH_GEMV_KERNELS_H
 #define MH_GEMV_KERNELS_H
 #include <stdint.h>

@@ -11,21 +11,20 @@
  * each, so a decode step reads a quarter of the fp32 bytes and its speed is still the memory's read
  * bandwidth: independent accumulators, the block scales applied to whole vectors of partial sums (no
  * horizontal sum per block), and with AVX512-VNNI two rows at a time, one from each half of the matrix
- * (two streams read side by side, each 64 bytes of x loaded once for both: on a Zen 5 core the model's
- * products read 1.10x the GB/s of one row at a time, 90% of a plain read of as many bytes against 82%).
+ * (two streams read side by side, each 64 bytes of x loaded once for both: closer to the rate of a plain
+ * read of as many bytes than one row at a time).
  *
  * Layouts (q8_rows.c; the "blocked" argument): a row in column order, "blocked" (AVX512-VNNI builds only:
  * the blocks of every whole 512 columns interleaved four bytes at a time, so that lane l of each of the 8
  * vectors belongs to block l, VPDPBUSD keeps a block's whole sum in one int32 lane, and its scale is
- * applied once per 512 columns instead of once per 64; measured on a Zen 5 core: 1.05-1.2x the read rate
- * of column order on 1024-2816 wide rows, groups of 32), or "packed" (blocked, groups of 32, each 512
- * columns followed by their 16 scales: one stream a row; ~1% less time a token on that core).
+ * applied once per 512 columns instead of once per 64: a faster read than column order), or "packed"
+ * (blocked, groups of 32, each 512 columns followed by their 16 scales: one stream a row).
  *
  * Dot products, chosen by the compiler's target (-march=native):
  * - AVX512-VNNI (VPDPBUSD: u8 x s8 -> int32, 64 bytes at once): the weights offset to u8 (w + 128, one
  *   xor) times x as s8, each int32 lane starting at -128 * (its four x), made once per product for every
- *   row; the fp32 work of 16 blocks' scales done once per 512 columns (measured on a Zen 5 core: 1.3x
- *   the rate of moving x's sign onto the weights, 10% more of the memory's read rate on large matrices);
+ *   row; the fp32 work of 16 blocks' scales done once per 512 columns (faster than moving x's sign onto
+ *   the weights, which costs a VPSIGNB per 32 weights);
  * - AVX2 (with AVX-VNNI's VPDPBUSD where present, else VPMADDUBSW + VPMADDWD: |x| * |w| <= 127 * 127, so
  *   the int16 pair sums cannot saturate) on 32 bytes;
  * - portable C elsewhere (integer loops the compiler vectorizes).

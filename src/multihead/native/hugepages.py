@@ -3,10 +3,9 @@
 
 A batch-1 decode step reads every weight once, in order, from memory no cache holds: its floor is the
 read bandwidth. With 4 KiB pages that stream also takes a TLB miss (a page walk, costlier still under
-virtualisation) every 4 KiB; a 2 MiB page covers 512 of them. Measured on a 2-core AMD EPYC (Zen 5
-class) virtual machine, one thread, a 256 MiB fp32 matrix-vector product read 15-17 GB/s from 4 KiB
-pages and 24-26 GB/s from 2 MiB pages (a plain sum: 16-17 against 27-30 GB/s); BENCHMARKS.md, "Decoding
-against llama.cpp".
+virtualisation) every 4 KiB; a 2 MiB page covers 512 of them. On the virtual machines we measured,
+a large matrix-vector product read markedly faster from 2 MiB pages than from 4 KiB ones
+(BENCHMARKS.md, "Decoding on the CPU").
 
 :func:`collapse` asks for huge pages under tensors where they lie (``MADV_COLLAPSE``, Linux 6.1 and later;
 addresses and views unchanged): a plain model's weights at its first native decode step.
@@ -60,7 +59,7 @@ def collapse(tensors: Iterable[Tensor], min_bytes: int = HUGE_PAGE) -> int:
     """Ask Linux to back the CPU storages of ``tensors`` (those of at least ``min_bytes``) with huge pages
     where they lie, now (``madvise(MADV_COLLAPSE)``, Linux 6.1 and later): the memory's addresses, values
     and every view of it stay as they are; only the whole 2 MiB pages inside each storage can change.
-    It costs a copy inside the kernel (about 3 ms per MiB measured here), so do it once per storage.
+    It costs a copy inside the kernel (milliseconds per MiB), so do it once per storage.
 
     Returns:
         the bytes now inside huge pages (0 off Linux, on an older kernel or where the kernel refused).

@@ -31,7 +31,7 @@ __all__ = [
 BLOCK = 32  # activation values per int8 scale (native.h's MH_Q8_BLOCK)
 COLUMNS, BLOCKED, PACKED = 0, 1, 2  # the weight rows' layouts (native.h's MH_Q8_*; multihead.native.layout)
 LAYOUTS = ("column-order", "blocked", "packed")  # their names, by those values
-ISA = ("portable C", "AVX2", "AVX-VNNI", "AVX512-VNNI")  # by gemv_q8.c's MH_Q8_ISA
+ISA = ("portable C", "AVX2", "AVX-VNNI", "AVX512-VNNI")  # by q8_kernels.h's MH_Q8_ISA
 
 
 def isa() -> str | None:

@@ -69,6 +69,11 @@ def from_hf(model: nn.Module) -> Bert | TransformerLM:
         ValueError: not a transformers model, or what :func:`from_hf_state_dict` raises.
     """
     config = getattr(model, "config", None)
+    if isinstance(model, TransformerLM):
+        raise ValueError(
+            "from_hf expects a transformers model, got a multihead TransformerLM (already one: "
+            "copy.deepcopy(model) copies it, mh.pretrained.to_hf(model) makes the transformers one)"
+        )
     if not isinstance(model, nn.Module) or config is None:
         raise ValueError(
             f"from_hf expects a transformers model (with .config), got {type(model).__name__}; "

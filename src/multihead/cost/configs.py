@@ -16,7 +16,6 @@ Presets (:data:`PRESETS`, also :data:`multihead.pretrained.PRESETS`)::
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -111,16 +110,14 @@ def _dtype(config: Mapping[str, Any]) -> torch.dtype | None:
     return dt if isinstance(dt, torch.dtype) else None
 
 
-def _signature_defaults(fn: Any) -> dict[str, Any]:
-    params = inspect.signature(fn).parameters
-    return {k: p.default for k, p in params.items() if k != "self"}
-
-
 def _from_lm_kwargs(kw: Mapping[str, Any], name: str, dtype: torch.dtype | None) -> ModelShape:
-    """The shape of ``TransformerLM(**kw)``, with TransformerLM's own defaults for missing keys."""
-    from ..models.lm import TransformerLM
+    """The shape of ``TransformerLM(**kw)``, with its config's (:class:`LMConfig`) defaults for missing
+    keys."""
+    import dataclasses
 
-    allowed = _signature_defaults(TransformerLM.__init__)
+    from ..models.lm_config import LMConfig
+
+    allowed = {f.name: f.default for f in dataclasses.fields(LMConfig)}
     unknown = sorted(set(kw) - set(allowed))
     if unknown:
         raise ValueError(f"unknown TransformerLM config keys {unknown}; known: {sorted(allowed)}")

@@ -58,22 +58,19 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _blocks(w: np.ndarray, qtype: Any, rng: np.random.Generator) -> np.ndarray:
-    """``w`` as blocks of ``qtype`` (uint8 rows), or as it is for F32. K-quants (no quantizer in gguf)
-    get random blocks with small scales."""
+def _blocks(w: np.ndarray, qtype: Any) -> np.ndarray:
+    """``w`` as blocks of ``qtype`` (uint8 rows), or as it is for F32: the gguf package's llama.cpp
+    rounding, or for the k-quants (which it cannot round) multihead's (their decoding is the gguf
+    package's in the loaders)."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import quantize
+
+    from multihead.native import gguf_blocks
 
     if qtype == T.F32:
         return w
     if qtype in (T.Q4_K, T.Q6_K):
-        size = 144 if qtype == T.Q4_K else 210
-        raw = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
-        scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-        spots = (0, 2) if qtype == T.Q4_K else (208,)
-        for s in spots:  # d (and dmin): fp16 scales that keep the weights small and finite
-            raw[..., s : s + 2] = scale
-        return raw.reshape(w.shape[0], -1)
+        return gguf_blocks.quantize(torch.from_numpy(w), qtype.name.lower()).numpy()
     return quantize(w, qtype)
 
 
@@ -116,9 +113,11 @@ def write_gguf(
     drop_tensor: str | None = None,
     drop_key: str | None = None,
     seed: int = 0,
+    tensor_types: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
-    """Write a tiny model to ``path`` (2-D weights in ``qtype``, default F32; norms F32) and return the
-    TransformerLM the same weights make (dequantized as the file holds them)."""
+    """Write a tiny model to ``path`` (2-D weights in ``qtype``, default F32, or ``tensor_types[part]`` for a
+    tensor part such as "attn_v", "ffn_down" or "token_embd"; norms F32) and return the TransformerLM the
+    same weights make (dequantized as the file holds them)."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
@@ -127,7 +126,6 @@ def write_gguf(
     config = dict(CONFIG if config is None else config)
     tokens, merges, types = vocabulary()
     config["vocab_size"] = len(tokens)
-    rng = np.random.default_rng(seed + 1)
     w = gguf.GGUFWriter(str(path), arch)
     keys: dict[str, Any] = {
         f"{arch}.block_count": ("uint32", config["num_hidden_layers"]),
@@ -154,10 +152,10 @@ def write_gguf(
     sd: dict[str, torch.Tensor] = {}
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for name, value in random_weights(config, len(tokens), seed).items():
-        data = value if value.ndim == 1 else _blocks(value, qtype, rng)
-        kind = T.F32 if value.ndim == 1 else qtype
+        part = name.split(".")[2] if name.startswith("blk.") else name.split(".")[0]
+        kind = T.F32 if value.ndim == 1 else (tensor_types or {}).get(part, qtype)
+        data = value if value.ndim == 1 else _blocks(value, kind)
         sd[hf_name(name)] = torch.from_numpy(dequantize(data, kind).reshape(value.shape).copy())
-        part = name.split(".")[2] if name.startswith("blk.") else ""
         if part in heads:
             data = _permute(data, heads[part])
         if name != drop_tensor:

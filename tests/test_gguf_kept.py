@@ -5,6 +5,8 @@ change is the activations' rounding to int8."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from .gguf_files import write_gguf  # noqa: E402
 
 REASON = native.unavailable()
-KEPT = [T.Q4_0, T.Q4_1, T.Q8_0]
+KEPT = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -59,6 +61,49 @@ def test_kept_blocks_are_the_file_s_bytes_and_the_model_built_directly(tmp_path,
     if REASON is None:  # the kernels round the activations to int8 per 32: close, not equal
         err = (native_logits - plain).abs().max() / plain.abs().max()
         assert 0 < err < 0.03, float(err)
+
+
+def test_a_mixed_file_keeps_every_tensor_in_its_own_type_and_decodes_natively(tmp_path, monkeypatch):
+    """A Q4_K_M-like file (Q4_K, with the attention output and the feed-forward's down projection in
+    Q6_K and the token table in Q8_0): each linear holds its tensor's own blocks, the native layers take
+    the mixed kinds, and the model is the one built directly from the dequantized weights."""
+    path = tmp_path / "mixed.gguf"
+    types = {"attn_output": T.Q6_K, "ffn_down": T.Q6_K, "token_embd": T.Q8_0}
+    want = write_gguf(path, T.Q4_K, tensor_types=types)
+    got = mh.pretrained.from_gguf(path)
+    layer = got.layers[0]
+    kinds = [m.kind for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.ffn.w1, layer.ffn.w2)]
+    assert kinds == ["q4_k", "q6_k", "q4_k", "q6_k"] and got.embed.kind == got.lm_head.kind == "q8_0"
+    raw = {t.name: torch.from_numpy(np.array(t.data)) for t in gguf.GGUFReader(str(path)).tensors}
+    assert torch.equal(layer.ffn.w2.blocks, raw["blk.0.ffn_down.weight"])
+    ids = _ids(want.vocab_size)
+    if REASON is None:
+        assert got.why_not_native_steps is None  # every projection in its own kind, one native call
+        prompt, steps = ids[:1, :5], ids[0, 5:11]
+        with torch.no_grad():
+            fast = got.make_cache(1, 16)
+            got.hidden_states(prompt, cache=fast)
+            native_rows = torch.cat([got.hidden_states(t.view(1, 1), cache=fast)[0] for t in steps])
+            slow = copy.deepcopy(got)
+            slow.native_steps = False  # the eager layers on the same blocks
+            cache = slow.make_cache(1, 16)
+            slow.hidden_states(prompt, cache=cache)
+            eager_rows = torch.cat([slow.hidden_states(t.view(1, 1), cache=cache)[0] for t in steps])
+        err = float((native_rows - eager_rows).abs().max() / eager_rows.abs().max())
+        assert err < 1e-4, err  # the same products on the same rounded activations, another sum order
+    with torch.no_grad():
+        _no_kernels(monkeypatch)
+        torch.testing.assert_close(got(ids), want(ids), rtol=0, atol=1e-5)
+
+
+def test_a_mixed_q_k_v_triple_is_dequantized_and_said_why_not_native(tmp_path):
+    path = tmp_path / "v6.gguf"
+    write_gguf(path, T.Q4_K, tensor_types={"attn_v": T.Q6_K})
+    got = mh.pretrained.from_gguf(path)
+    assert type(got.layers[0].self_attn.qkv_proj) is torch.nn.Linear  # fused q | k | v: one type needed
+    assert got.layers[0].ffn.w1.kind == "q4_k"
+    if REASON is None:
+        assert got.why_not_native_steps is not None  # a float qkv among block linears: the eager layers
 
 
 def test_dequantize_true_keeps_today_s_fp32_model_and_quantize_reads_kept_blocks_back(tmp_path):
@@ -115,6 +160,31 @@ def test_quantize_to_gguf_blocks_rounds_as_llama_cpp_and_generates(kind, monkeyp
         assert not torch.equal(native_logits, plain)  # the native path ran (activations rounded)
 
 
+def test_quantize_to_q4_k_falls_back_to_q4_1_where_a_width_is_not_256s_and_runs_natively(monkeypatch):
+    torch.manual_seed(0)
+    model = mh.TransformerLM(300, 288, 2, 4, 512, n_kv_heads=2).eval()  # 288 = 9 x 32, 512 = 2 x 256
+    q = mh.quant.quantize(model, weights="q4_k", kv=None)
+    layer = q.layers[0]
+    assert (layer.ffn.w2.kind, layer.ffn.w1.kind, layer.self_attn.qkv_proj.kind) == ("q4_k", "q4_1", "q4_1")
+    from multihead.native import gguf_blocks
+
+    assert torch.equal(layer.ffn.w2.blocks, gguf_blocks.quantize(model.layers[0].ffn.w2.weight, "q4_k"))
+    ids = _ids(300)
+    with torch.no_grad():
+        ref = model(ids)
+        native_logits = q(ids)
+        if REASON is None:
+            assert q.why_not_native_steps is None
+            out = q.generate(ids[:1, :6], 8, eos_token_id=[])  # native steps, mixed q4_k / q4_1 layers
+            assert out.shape == (1, 14) and torch.equal(out[:, :6], ids[:1, :6])
+        _no_kernels(monkeypatch)
+        plain = q(ids)
+        q41 = mh.quant.quantize(model, weights="q4_1", kv=None)(ids)  # the all-Q4_1 copy, as a yardstick
+    assert (plain - ref).abs().max() <= 1.2 * (q41 - ref).abs().max()  # 4 bits a weight: as near as Q4_1
+    if REASON is None:
+        assert (native_logits - plain).abs().max() < 0.03 * plain.abs().max()
+
+
 def test_quantize_refuses_other_kernels_and_group_sizes_for_blocks():
     model = mh.TransformerLM(64, 64, 1, 2, 128)
     with pytest.raises(
@@ -130,7 +200,7 @@ def test_quantize_refuses_other_kernels_and_group_sizes_for_blocks():
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"native kernels unavailable: {REASON}")
-@pytest.mark.parametrize(("kind", "threads"), [("q4_0", 1), ("q4_1", 2)])
+@pytest.mark.parametrize(("kind", "threads"), [("q4_0", 1), ("q4_1", 2), ("q4_k", 2)])
 def test_native_steps_of_blocks_follow_the_eager_steps_of_the_same_model(kind, threads, monkeypatch):
     """As the int8 rule (tests/test_native_int8.py): the native layers (one call a step, its products on
     the blocks, on a team of two threads too) against the eager layers of the same block model, both
@@ -141,7 +211,8 @@ def test_native_steps_of_blocks_follow_the_eager_steps_of_the_same_model(kind, t
     from multihead.models import native_step
 
     torch.manual_seed(1)
-    lm = mh.TransformerLM(500, 128, 2, 4, 352, n_kv_heads=2).eval()
+    d, f = (256, 512) if kind == "q4_k" else (128, 352)  # q4_k: widths of whole super-blocks
+    lm = mh.TransformerLM(500, d, 2, 4, f, n_kv_heads=2).eval()
     fast = mh.quant.quantize(lm, weights=kind, kv=None)
     assert fast.why_not_native_steps is None
     slow = copy.deepcopy(fast)

@@ -93,13 +93,13 @@ def test_encoder_quantizes_too():
     [
         (
             {"weights": "int4"},
-            r"quantize weights must be one of \['int8', 'q4_0', 'q4_1', 'fp32', 'bf16', 'fp16', None\], "
-            r"got 'int4'",
+            r"quantize weights must be one of \['int8', 'q4_0', 'q4_1', 'q4_k', 'fp32', 'bf16', 'fp16', "
+            r"None\], got 'int4'",
         ),
         (
             {"weights": "bfloat16"},
-            r"quantize weights must be one of \['int8', 'q4_0', 'q4_1', 'fp32', 'bf16', 'fp16', None\], got "
-            r"'bfloat16'",
+            r"quantize weights must be one of \['int8', 'q4_0', 'q4_1', 'q4_k', 'fp32', 'bf16', 'fp16', "
+            r"None\], got 'bfloat16'",
         ),
         (
             {"weights": "fp16", "kv": None, "kernel": "onednn"},

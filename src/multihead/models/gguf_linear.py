@@ -1,19 +1,20 @@
-"""Linears and embeddings whose weights stay in GGUF's own blocks (llama.cpp's Q4_0, Q4_1, Q8_0;
-:mod:`multihead.native.gguf_blocks`): what a .gguf file holds, kept as read, or what
-``mh.quant.quantize(model, weights="q4_0" | "q4_1")`` rounds a float model to by llama.cpp's rules.
+"""Linears and embeddings whose weights stay in GGUF's own blocks (llama.cpp's Q4_0, Q4_1, Q8_0 and the
+k-quants Q4_K, Q6_K; :mod:`multihead.native.gguf_blocks`): what a .gguf file holds, kept as read, or what
+``mh.quant.quantize(model, weights="q4_0" | "q4_1" | "q4_k")`` rounds a float model to.
 
 A :class:`GGUFLinear` call on the CPU without gradient runs the native product on the blocks
 (:mod:`multihead.native.q4`): each activation row rounded to int8 per block of 32, as the int8 path and
 llama.cpp's q8 activations do, one row (a decode step) or up to 64 at once (a prompt, a batch), each row
 with the bits of its one-row call. Training, another device or no native kernels: ``F.linear`` on the
 blocks' weights (:meth:`GGUFLinear.dequantized`: the values ``gguf.quants.dequantize`` gives), the
-activation unrounded. Q4_0 and Q4_1 take 0.5625 and 0.625 bytes a weight, Q8_0 1.0625.
+activation unrounded. Q4_0, Q4_1 and Q4_K take 0.5625, 0.625 and 0.5625 bytes a weight, Q6_K 0.8203, Q8_0
+1.0625.
 
 A :class:`GGUFEmbedding` looks its rows up in the blocks and reads them back to the model's float dtype;
 a head tied to it is a GGUFLinear on the same buffer.
 
-Shape legend: I input features (a multiple of 32), O output features, R bytes of a row's blocks, V
-vocabulary, d embedding width, ... leading dims.
+Shape legend: I input features (a multiple of 32; of 256 for the k-quants), O output features, R bytes
+of a row's blocks, V vocabulary, d embedding width, ... leading dims.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from ..native import gguf_blocks
 from ..native import q4 as native_q4
 from .int8_gemv_linear import native_input
 
-__all__ = ["KINDS", "GGUFEmbedding", "GGUFLinear", "dequantize_blocks_", "quantize_blocks_"]
+__all__ = ["FALLBACK", "KINDS", "GGUFEmbedding", "GGUFLinear", "dequantize_blocks_", "quantize_blocks_"]
 
-KINDS = tuple(gguf_blocks.KINDS)  # "q4_0", "q4_1", "q8_0"
+KINDS = tuple(gguf_blocks.KINDS)  # "q4_0", "q4_1", "q8_0", "q4_k", "q6_k"
+#: the kind a linear of ``quantize_blocks_(model, kind)`` gets when its width is not a multiple of the
+#: kind's block (a k-quant's 256) but is one of 32
+FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}
 
 
 class GGUFLinear(nn.Module):
@@ -37,8 +41,8 @@ class GGUFLinear(nn.Module):
 
     Args:
         blocks: uint8 (O, R), the rows' blocks (kept, not copied).
-        kind: "q4_0", "q4_1" or "q8_0".
-        in_features: I, the weights a row (a multiple of 32).
+        kind: "q4_0", "q4_1", "q8_0", "q4_k" or "q6_k".
+        in_features: I, the weights a row (a multiple of the kind's block: 32, or 256).
         bias: (O,) float or None (kept in fp32).
 
     Raises:
@@ -142,7 +146,8 @@ def quantize_blocks_(model: nn.Module, kind: str, table_kind: str = "q8_0") -> l
     :class:`GGUFLinear` of ``kind``, and every ``nn.Embedding`` of such a width for a
     :class:`GGUFEmbedding` of ``table_kind`` (llama.cpp keeps the token table in 8 bits: the packaged
     SmolLM2 Q4_1 file's is Q8_0); a head tied to an embedding becomes a GGUFLinear of ``table_kind`` on
-    the same blocks. Returns the names of the modules left in float (widths not a multiple of 32).
+    the same blocks. A linear whose width is not a multiple of a k-quant's 256 gets :data:`FALLBACK`'s kind.
+    Returns the names of the modules left in float (widths not a multiple of 32).
 
     Raises:
         ValueError: an unknown kind.
@@ -159,7 +164,10 @@ def quantize_blocks_(model: nn.Module, kind: str, table_kind: str = "q8_0") -> l
             if isinstance(child, nn.Linear) and child.in_features % gguf_blocks.BLOCK == 0:
                 key = id(child.weight)
                 if key not in swapped:
-                    swapped[key] = GGUFLinear.from_linear(child, table_kind if key in tables else kind)
+                    k = table_kind if key in tables else kind
+                    if child.in_features % gguf_blocks.block_weights(k) != 0:
+                        k = FALLBACK[k]
+                    swapped[key] = GGUFLinear.from_linear(child, k)
                 setattr(parent, name, swapped[key])
             elif isinstance(child, nn.Linear):
                 kept.append(where)
@@ -167,11 +175,15 @@ def quantize_blocks_(model: nn.Module, kind: str, table_kind: str = "q8_0") -> l
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Embedding) and child.embedding_dim % gguf_blocks.BLOCK == 0:
                 head = swapped.get(id(child.weight))
-                blocks = head.blocks if isinstance(head, GGUFLinear) else None
-                if blocks is None:
-                    blocks = gguf_blocks.quantize(child.weight, table_kind)  # (V, R)
+                tk = table_kind
+                if child.embedding_dim % gguf_blocks.block_weights(tk) != 0:
+                    tk = FALLBACK[tk]
+                if isinstance(head, GGUFLinear):  # tied: the head's blocks (of the same kind)
+                    blocks, tk = head.blocks, head.kind
+                else:
+                    blocks = gguf_blocks.quantize(child.weight, tk)  # (V, R)
                 dtype = child.weight.dtype
-                setattr(parent, name, GGUFEmbedding(blocks, table_kind, child.embedding_dim, dtype))
+                setattr(parent, name, GGUFEmbedding(blocks, tk, child.embedding_dim, dtype))
             elif isinstance(child, nn.Embedding):
                 kept.append(f"{prefix}.{name}" if prefix else name)
     return kept

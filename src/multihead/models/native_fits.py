@@ -64,9 +64,9 @@ def _linear_weight(m: nn.Module, name: str, group: Any) -> tuple[Tensor | None, 
     if not isinstance(m, want):
         kind = "a plain nn.Linear" if group is None else f"a {want.__name__}"
         return None, f"{name} is a {type(m).__name__}, not {kind}"
-    if isinstance(m, GGUFLinear):
-        if m.bias is not None or gguf_layout(m) != group[1]:
-            return None, f"{name} has a bias or {m.kind} blocks where another projection has other blocks"
+    if isinstance(m, GGUFLinear):  # each projection in its own block kind (a Q4_K_M file mixes them)
+        if m.bias is not None:
+            return None, f"{name} has a bias (the native layer has none)"
         return m.blocks, None
     if m.bias is not None:
         return None, f"{name} has a bias (the native layer has none)"
@@ -174,7 +174,7 @@ def why_not_model(model: Any, kv_approx: type | None = None, *, hooks: bool = Tr
         return "the model attends through a sliding window"
     first = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None)
     group = (first.group_size, first.kernel_tensors()[2]) if isinstance(first, Int8GemvLinear) else None
-    if isinstance(first, GGUFLinear):  # GGUF's blocks: one kind for every projection of the model
+    if isinstance(first, GGUFLinear):  # GGUF's blocks: every projection a GGUFLinear, of any block kind
         group = (gguf_blocks.BLOCK, gguf_layout(first))
     emb = getattr(model, "embed", None)
     if getattr(model, "pos_embed", None) is not None:

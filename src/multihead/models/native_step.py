@@ -42,6 +42,7 @@ from ..nn.positions import RotaryEmbedding
 from .gguf_linear import GGUFLinear
 from .int8_gemv_linear import Int8GemvLinear
 from .native_fits import (
+    GG_LAYOUT,
     ONE_ID,
     PROMPT_INT8,
     ROWS_FLOAT,
@@ -110,6 +111,10 @@ class Plan:
             a.s[:] = [None if k[1] is None else k[1].data_ptr() for k in kernel]  # packed: the rows again
             a.group = getattr(projections[0], "group_size", None) or 1 << 62  # per row: G >= any width
             layouts = {k[2] for k, q in zip(kernel, int8) if q}
+            a.gg_types = 0
+            if layouts and min(layouts) >= GG_LAYOUT:  # GGUF blocks: each projection's own type
+                a.gg_types = sum((k[2] - GG_LAYOUT) << (4 * p) for p, k in enumerate(kernel))
+                layouts = {kernel[0][2]}
             if len(layouts) > 1:  # why_not_model saw one layout; set_packed on some linears since
                 raise ValueError(
                     f"layer {len(self.rotaries) - 1}'s int8 linears have rows in {len(layouts)} layouts; "

@@ -7,8 +7,9 @@ A format names what every linear layer becomes (:data:`FORMATS`, one :class:`Wei
   activations per block of 32 as llama.cpp's q8_0) or torch's own (:class:`~.int8_linear.Int8Linear`:
   fbgemm, int8pack, dequant). Embeddings become :class:`~.int8_linear.Int8Embedding` (a tied head shares
   the embedding's int8 storage).
-- ``"q4_0"``, ``"q4_1"``: GGUF's 4-bit blocks of 32 by llama.cpp's rounding
-  (:class:`~.gguf_linear.GGUFLinear`, native block kernels; the token table and a tied head in Q8_0).
+- ``"q4_0"``, ``"q4_1"``: GGUF's 4-bit blocks of 32 by llama.cpp's rounding, ``"q4_k"``: its super-blocks
+  of 256 (:class:`~.gguf_linear.GGUFLinear`, native block kernels; the token table and a tied head in
+  Q8_0; a q4_k linear whose input width is not a multiple of 256 in Q4_1).
 - ``"fp32"``, ``"bf16"``, ``"fp16"``: the copy cast to that dtype, its linears on a faster batch-1 kernel
   (:data:`FLOAT_KERNELS`): ``"native"`` (:class:`~.gemv_linear.GemvLinear`: the native GEMV for one to a
   few rows, ``F.linear`` for more: the decoding choice) or ``"onednn"``
@@ -166,6 +167,7 @@ FORMATS: dict[str, WeightFormat] = {
     "int8": WeightFormat(KERNELS, "native", "auto", _quantize_weights),
     "q4_0": WeightFormat(("auto", "native"), "native", "native", _to_blocks("q4_0")),
     "q4_1": WeightFormat(("auto", "native"), "native", "native", _to_blocks("q4_1")),
+    "q4_k": WeightFormat(("auto", "native"), "native", "native", _to_blocks("q4_k")),
     "fp32": WeightFormat(FLOAT_KERNELS, "native", "onednn", _to_float(torch.float32), torch.float32),
     "bf16": WeightFormat(FLOAT_KERNELS, "native", "onednn", _to_float(torch.bfloat16), torch.bfloat16),
     "fp16": WeightFormat(("auto", "native"), "native", "native", _to_float(torch.float16), torch.float16),
@@ -185,13 +187,15 @@ def quantize(
 
     Args:
         model: any module (TransformerLM, Encoder, pretrained MiniLM, ...).
-        weights: a name of :data:`FORMATS` ("int8", "q4_0", "q4_1", "fp32", "bf16", "fp16"; see the module
-            doc), or None (keep the float weights). A GGUF file's kept blocks are read back to float
-            first. q4_0 / q4_1 leave linears whose input width is not a multiple of 32 in float.
+        weights: a name of :data:`FORMATS` ("int8", "q4_0", "q4_1", "q4_k", "fp32", "bf16", "fp16"; see the
+            module doc), or None (keep the float weights). A GGUF file's kept blocks are read back to
+            float first. q4_0 / q4_1 / q4_k leave linears whose input width is not a multiple of 32 in
+            float; q4_k rounds those whose width is not a multiple of 256 to Q4_1 (llama.cpp falls back
+            to Q5_0 there, a format without a native kernel here).
         kv: "int8" (attention on int8-rounded K/V; an int8 KV cache for ``TransformerLM.generate``) or None
             (a "dense" cache in the copy's float dtype).
         kernel: one of the format's kernels: int8 :data:`KERNELS`, the float formats
-            :data:`FLOAT_KERNELS` (fp16: auto / native), q4_0 / q4_1 auto / native; "auto" picks native
+            :data:`FLOAT_KERNELS` (fp16: auto / native), q4_0 / q4_1 / q4_k auto / native; "auto" picks native
             for a TransformerLM where :func:`multihead.native.unavailable` is None (and for int8 whenever
             ``group_size`` is given), else torch's int8 kernels or oneDNN.
         group_size: ``weights="int8"`` with the native kernel: weights per scale along the input (32, 64

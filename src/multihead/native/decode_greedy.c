@@ -110,7 +110,7 @@ int mh_decode_greedy(const mh_layer_args *a, int64_t n, int64_t pos, const mh_gr
     for (int64_t s = 0; s < steps; s++) {
         if (g->head_blocked >= MH_GG_LAYOUT) { /* GGUF's blocks (head_scale: any non-NULL), as GGUFLinear */
             const int t = g->head_blocked - MH_GG_LAYOUT;
-            status = mh_gemm_gguf(t, g->head, d / 32 * mh_gguf_block_bytes(t), h, g->head_bias, (float *)logits, 1, V, d);
+            status = mh_gemm_gguf(t, g->head, mh_gguf_row_bytes(t, d), h, g->head_bias, (float *)logits, 1, V, d);
             if (status != 0) break;
         } else if (int8_head) { /* fp32 activations, as Int8GemvLinear */
             mh_quantize_q8(h, MH_F32, d, xq, xs);

@@ -175,9 +175,11 @@ int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, con
         if (B > 1 && a[i].kind == MH_F16 && !MH_HAS_F16) return -2;
         const int packed = a[i].blocked == MH_Q8_PACKED, narrow = a[i].d <= 32 || a[i].Hq * a[i].D <= 32 || a[i].F <= 32;
         const int gg = a[i].blocked >= MH_GG_LAYOUT, q8 = a[i].blocked > 0 && !gg; /* GGUF: rows of 32s */
-        if (gg && (mh_gguf_block_bytes(a[i].blocked - MH_GG_LAYOUT) == 0 || a[i].d % 32 || a[i].Hq * a[i].D % 32 ||
-                   a[i].F % 32))
-            return -2;
+        for (int p = 0; gg && p < 5; p++) { /* each weight's type: a kernel, and its input width whole blocks */
+            const int t = a[i].gg_types ? (a[i].gg_types >> (4 * p)) & 15 : a[i].blocked - MH_GG_LAYOUT;
+            const int64_t nw = mh_gguf_block_weights(t), width = p == 1 ? a[i].Hq * a[i].D : p == 4 ? a[i].F : a[i].d;
+            if (nw == 0 || width % nw) return -2;
+        }
         for (int p = 0; p < 5; p++)
             if (a[i].s[p] && (a[i].kind != MH_F32 || (q8 && !mh_q8_blocked()) ||
                               (packed && (a[i].group != 32 || narrow))))
@@ -191,7 +193,7 @@ int mh_decode_batch(void *x, const mh_layer_args *a, int64_t n, int64_t pos, con
     for (int64_t i = 0; i < n; i++) {
         const mh_layer_args *l = &a[i];
         weights W = {{l->w[0], l->w[1], l->w[2], l->w[3], l->w[4]}, {l->s[0], l->s[1], l->s[2], l->s[3], l->s[4]},
-                     l->group, l->blocked, NULL, NULL, NULL, 0};
+                     l->group, l->blocked, NULL, NULL, NULL, 0, l->gg_types};
         const int ckind = l->k_scale && l->v_scale ? MH_I8 : l->kind;
         const int status = layer(x, l->g_attn, l->g_ffn, &W, l->k_cache, l->v_cache, l->k_scale, l->v_scale,
                                  l->k_head_stride, l->v_head_stride, l->s_head_stride, pos, cos[i], sin[i],

@@ -120,6 +120,7 @@ typedef struct {
     float *xs;
     void *scratch; /* int8 weights: mh_gemv_q8_into's, 64-aligned */
     int team; /* the products run on a step's team (mh_team_step) */
+    int gg_types; /* GGUF weights: weight p's ggml type in bits 4p .. 4p + 3, 0: blocked's for all */
 } weights;
 
 /* Y = X W_p^T for B rows of X (B, cols) into Y (B, rows), each row as the one-row product gives it. One
@@ -129,8 +130,8 @@ typedef struct {
 static inline int project(const weights *W, int p, const void *x, void *y, int64_t rows, int64_t cols, int kind, int fresh,
                           int64_t B) {
     if (W->blocked >= MH_GG_LAYOUT) { /* GGUF's blocks: one product for one row or several (fp32 x) */
-        const int type = W->blocked - MH_GG_LAYOUT;
-        const int64_t ldw = cols / 32 * mh_gguf_block_bytes(type);
+        const int type = W->gg_types ? (W->gg_types >> (4 * p)) & 15 : W->blocked - MH_GG_LAYOUT;
+        const int64_t ldw = mh_gguf_row_bytes(type, cols);
         const float *xf = (const float *)x;
         const int s = W->team ? mh_gemv_gguf_team(type, W->w[p], ldw, xf, (float *)y, rows, cols)
                               : mh_gemm_gguf(type, W->w[p], ldw, xf, NULL, (float *)y, B, rows, cols);

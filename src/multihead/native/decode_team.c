@@ -102,7 +102,7 @@ int mh_team_step(void *x, const mh_layer_args *a, int64_t n, int64_t pos, const 
             o.att = o.qkv + (l->Hq + 2 * l->Hkv) * l->D * 4, o.o = o.att + l->Hq * l->D * 4;
             o.gate = o.o + l->d * 4, o.up = o.gate + l->F * 4, o.w2 = o.up + l->F * 4;
             weights W = {{l->w[0], l->w[1], l->w[2], l->w[3], l->w[4]}, {l->s[0], l->s[1], l->s[2], l->s[3], l->s[4]},
-                         l->group, l->blocked, NULL, act + wide, NULL, 1};
+                         l->group, l->blocked, NULL, act + wide, NULL, 1, l->gg_types};
             W.xq = (int8_t *)(W.xs + nq / MH_Q8_BLOCK);
             W.scratch = (void *)(((uintptr_t)(W.xq + nq) + 63) & ~(uintptr_t)63); /* MH_Q8_SCRATCH(nq) at 64 */
             team_layer(l, &W, xt, h, heads, act, &o, pos, cos[i], sin[i]);

@@ -60,7 +60,24 @@ int mh_gguf_isa(void) { return MH_GG_ISA; }
 
 /* bytes of one block of type, 0 for a type without a kernel */
 int64_t mh_gguf_block_bytes(int type) {
-    return type == GG_Q4_0 ? 18 : type == GG_Q4_1 ? 20 : type == GG_Q8_0 ? 34 : 0;
+    return type == GG_Q4_0 ? 18 : type == GG_Q4_1 ? 20 : type == GG_Q8_0 ? 34 : type == GG_Q4_K ? 144 : type == GG_Q6_K ? 210 : 0;
+}
+
+/* weights in one block of type: 32, 256 for the k-quants' super-blocks, 0 for a type without a kernel */
+int64_t mh_gguf_block_weights(int type) {
+    return mh_gguf_block_bytes(type) == 0 ? 0 : type == GG_Q4_K || type == GG_Q6_K ? 256 : 32;
+}
+
+/* bytes of a row of cols weights of type (cols a multiple of its block) */
+int64_t mh_gguf_row_bytes(int type, int64_t cols) {
+    const int64_t n = mh_gguf_block_weights(type);
+    return n ? cols / n * mh_gguf_block_bytes(type) : 0;
+}
+
+/* whether rows of cols weights of type have a kernel */
+static int gg_fits(int type, int64_t cols) {
+    const int64_t n = mh_gguf_block_weights(type);
+    return n > 0 && cols > 0 && cols % n == 0;
 }
 
 /* What every row's product with one activation row needs, made once (gg_prepare) in its scratch. */
@@ -100,6 +117,7 @@ static void gg_prepare(const float *x, int64_t cols, int type, char *scratch, gg
     for (int64_t k = 0; k < P / 128; k++) {
         const int8_t *src = p->xq + 128 * k;
         int8_t *dst = p->xv + 128 * k;
+        if (type == GG_Q4_K || type == GG_Q6_K) continue; /* gemv_qk.c reads xq, xs and sx alone */
         if (type == GG_Q8_0) { /* the blocks in order: lanes 0-7 block 0 (1 in the second vector), 8-15 block 1 (3) */
             for (int h = 0; h < 2; h++)
                 start[2 * k + h] = _mm512_sub_epi32(_mm512_setzero_si512(),
@@ -262,7 +280,9 @@ static inline __attribute__((always_inline)) void gg_rows(const uint8_t *w, int6
                                                           int type, int64_t o0, int64_t o1) {
     for (int64_t t = 0; t < m; t++)
         for (int64_t o = o0; o < o1; o++) {
-            const float s = gg_row(w + o * ldw, cols, type, xs + t);
+            const float s = type == GG_Q4_K || type == GG_Q6_K
+                                ? mh_gguf_row_k(w + o * ldw, cols, type, xs[t].xq, xs[t].xs, xs[t].sx)
+                                : gg_row(w + o * ldw, cols, type, xs + t);
             y[t * rows + o] = b ? s + b[o] : s;
         }
 }
@@ -273,18 +293,19 @@ static void gg_item(int type, const uint8_t *w, int64_t ldw, const gg_x *xs, int
     const int64_t o0 = k * GG_WROWS, o1 = o0 + GG_WROWS < rows ? o0 + GG_WROWS : rows;
     if (type == GG_Q4_0) gg_rows(w, ldw, xs, m, b, y, rows, cols, GG_Q4_0, o0, o1);
     else if (type == GG_Q4_1) gg_rows(w, ldw, xs, m, b, y, rows, cols, GG_Q4_1, o0, o1);
-    else gg_rows(w, ldw, xs, m, b, y, rows, cols, GG_Q8_0, o0, o1);
+    else if (type == GG_Q8_0) gg_rows(w, ldw, xs, m, b, y, rows, cols, GG_Q8_0, o0, o1);
+    else gg_rows(w, ldw, xs, m, b, y, rows, cols, type, o0, o1); /* the k-quants: a call a row */
 }
 
 /* Y (n, rows) fp32 = X W^T + b for n activation rows X (n, cols) fp32 (row stride cols), W (rows, ldw bytes)
- * in GGUF's blocks of type (2 Q4_0, 3 Q4_1, 8 Q8_0), b (rows) fp32 or NULL. Each row of X is rounded to int8
+ * in GGUF's blocks of type (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K: gemv_qk.c), b (rows) fp32 or NULL. Each row of X is rounded to int8
  * per block of 32 (mh_quantize_q8), then every output made by the same row function, whatever n: row i
  * of Y has the bits of the call with X's row i alone. Up to GG_TILE rows of X are rounded and held at once
  * while each GG_WROWS weight rows meet them. Returns 0, -1 when the scratch cannot be allocated, -2 for a
- * type without a kernel or cols not a multiple of 32 (Y then unwritten). */
+ * type without a kernel or cols not a multiple of its block (Y then unwritten). */
 int mh_gemm_gguf(int type, const uint8_t *w, int64_t ldw, const float *x, const float *b, float *y, int64_t n,
                  int64_t rows, int64_t cols) {
-    if (mh_gguf_block_bytes(type) == 0 || cols % 32 != 0 || cols <= 0) return -2;
+    if (!gg_fits(type, cols)) return -2;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t tile = n < GG_TILE ? n : GG_TILE, per = gg_scratch_bytes(cols);
     char *buf = aligned_alloc(64, (size_t)(tile * per));
@@ -305,7 +326,7 @@ int mh_gemm_gguf(int type, const uint8_t *w, int64_t ldw, const float *x, const 
  * every thread of it, each rounding x in its own scratch and taking its share of the rows; no barrier at
  * the end. Returns 0, -1 without scratch memory, -2 as mh_gemm_gguf. */
 int mh_gemv_gguf_team(int type, const uint8_t *w, int64_t ldw, const float *x, float *y, int64_t rows, int64_t cols) {
-    if (mh_gguf_block_bytes(type) == 0 || cols % 32 != 0 || cols <= 0) return -2;
+    if (!gg_fits(type, cols)) return -2;
     const int64_t per = gg_scratch_bytes(cols);
     _Alignas(64) char local[32768];
     char *buf = per <= (int64_t)sizeof local ? local : aligned_alloc(64, (size_t)per);

@@ -46,6 +46,7 @@ SOURCES = (
     HERE / "decode_greedy.c",
     HERE / "q8_rows.c",
     HERE / "gemv_q4.c",
+    HERE / "gemv_qk.c",
     HERE / "gguf_dequant.c",
 )  # and their headers: native.h and the private ones next to it
 HEADER = HERE / "native.h"

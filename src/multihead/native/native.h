@@ -219,11 +219,13 @@ int mh_q8_blocked(void); /* whether this build reads the blocked layout */
 int mh_gemm_q8(const int8_t *w, const float *ws, const float *x, const float *b, float *y, int64_t n, int64_t rows,
                int64_t cols, int64_t ldw, int64_t G, int blocked);
 void mh_dequantize_row_q8(const int8_t *q, const float *s, int64_t d, int64_t G, int layout, float *out);
-/* GGUF's blocks (gemv_q4.c, gguf_dequant.c): a layer's weights in ggml block type T (2 Q4_0, 3 Q4_1,
- * 8 Q8_0) have layout MH_GG_LAYOUT + T (mh_layer_args.blocked; their s[p] any non-NULL pointer), fp32
+/* GGUF's blocks (gemv_q4.c, gemv_qk.c, gguf_dequant.c): a layer's weights in ggml block type T (2 Q4_0,
+ * 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K) have layout MH_GG_LAYOUT + T (mh_layer_args.blocked; their s[p] any non-NULL pointer), fp32
  * activations */
 #define MH_GG_LAYOUT 16
 int64_t mh_gguf_block_bytes(int type); /* 0: a type without a kernel */
+int64_t mh_gguf_block_weights(int type); /* 32, 256 (Q4_K, Q6_K), 0: a type without a kernel */
+int64_t mh_gguf_row_bytes(int type, int64_t cols);
 int mh_gemm_gguf(int type, const uint8_t *w, int64_t ldw, const float *x, const float *b, float *y, int64_t n,
                  int64_t rows, int64_t cols);
 int mh_gemv_gguf_team(int type, const uint8_t *w, int64_t ldw, const float *x, float *y, int64_t rows, int64_t cols);
@@ -270,7 +272,8 @@ typedef struct {
     int64_t group, k_head_stride, v_head_stride, s_head_stride;
     int64_t d, Hq, Hkv, D, F;
     float eps, scale;
-    int32_t blocked, interleaved, kind, unused;
+    int32_t blocked, interleaved, kind;
+    int32_t gg_types; /* blocked >= MH_GG_LAYOUT: 4 bits p the ggml type of weight p (qkv, o, w1, w3, w2); 0: all of blocked's */
 } mh_layer_args;
 
 /* every layer of one decode step and the final norm (decode_layer.c): of B rows, of one */

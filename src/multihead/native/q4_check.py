@@ -1,8 +1,9 @@
 """The GGUF-block kernels' part of the native library's self-check (:func:`.checks.check_library`):
-``gemv_q4.c``'s products on Q4_0, Q4_1 and Q8_0 blocks against their float64 reference on the same rounded
-activations (:func:`.gguf_blocks.reference_product`), at widths that end on a whole and on a half pair of
-blocks, one row and several (each row with the bits of its one-row call), and the rows read back to fp32
-against :func:`.gguf_blocks.dequantize`."""
+``gemv_q4.c``'s and ``gemv_qk.c``'s products on Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks against their
+float64 reference on the same rounded activations (:func:`.gguf_blocks.reference_product`), at widths
+that end on a whole and on a half pair of blocks (one, two and six super-blocks), one row and several
+(each row with the bits of its one-row call), and the rows read back to fp32 against
+:func:`.gguf_blocks.dequantize`."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 def declare(lib: ctypes.CDLL) -> None:
-    """The C signatures of ``gemv_q4.c``'s functions."""
+    """The C signatures of ``gemv_q4.c``'s and ``gguf_dequant.c``'s functions."""
     lib.mh_gguf_isa.restype = ctypes.c_int
     lib.mh_gguf_block_bytes.argtypes, lib.mh_gguf_block_bytes.restype = [ctypes.c_int], _I64
+    lib.mh_gguf_block_weights.argtypes, lib.mh_gguf_block_weights.restype = [ctypes.c_int], _I64
+    lib.mh_gguf_row_bytes.argtypes, lib.mh_gguf_row_bytes.restype = [ctypes.c_int, _I64], _I64  # type, cols
     # type, w, ldw, x, b, y, n, rows, cols
     lib.mh_gemm_gguf.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
     lib.mh_gemm_gguf.restype = ctypes.c_int  # 0, -1: no scratch memory, -2: a type or width without a kernel
@@ -44,8 +47,10 @@ def rounded(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def check_gguf(lib: ctypes.CDLL, g: torch.Generator) -> str | None:
     """The GGUF-block products against float64 and themselves, and the rows read back; a reason or None.
     ``lib``'s functions declared (:func:`declare`)."""
-    for kind, (number, _, _) in gguf_blocks.KINDS.items():
-        for rows, cols in ((3, 32), (5, 96), (17, 256), (2, 1056)):  # 1, 3, 8, 33 blocks: odd and even
+    for kind, (number, _, _, per) in gguf_blocks.KINDS.items():
+        # 1, 3, 8, 33 blocks of 32: odd and even; 1, 2, 6 super-blocks of 256
+        shapes = ((3, 32), (5, 96), (17, 256), (2, 1056)) if per == 32 else ((3, 256), (5, 512), (2, 1536))
+        for rows, cols in shapes:
             w = torch.randn(rows, cols, generator=g) * 0.1  # (O, I)
             blocks = gguf_blocks.quantize(w, kind)  # (O, R)
             x = torch.randn(5, cols, generator=g)  # (5, I)

@@ -52,7 +52,7 @@ class LayerArgs(ctypes.Structure):
         ("blocked", ctypes.c_int32),  # int8 rows in the blocked layout (multihead.native.layout)
         ("interleaved", ctypes.c_int32),  # rotary pairs (2i, 2i + 1) instead of (i, i + D/2)
         ("kind", ctypes.c_int32),
-        ("unused", ctypes.c_int32),
+        ("gg_types", ctypes.c_int32),  # GGUF weights: 4 bits a weight, its ggml type (0: blocked's)
     ]
 
 

@@ -4,8 +4,8 @@
     -> tensor names -> Hugging Face names, shapes matched on the ``meta`` device (no memory)
     -> tensors dequantized with ``gguf.quants`` -> q/k rows back in Hugging Face's rotary order
     -> :func:`~multihead.pretrained.llama.llama_from_state_dict` -> TransformerLM + tokenizer + EOS ids
-    -> (default) the Q4_0 / Q4_1 / Q8_0 tensors' modules swapped for ones holding the file's blocks
-       (:mod:`.gguf_kept`; those tensors are never dequantized)
+    -> (default) the Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K tensors' modules swapped for ones holding the
+       file's blocks (:mod:`.gguf_kept`; those tensors are never dequantized)
 
 llama.cpp's converter stores LLaMA's and Mistral's q/k projection rows permuted for its rotary layout
 (the two halves of each head interleaved); they are put back in the half-split order of Hugging Face
@@ -178,13 +178,15 @@ def from_gguf(path: str | Path, *, dequantize: bool = False) -> TransformerLM:
 
     The file's config (layers, widths, heads and kv heads, head width, feed-forward width, rotary base,
     RMSNorm epsilon, context length, vocabulary, tied embeddings) comes from its metadata; its tensors of
-    type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K are read. By default the Q4_0, Q4_1 and Q8_0
-    weights stay in the file's own blocks (:mod:`.gguf_kept`: no dequantize / requantize round trip, the
-    numbers llama.cpp multiplies; 0.56-1.06 bytes a weight): every such linear is a
+    type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K are read. By default the Q4_0, Q4_1, Q8_0, Q4_K
+    and Q6_K weights stay in the file's own blocks, each tensor in its own type (:mod:`.gguf_kept`: no
+    dequantize / requantize round trip, the numbers llama.cpp multiplies; 0.56-1.06 bytes a weight):
+    every such linear is a
     :class:`~multihead.models.gguf_linear.GGUFLinear` whose calls run the native block product with the
     activations rounded to int8 per block of 32 (as llama.cpp rounds them), the token table a
     :class:`~multihead.models.gguf_linear.GGUFEmbedding` (a tied head on the same blocks), and the model
-    makes fp32 "dense" caches. Q4_K, Q6_K and float tensors are dequantized to fp32 (``gguf.quants``).
+    makes fp32 "dense" caches. Float tensors, and a layer's q / k / v of mixed types (multihead fuses the
+    three), are dequantized to fp32 (``gguf.quants``).
     ``dequantize=True`` dequantizes every tensor to fp32 (about 4 bytes a weight: an ``nn.Linear`` model
     for surgery, training or the other ``mh.quant.quantize`` formats; ``quantize`` of a kept model reads
     its blocks back to float first).

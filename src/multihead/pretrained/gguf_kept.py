@@ -1,5 +1,6 @@
-"""A GGUF file's Q4_0, Q4_1 and Q8_0 tensors kept in their own blocks (no dequantize / requantize round
-trip: the numbers llama.cpp multiplies), for :func:`~multihead.pretrained.gguf.from_gguf`.
+"""A GGUF file's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors kept in their own blocks (no dequantize /
+requantize round trip: the numbers llama.cpp multiplies), for :func:`~multihead.pretrained.gguf.from_gguf`.
+A mixed file (Q4_K_M: Q4_K with some Q6_K tensors) keeps every tensor in its own type.
 
     which tensors are kept (:func:`kept_names`: 2-D, of a kept type; a q/k/v triple only when all three
     share one type, since multihead fuses them into one qkv_proj)
@@ -8,7 +9,7 @@ trip: the numbers llama.cpp multiplies), for :func:`~multihead.pretrained.gguf.f
        :class:`~multihead.models.gguf_linear.GGUFLinear` (the embedding for a
        :class:`~multihead.models.gguf_linear.GGUFEmbedding`; a tied head shares its blocks)
 
-Other types (Q4_K, Q6_K, F16, BF16, F32) are dequantized to fp32 as before.
+Other types (F16, BF16, F32) are dequantized to fp32, as is a q/k/v triple of mixed types.
 
 Shape legend: O rows, R bytes of a row's blocks.
 """
@@ -29,7 +30,7 @@ from .gguf_file import GGUFTensorInfo
 __all__ = ["KEPT", "keep_blocks", "kept_names", "module_path"]
 
 #: GGUF's type names whose blocks are kept, and their multihead kinds
-KEPT = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+KEPT = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 _QKV = re.compile(r"blk\.(\d+)\.attn_([qkv])\.weight")
 
 

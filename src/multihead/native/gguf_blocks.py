@@ -82,11 +82,6 @@ def check_blocks(blocks: Tensor, kind: str, cols: int) -> None:
         )
 
 
-def _half(b: Tensor) -> Tensor:
-    """(..., 2) uint8 little-endian fp16 -> (...,) fp32, exactly."""
-    return b.contiguous().view(torch.float16)[..., 0].float()  # (...,)
-
-
 def fields(blocks: Tensor, kind: str) -> tuple[Tensor, Tensor | None, Tensor]:
     """The blocks as groups: a scale d (O, Ng) fp32 per group, an offset m (O, Ng) fp32 per group (Q4_1,
     Q4_K; else None) and the integer weights q (O, Ng, G) int32, so that ``w = d q (+ m)`` with each
@@ -99,14 +94,14 @@ def fields(blocks: Tensor, kind: str) -> tuple[Tensor, Tensor | None, Tensor]:
         return gguf_kquants.fields_q4k(b)
     if kind == "q6_k":
         return gguf_kquants.fields_q6k(b)
-    d = _half(b[..., 0:2])  # (O, Nb)
+    d = gguf_kquants.half(b[..., 0:2])  # (O, Nb)
     if kind == "q8_0":
         return d, None, b[..., 2:].contiguous().view(torch.int8).int()  # (O, Nb, 32)
     qs = b[..., 4:] if kind == "q4_1" else b[..., 2:]  # (O, Nb, 16)
     q = torch.cat([qs & 15, qs >> 4], dim=-1).int()  # (O, Nb, 32): low nibbles, then high
     if kind == "q4_0":
         return d, None, q - 8
-    return d, _half(b[..., 2:4]), q
+    return d, gguf_kquants.half(b[..., 2:4]), q
 
 
 def dequantize(blocks: Tensor, kind: str, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -148,11 +143,6 @@ def reference_product(blocks: Tensor, kind: str, xq: Tensor, xs: Tensor) -> tupl
     return y, size
 
 
-def _to_half_bytes(v: Tensor) -> Tensor:
-    """(..., ) fp32 -> (..., 2) uint8 of its fp16, rounded to nearest."""
-    return v.to(torch.float16).contiguous()[..., None].view(torch.uint8)  # (..., 2)
-
-
 def quantize(w: Tensor, kind: str) -> Tensor:
     """Float weights (O, I) -> blocks (O, R) of ``kind`` by llama.cpp's rules (``quantize_row_*_ref``,
     the ``gguf`` package's ``quantize``), in fp32:
@@ -189,18 +179,18 @@ def quantize(w: Tensor, kind: str) -> Tensor:
         inv = torch.where(d == 0, 0.0, 1.0 / d)  # (O, Nb)
         v = x * inv[..., None]  # (O, Nb, 32)
         q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int8)  # roundf: half away from zero
-        return torch.cat([_to_half_bytes(d), q.view(torch.uint8)], dim=-1).reshape(O, -1)  # (O, R)
+        return torch.cat([gguf_kquants.half_bytes(d), q.view(torch.uint8)], dim=-1).reshape(O, -1)  # (O, R)
     if kind == "q4_0":
         at = x.abs().argmax(-1, keepdim=True)  # (O, Nb, 1): the first largest, as numpy's argmax
         d = x.gather(-1, at)[..., 0] / -8  # (O, Nb)
         inv = torch.where(d == 0, 0.0, 1.0 / d)  # (O, Nb)
         q = torch.trunc(x * inv[..., None] + 8.5).clamp(0, 15).to(torch.uint8)  # (O, Nb, 32)
-        head = _to_half_bytes(d)  # (O, Nb, 2)
+        head = gguf_kquants.half_bytes(d)  # (O, Nb, 2)
     else:
         lo, hi = x.amin(-1), x.amax(-1)  # (O, Nb)
         d = (hi - lo) / 15  # (O, Nb)
         inv = torch.where(d == 0, 0.0, 1.0 / d)  # (O, Nb)
         q = torch.trunc((x - lo[..., None]) * inv[..., None] + 0.5).clamp(0, 15).to(torch.uint8)
-        head = torch.cat([_to_half_bytes(d), _to_half_bytes(lo)], dim=-1)  # (O, Nb, 4)
+        head = torch.cat([gguf_kquants.half_bytes(d), gguf_kquants.half_bytes(lo)], dim=-1)  # (O, Nb, 4)
     qs = q[..., :16] | (q[..., 16:] << 4)  # (O, Nb, 16): value j low, value j + 16 high
     return torch.cat([head, qs], dim=-1).reshape(O, -1)  # (O, R)

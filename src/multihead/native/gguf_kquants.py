@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["fields_q4k", "fields_q6k", "quantize_q4k", "quantize_q6k", "scale_min"]
+__all__ = ["fields_q4k", "fields_q6k", "half", "half_bytes", "quantize_q4k", "quantize_q6k", "scale_min"]
 
 
 def half(b: Tensor) -> Tensor:
@@ -30,7 +30,7 @@ def half(b: Tensor) -> Tensor:
     return b.contiguous().view(torch.float16)[..., 0].float()  # (...,)
 
 
-def _half_bytes(v: Tensor) -> Tensor:
+def half_bytes(v: Tensor) -> Tensor:
     """(...,) fp32 -> (..., 2) uint8 of its fp16, rounded to nearest."""
     return v.to(torch.float16).contiguous()[..., None].view(torch.uint8)  # (..., 2)
 
@@ -93,7 +93,7 @@ def quantize_q4k(w: Tensor) -> Tensor:
         ],
         dim=-1,
     )  # (O, Nb, 12)
-    return torch.cat([_half_bytes(d), _half_bytes(dmin), scales, qs], dim=-1).reshape(O, -1)
+    return torch.cat([half_bytes(d), half_bytes(dmin), scales, qs], dim=-1).reshape(O, -1)
 
 
 def quantize_q6k(w: Tensor) -> Tensor:
@@ -121,5 +121,5 @@ def quantize_q6k(w: Tensor) -> Tensor:
         top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
     )  # (O, Nb, 2, 32)
     sc8 = sc.to(torch.int8).view(torch.uint8)  # (O, Nb, 16)
-    parts = [ql.reshape(O, -1, 128), qh.reshape(O, -1, 64), sc8, _half_bytes(d16)]
+    parts = [ql.reshape(O, -1, 128), qh.reshape(O, -1, 64), sc8, half_bytes(d16)]
     return torch.cat(parts, dim=-1).reshape(O, -1)  # (O, R)
